@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Set up attnkit in ./.venv from nothing but Python 3.11; safe to run again (skips what is there).
+#   scripts/setup.sh          library + CLI
+#   scripts/setup.sh --test   also the test dependencies
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+# torch first and pinned: the CPU wheel 2.13.0. A looser requirement can pull a CUDA build.
+.venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null \
+  || pip install torch==2.13.0
+extra=""
+[ "${1:-}" = "--test" ] && extra="[test]"
+stamp=".venv/.attnkit-installed${extra}"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  pip install -e ".${extra}"
+  touch "$stamp"
+fi

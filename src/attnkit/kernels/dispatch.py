@@ -1,0 +1,85 @@
+"""One dispatcher for every backend: which one runs a call, and why.
+
+Each backend declares what it cannot do (``unsupported(req) -> reason | None``); an
+explicit ``backend=`` that cannot run the call raises an error naming the backend and
+the missing feature, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .chunked import chunked_attention, choose_engine, make_chunked_plan
+from .flex import flex_attention_call, flex_unsupported
+from .reference import reference_attention
+from .request import Request
+from .sdpa import sdpa_attention, sdpa_unsupported
+
+Tensor = torch.Tensor
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    summary: str
+    unsupported: Callable[[Request], str | None]
+    run: Callable[[Request], tuple[Tensor, Tensor | None]]
+
+
+def _never(req: Request) -> None:
+    return None
+
+
+BACKENDS: dict[str, Backend] = {
+    "reference": Backend("reference", "dense literal formula (O(N^2) memory)", _never, reference_attention),
+    "chunked": Backend("chunked", "tiled exact attention, O(N) memory, custom backward", _never, chunked_attention),
+    "sdpa": Backend("sdpa", "torch scaled_dot_product_attention", sdpa_unsupported, sdpa_attention),
+    "flex": Backend("flex", "compiled FlexAttention (inference on CPU)", flex_unsupported, flex_attention_call),
+}
+
+
+def choose_backend(req: Request, backend: str = "auto") -> tuple[Backend, list[str]]:
+    """The backend for this call and the reasons, most important first."""
+    if backend != "auto":
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+        chosen = BACKENDS[backend]
+        why = chosen.unsupported(req)
+        if why is not None:
+            raise ValueError(f"backend={backend!r} cannot run this call: {why}")
+        return chosen, [f"requested explicitly (backend={backend!r})"]
+
+    reasons = []
+    why_not_sdpa = sdpa_unsupported(req)
+    if why_not_sdpa is None:
+        return BACKENDS["sdpa"], ["the call reduces to torch SDPA (no mods beyond causal and a scalar temperature)"]
+    reasons.append(f"not sdpa: {why_not_sdpa}")
+    if req.q.device.type == "cuda" and flex_unsupported(req) is None:
+        reasons.insert(0, "on CUDA, compiled FlexAttention fuses mods and masks into one kernel")
+        return BACKENDS["flex"], reasons
+    engine, why = choose_engine(req)
+    reasons.insert(0, f"chunked/{engine}: {why}")
+    return BACKENDS["chunked"], reasons
+
+
+def explain_request(req: Request, backend: str = "auto") -> str:
+    chosen, reasons = choose_backend(req, backend)
+    lines = [f"backend: {chosen.name} — {chosen.summary}", f"call: {req.shapes()}"]
+    if req.mask is not None:
+        lines.append(f"mask: {req.mask!r}")
+    if req.score is not None:
+        lines.append(f"score: {req.score!r}")
+    if req.sinks is not None:
+        lines.append("sinks: one learned logit per head")
+    lines += [f"why: {r}" for r in reasons]
+    if chosen.name == "chunked":
+        engine, _ = choose_engine(req)
+        plan = make_chunked_plan(req, engine)
+        lines.append(
+            f"plan: {plan.grid.n_q} query blocks x {plan.grid.n_k} key blocks of {plan.grid.q_block}x{plan.grid.k_block}; "
+            f"{plan.tiles_skipped} of {plan.tiles_total} tiles skipped ({100 * (1 - plan.visited_fraction):.1f}%), "
+            f"{plan.tiles_partial} evaluate the mask{'' if plan.shared else ' (planned per batch row)'}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,134 @@
+"""Tiles run by torch's fused CPU flash kernel, merged by their logsumexps.
+
+The op ``aten::_scaled_dot_product_flash_attention_for_cpu`` returns (out, lse) and has
+a backward that takes (out, lse) as inputs. Given the *final* out and lse of a row, the
+backward of any subset of its keys yields exactly that subset's share of dq and the
+subset's dk, dv (the FlashAttention-2 backward needs only P = exp(S - lse) and
+delta = rowsum(dO * O)). So a long row can be cut into key segments, each run by the
+fused op with at most a small mask tile, and merged (Rabe & Staats 2021, arXiv
+2112.05682; FlashAttention-2, arXiv 2307.08691).
+
+Scores here are affine in s: row scales are folded into q beforehand, biases become
+additive mask tiles — separable ones (ALiBi off the diagonal) as a (H, 1, span) row of
+per-key offsets that the op broadcasts for free, plus a per-query correction of the lse.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..mods import AffineForm, Mask
+from .plan import CAUSAL_SEG, FULL_SEG, Plan, QueryBlock, Segment
+from .tiles import Tile, merge_partials, neg_inf_to_pos_inf, visible
+
+Tensor = torch.Tensor
+
+_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_op_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class SegmentInputs:
+    """What the op needs for one tile besides q, k, v."""
+
+    __slots__ = ("attn_mask", "is_causal", "row_shift", "dead_rows")
+
+    def __init__(self, attn_mask=None, is_causal=False, row_shift=None, dead_rows=None):
+        self.attn_mask = attn_mask
+        self.is_causal = is_causal
+        self.row_shift = row_shift  # add to the op's lse: the part of a separable bias it never saw
+        self.dead_rows = dead_rows  # rows that see no key of this tile (the op reports lse = 0)
+
+
+def segment_inputs(
+    mask: Mask | None, affine: AffineForm, batch_rows: Tensor, heads: int, q_start: int,
+    block: QueryBlock, seg: Segment, mask_dtype: torch.dtype,
+) -> SegmentInputs:
+    has_bias = bool(affine.terms)
+    if seg.kind == FULL_SEG and not has_bias:
+        return SegmentInputs()
+    if seg.kind == CAUSAL_SEG and not has_bias:
+        return SegmentInputs(is_causal=True)
+    tile = Tile.make(batch_rows, heads, q_start + block.q0, block.q1 - block.q0, seg.k0, seg.k1)
+    if seg.kind == FULL_SEG:
+        q_first, q_last = q_start + block.q0, q_start + block.q1 - 1
+        side = "left" if seg.k1 - 1 <= q_first else "right" if seg.k0 >= q_last else None
+        parts = affine.separable_bias(tile.h_flat, tile.q_flat, tile.k_flat, side) if side else None
+        if parts is not None:
+            row, col = parts
+            return SegmentInputs(attn_mask=col.to(mask_dtype)[None, :, None, :], row_shift=row[None].to(torch.float32))
+        return SegmentInputs(attn_mask=affine.dense_bias(tile.b, tile.h, tile.q, tile.k).to(mask_dtype))
+    vis = visible(mask, tile)
+    if has_bias:
+        values = affine.dense_bias(tile.b, tile.h, tile.q, tile.k).to(mask_dtype)
+    else:
+        values = torch.zeros((), dtype=mask_dtype)
+    attn_mask = values.masked_fill(~vis, -math.inf)
+    dead = ~vis.any(dim=-1)
+    return SegmentInputs(attn_mask=attn_mask, dead_rows=dead if bool(dead.any()) else None)
+
+
+def fused_forward(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, plan: Plan, mask: Mask | None, affine: AffineForm, q_start: int,
+) -> tuple[Tensor, Tensor]:
+    """(out, lse) with lse in float32 (float64 for float64 inputs)."""
+    B, H, Nq, _ = q.shape
+    mask_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+
+    def run_block(bs, rows, block):
+        qb = q[bs, :, block.q0 : block.q1]
+        parts = []
+        for seg in block.segments:
+            inp = segment_inputs(mask, affine, rows, H, q_start, block, seg, mask_dtype)
+            o, l = _op(qb, k[bs, :, seg.k0 : seg.k1], v[bs, :, seg.k0 : seg.k1], 0.0, inp.is_causal, attn_mask=inp.attn_mask, scale=scale)
+            l = l.to(lse_dtype)
+            if inp.row_shift is not None:
+                l = l + inp.row_shift.to(lse_dtype)
+            if inp.dead_rows is not None:
+                l = l.masked_fill(inp.dead_rows.expand_as(l), -math.inf)
+            parts.append((o, l))
+        return merge_partials(parts)
+
+    blocks = plan.for_batch(0)
+    if plan.shared and len(blocks) == 1 and blocks[0].segments and (blocks[0].q0, blocks[0].q1) == (0, Nq):
+        o, l = run_block(slice(None), torch.arange(B), blocks[0])  # one block: no copies
+        return o.to(q.dtype), l
+    out = torch.zeros(B, H, Nq, v.shape[-1], dtype=q.dtype)
+    lse = torch.full((B, H, Nq), -math.inf, dtype=lse_dtype)
+    for bs, rows, blocks in plan.batch_slices(B):
+        for block in blocks:
+            if block.segments:
+                o, l = run_block(bs, rows, block)
+                out[bs, :, block.q0 : block.q1] = o.to(q.dtype)
+                lse[bs, :, block.q0 : block.q1] = l
+    return out, lse
+
+
+def fused_backward(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+    plan: Plan, mask: Mask | None, affine: AffineForm, q_start: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv given the final out and lse of every row."""
+    B, H, Nq, _ = q.shape
+    mask_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq = torch.zeros(q.shape, dtype=acc_dtype)
+    dk = torch.zeros(k.shape, dtype=acc_dtype)
+    dv = torch.zeros(v.shape, dtype=acc_dtype)
+    lse_b = neg_inf_to_pos_inf(lse).to(acc_dtype)
+    grad_out = grad_out.to(q.dtype).contiguous()
+    for bs, rows, blocks in plan.batch_slices(B):
+        for block in blocks:
+            rs = (bs, slice(None), slice(block.q0, block.q1))
+            qb, ob, gb, lb = q[rs], out[rs], grad_out[rs], lse_b[rs]
+            for seg in block.segments:
+                inp = segment_inputs(mask, affine, rows, H, q_start, block, seg, mask_dtype)
+                l = lb if inp.row_shift is None else lb - inp.row_shift.to(lb.dtype)
+                ks = (bs, slice(None), slice(seg.k0, seg.k1))
+                gq, gk, gv = _op_backward(gb, qb, k[ks], v[ks], ob, l, 0.0, inp.is_causal, attn_mask=inp.attn_mask, scale=scale)
+                dq[rs] += gq
+                dk[ks] += gk
+                dv[ks] += gv
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -1,0 +1,142 @@
+"""The online-softmax tile loop in plain PyTorch, for any score mod and any device.
+
+FlashAttention-2's algorithm (Dao 2023, arXiv 2307.08691; memory-efficient attention,
+Rabe & Staats 2021, arXiv 2112.05682): per query block, a running max ``m``, normaliser
+``l`` and accumulator are updated tile by tile; nothing N x N is kept. The backward
+recomputes each tile from the saved lse:  P = exp(S - lse),  dS = P * (dP - delta),
+delta = rowsum(dO * O).  Score mods run on each tile under autograd, so their own
+parameters (a relative-bias table, learnable slopes) get exact gradients.
+
+On CPUs with native bf16 dot products the matmuls run in bf16 with fp32 softmax; the
+``matmul_dtype`` argument says which.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..mods import Mask, ScoreMod
+from .plan import FULL_SEG, Plan
+from .tiles import Tile, neg_inf_to_pos_inf, visible
+
+Tensor = torch.Tensor
+
+
+def _grouped(x: Tensor, kv_heads: int) -> Tensor:
+    """(Bt, Hq, L, D) -> (Bt, Hkv, G*L, D): rows of the heads that share a key head."""
+    bt, hq, length, d = x.shape
+    return x.reshape(bt, kv_heads, (hq // kv_heads) * length, d)
+
+
+def _ungrouped(x: Tensor, heads: int) -> Tensor:
+    bt, hkv, gl, d = x.shape
+    return x.reshape(bt, heads, gl * hkv // heads, d)
+
+
+def _tiles(block, tile_k: int):
+    for seg in block.segments:
+        for t0 in range(seg.k0, seg.k1, tile_k):
+            yield seg, t0, min(t0 + tile_k, seg.k1)
+
+
+def _modify(s: Tensor, score: ScoreMod | None, mask: Mask | None, seg_kind: str, tile: Tile, compute_dtype) -> Tensor:
+    if score is not None:
+        s = score(s, tile.b, tile.h, tile.q, tile.k).to(compute_dtype)
+    if seg_kind != FULL_SEG:
+        s = s.masked_fill(~visible(mask, tile), -math.inf)
+    return s
+
+
+def tiled_forward(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, plan: Plan, mask: Mask | None, score: ScoreMod | None,
+    q_start: int, tile_k: int, matmul_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    B, H, Nq, _ = q.shape
+    Hkv = k.shape[1]
+    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(B, H, Nq, v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.full((B, H, Nq), -math.inf, dtype=cd, device=q.device)
+    for bs, rows, blocks in plan.batch_slices(B):
+        for block in blocks:
+            if not block.segments:
+                continue
+            bq = block.q1 - block.q0
+            qg = _grouped(q[bs, :, block.q0 : block.q1].to(matmul_dtype), Hkv)
+            bt = qg.shape[0]
+            m = torch.full((bt, H, bq), -math.inf, dtype=cd, device=q.device)
+            l = torch.zeros((bt, H, bq), dtype=cd, device=q.device)
+            acc = torch.zeros((bt, H, bq, v.shape[-1]), dtype=cd, device=q.device)
+            for seg, t0, t1 in _tiles(block, tile_k):
+                tile = Tile.make(rows, H, q_start + block.q0, bq, t0, t1)
+                kt = k[bs, :, t0:t1].to(matmul_dtype)
+                s = _ungrouped(torch.matmul(qg, kt.transpose(-1, -2)), H).to(cd) * scale
+                s = _modify(s, score, mask, seg.kind, tile, cd)
+                m_new = torch.maximum(m, s.amax(dim=-1))
+                m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+                alpha = torch.exp(m - m_safe)
+                p = torch.exp(s - m_safe.unsqueeze(-1))
+                l = l * alpha + p.sum(dim=-1)
+                pv = torch.matmul(_grouped(p.to(matmul_dtype), Hkv), v[bs, :, t0:t1].to(matmul_dtype))
+                acc = acc * alpha.unsqueeze(-1) + _ungrouped(pv, H).to(cd)
+                m = m_new
+            m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+            lse[bs, :, block.q0 : block.q1] = m_safe + torch.log(l)
+            o = torch.where(l.unsqueeze(-1) > 0, acc / l.clamp(min=torch.finfo(cd).tiny).unsqueeze(-1), torch.zeros_like(acc))
+            out[bs, :, block.q0 : block.q1] = o.to(q.dtype)
+    return out, lse
+
+
+def tiled_backward(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, delta: Tensor, scale: float,
+    plan: Plan, mask: Mask | None, score: ScoreMod | None, params: list[Tensor], q_start: int, tile_k: int,
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor | None]]:
+    """dq, dk, dv and the gradients of ``params`` (the score mod's tensors needing grad).
+
+    ``delta`` is rowsum(dO * O) minus any gradient reaching lse, shape (B, H, Nq).
+    Runs in float32 (float64 for float64 inputs) whatever the input dtype.
+    """
+    B, H, Nq, _ = q.shape
+    Hkv = k.shape[1]
+    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq = torch.zeros(q.shape, dtype=cd, device=q.device)
+    dk = torch.zeros(k.shape, dtype=cd, device=q.device)
+    dv = torch.zeros(v.shape, dtype=cd, device=q.device)
+    dparams: list[Tensor | None] = [None] * len(params)
+    lse_b = neg_inf_to_pos_inf(lse).to(cd)
+    for bs, rows, blocks in plan.batch_slices(B):
+        for block in blocks:
+            bq = block.q1 - block.q0
+            rs = (bs, slice(None), slice(block.q0, block.q1))
+            qg = _grouped(q[rs].to(cd), Hkv)
+            gog = _grouped(grad_out[rs].to(cd), Hkv)
+            lb, db = lse_b[rs].unsqueeze(-1), delta[rs].to(cd).unsqueeze(-1)
+            dq_acc = torch.zeros_like(qg)
+            for seg, t0, t1 in _tiles(block, tile_k):
+                tile = Tile.make(rows, H, q_start + block.q0, bq, t0, t1)
+                ks = (bs, slice(None), slice(t0, t1))
+                kt, vt = k[ks].to(cd), v[ks].to(cd)
+                s_raw = _ungrouped(torch.matmul(qg, kt.transpose(-1, -2)), H) * scale
+                if score is not None:
+                    with torch.enable_grad():
+                        s_in = s_raw.detach().requires_grad_(True)
+                        s = _modify(s_in, score, mask, seg.kind, tile, cd)
+                else:
+                    s = _modify(s_raw, None, mask, seg.kind, tile, cd)
+                p = torch.exp(s.detach() - lb)
+                dp = _ungrouped(torch.matmul(gog, vt.transpose(-1, -2)), H)
+                ds = p * (dp - db)
+                dv[ks] += torch.matmul(_grouped(p, Hkv).transpose(-1, -2), gog)
+                if score is not None:
+                    wanted = [s_in] + params
+                    grads = torch.autograd.grad(s, wanted, ds, allow_unused=True)
+                    ds = grads[0]
+                    for i, g in enumerate(grads[1:]):
+                        if g is not None:
+                            dparams[i] = g if dparams[i] is None else dparams[i] + g
+                dsg = _grouped(ds, Hkv)
+                dq_acc += torch.matmul(dsg, kt) * scale
+                dk[ks] += torch.matmul(dsg.transpose(-1, -2), qg) * scale
+            dq[rs] = _ungrouped(dq_acc, H)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dparams

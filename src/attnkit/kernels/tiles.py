@@ -1,0 +1,89 @@
+"""Pieces every tiled engine shares: tile index tensors, mask tiles, LSE merging."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..mods import Mask, index_tensors
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Index tensors of one (query block x key segment) tile, in positions."""
+
+    b: Tensor  # (Bt, 1, 1, 1) batch rows
+    h: Tensor  # (1, H, 1, 1)
+    q: Tensor  # (1, 1, BQ, 1) query positions
+    k: Tensor  # (1, 1, 1, span) key positions
+
+    @staticmethod
+    def make(batch_rows: Tensor, heads: int, q_pos0: int, q_len: int, k0: int, k1: int) -> Tile:
+        b, h, q, k = index_tensors(batch_rows, heads, q_pos0, q_len, k0, k1 - k0)
+        return Tile(b, h, q, k)
+
+    @property
+    def q_flat(self) -> Tensor:
+        return self.q.view(-1)
+
+    @property
+    def k_flat(self) -> Tensor:
+        return self.k.view(-1)
+
+    @property
+    def h_flat(self) -> Tensor:
+        return self.h.view(-1)
+
+
+def visible(mask: Mask, tile: Tile) -> Tensor:
+    """Boolean visibility of the tile, at least (1, 1, BQ, span), broadcastable to (Bt, H, BQ, span)."""
+    vis = torch.as_tensor(mask(tile.b, tile.h, tile.q, tile.k), dtype=torch.bool)
+    shape = (1, 1, tile.q.shape[2], tile.k.shape[3])
+    return vis if vis.shape[-2:] == shape[-2:] and vis.dim() == 4 else torch.broadcast_to(vis, torch.broadcast_shapes(vis.shape, shape))
+
+
+def merge_partials(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """Combine partial softmax results over disjoint key sets by their logsumexps.
+
+    Each part is (out (.., BQ, Dv) normalised over its keys, lse (.., BQ) float).
+    Rows with lse = -inf in every part stay zero with lse = -inf.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    lses = torch.stack([l for _, l in parts])
+    total = torch.logsumexp(lses, dim=0)
+    safe_total = torch.where(torch.isneginf(total), torch.zeros_like(total), total)
+    out = None
+    for o, l in parts:
+        w = torch.exp(l - safe_total).unsqueeze(-1)
+        term = o.to(w.dtype) * w
+        out = term if out is None else out + term
+    return out, total
+
+
+def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """Renormalise with one extra key per head whose logit is ``sinks[h]`` and value zero."""
+    sink = sinks.to(lse.dtype).view(1, -1, 1)
+    total = torch.logaddexp(lse, sink.expand_as(lse))
+    keep = torch.exp(lse - total)  # lse = -inf gives 0: the sink takes all the mass
+    return out * keep.unsqueeze(-1).to(out.dtype), total
+
+
+def sink_grad(sinks: Tensor, lse_total: Tensor, delta: Tensor, grad_lse: Tensor | None) -> Tensor:
+    """d loss / d sinks: the sink's probability p times (d lse - delta), summed over rows.
+
+    With value zero the sink only shifts the normaliser: dsink_h = sum_i p_i (g_i - delta_i),
+    delta_i = <dO_i, O_i>, g_i the gradient reaching lse_i.
+    """
+    p_sink = torch.exp(sinks.to(lse_total.dtype).view(1, -1, 1) - lse_total)
+    g = -delta if grad_lse is None else grad_lse.to(delta.dtype) - delta
+    return (p_sink * g).sum(dim=(0, 2)).to(sinks.dtype)
+
+
+def neg_inf_to_pos_inf(lse: Tensor) -> Tensor:
+    """For backward passes: a row with no visible key must give exp(s - lse) = 0, not NaN."""
+    return torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse)

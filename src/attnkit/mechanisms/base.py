@@ -1,0 +1,77 @@
+"""What every attention mechanism is, and the registry that names them.
+
+A mechanism is a small ``torch.nn.Module`` (so learnable parameters — a differential
+attention lambda, talking-heads matrices, an adaptive span — train with the model) with:
+
+- ``name``: the registry key, used by ``attnkit.attention(mechanism="...")``, the CLI and
+  ``attnkit.hf``;
+- ``reference(q, k, v, **call)``: the paper's formula written as literally as possible,
+  O(N^2) where the paper is; the oracle its fast path is tested against;
+- ``forward(q, k, v, **call)``: the fast path built on ``attnkit.kernels``.
+
+Both take the SDPA layout — q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) —
+and the keyword arguments of ``attnkit.attention`` that make sense for them (``mask``,
+``score``, ``scale``, ``return_lse``, ``backend``...). A mechanism that cannot honour one
+raises ``ValueError`` naming it. Mechanisms whose state is a fixed-size recurrence
+(linear attention) set ``recurrent = True`` and also accept ``initial_state=`` and
+``return_state=True`` (returning ``(out, state)``), which ``attnkit.nn`` uses in place of
+a KV cache when decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+_REGISTRY: dict[str, Callable[..., "Mechanism"]] = {}
+
+
+class Mechanism(nn.Module):
+    name: str = "mechanism"
+    #: arXiv id (or other citation) of the paper the mechanism comes from
+    paper: str = ""
+    #: True for fixed-size-state mechanisms (decoding passes a state, not a KV cache)
+    recurrent: bool = False
+
+    def reference(self, q, k, v, **call):
+        raise NotImplementedError(f"{type(self).__name__} has no reference implementation")
+
+    def extra_repr(self) -> str:
+        return f"name={self.name!r}" + (f", paper={self.paper!r}" if self.paper else "")
+
+
+def register(name: str) -> Callable[[type], type]:
+    """Class decorator: make a Mechanism subclass available by ``name``."""
+
+    def deco(cls: type) -> type:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"mechanism name {name!r} is already registered to {_REGISTRY[name]!r}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def available() -> list[str]:
+    """Names of every registered mechanism."""
+    from . import _load_all
+
+    _load_all()
+    return sorted(_REGISTRY)
+
+
+def get_mechanism(mechanism, **params) -> Mechanism:
+    """A Mechanism instance from a registered name (built with ``params``) or an instance."""
+    if isinstance(mechanism, Mechanism):
+        if params:
+            raise ValueError(f"mechanism: parameters {sorted(params)} given with an already built {mechanism.name!r} instance")
+        return mechanism
+    if not isinstance(mechanism, str):
+        raise TypeError(f"mechanism: expected a name or an attnkit Mechanism, got {type(mechanism).__name__}")
+    names = available()
+    if mechanism not in _REGISTRY:
+        raise ValueError(f"mechanism: unknown name {mechanism!r}; registered: {', '.join(names)}")
+    return _REGISTRY[mechanism](**params)
