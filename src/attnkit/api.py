@@ -23,6 +23,8 @@ def attention(
     backend: str = "auto",
     check_finite: bool = True,
     mechanism=None,
+    observers=None,
+    layer: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact softmax attention with any mask and score modification.
 
@@ -46,6 +48,8 @@ def attention(
         mechanism: None or "softmax" for exact softmax attention; another registered name
             (``attnkit.mechanisms.available()``) or a Mechanism instance runs that
             mechanism with the same arguments.
+        observers: meters (``attnkit.observe``) that receive the attention weights tile
+            by tile in a second pass, O(N) memory; ``layer`` tags the tiles they see.
 
     A row that sees no key returns zeros with lse = -inf and zero gradients, never NaN.
     """
@@ -54,9 +58,15 @@ def attention(
 
         mech = get_mechanism(mechanism)
         if mech.name != "softmax":
-            return mech(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks, return_lse=return_lse, backend=backend, check_finite=check_finite)
-    req = make_request(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks, return_lse=return_lse)
+            extra = {} if observers is None else {"observers": observers, "layer": layer}
+            return mech(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks, return_lse=return_lse, backend=backend, check_finite=check_finite, **extra)
+    want_lse = return_lse or bool(observers)
+    req = make_request(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks, return_lse=want_lse)
     out, lse = run_request(req, backend)
+    if observers:
+        from .kernels.observe_pass import observe_softmax
+
+        observe_softmax(req, lse, observers, layer)
     # Checked on the output: one cheap reduction instead of three, and a NaN sitting in a
     # key the mask skips is harmless.
     if check_finite and not all_finite(out):
