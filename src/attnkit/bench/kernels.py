@@ -15,6 +15,7 @@ from ..kernels import chunked_attention, make_request
 from .harness import Row, peak_rss_growth, time_pair
 
 B, H, D = 1, 8, 64
+STEPS = 5
 
 
 def _inputs(n: int, dtype=torch.float32, grad: bool = False):

@@ -1,20 +1,23 @@
-"""The ``attnkit`` command: one sub-command per tool, each with --help."""
+"""The ``attnkit`` command: one sub-command per tool, each with --help.
+
+A sub-command is a module ``attnkit.cli.<name>`` with ``add_parser(subparsers)`` that
+sets ``func`` to a callable taking the parsed args and returning an exit code.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
-from . import bench
-
-COMMANDS = {"bench": bench}
+COMMANDS = ("bench",)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnkit", description="Attention mechanisms, instruments and benchmarks.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, module in COMMANDS.items():
-        module.add_parser(sub)
+    for name in COMMANDS:
+        importlib.import_module(f"{__name__}.{name}").add_parser(sub)
     return parser
 
 

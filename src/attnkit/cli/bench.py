@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ..bench import SUITES, format_table, machine_info, run_suite, write_json
+from ..bench import SUITES, format_table, machine_info, run_suite, suite_module, write_json
 from .progress import Progress
 
 
@@ -22,8 +22,7 @@ def run(args) -> int:
     suites = args.suite or list(SUITES)
     rows = []
     for name in suites:
-        steps = _steps(name, args.quick)
-        progress = Progress(steps, f"bench {name}", enabled=not args.quiet)
+        progress = Progress(suite_module(name).STEPS, f"bench {name}", enabled=not args.quiet)
         rows += run_suite(name, args.quick, progress=progress.step)
     meta = {"quick": args.quick, **machine_info()}
     if args.json:
@@ -33,7 +32,3 @@ def run(args) -> int:
     missed = [r for r in rows if r.ok is False]
     print(f"\n{len(rows) - len(missed)}/{len(rows)} rows meet their targets" + (f"; missed: {', '.join(r.case + ' ' + r.size for r in missed)}" if missed else ""))
     return 0
-
-
-def _steps(name: str, quick: bool) -> int:
-    return {"kernels": 5}.get(name, 1)
