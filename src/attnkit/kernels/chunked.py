@@ -68,15 +68,23 @@ def cpu_has_fast_bf16() -> bool:
     return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
-def choose_engine(req: Request) -> tuple[str, str]:
-    """("fused" | "tiled", why)."""
+def fused_unsupported(req: Request) -> str | None:
+    """Why the fused engine cannot run this call, or None."""
     if req.q.device.type != "cpu":
-        return "tiled", f"the fused flash op is CPU-only (device {req.q.device})"
+        return f"the fused flash op is CPU-only (device {req.q.device})"
     affine = affine_form(req.score)
     if affine is None:
-        return "tiled", f"score mod {req.score!r} is not affine in s, so it is evaluated on every tile"
+        return f"score mod {req.score!r} is not affine in s, so it is evaluated on every tile"
     if affine.bias_requires_grad and req.needs_grad:
-        return "tiled", "a bias with learnable parameters needs dS, which the fused op does not expose"
+        return "a bias with learnable parameters needs dS, which the fused op does not expose"
+    return None
+
+
+def choose_engine(req: Request) -> tuple[str, str]:
+    """("fused" | "tiled", why)."""
+    why_not = fused_unsupported(req)
+    if why_not is not None:
+        return "tiled", why_not
     if req.q.dtype == torch.bfloat16 and cpu_has_fast_bf16():
         return "tiled", "this CPU has native bf16 dot products: tiles run bf16 matmuls with fp32 softmax"
     return "fused", "every tile runs in torch's fused CPU flash kernel; masks and biases become small tiles"
@@ -171,6 +179,10 @@ def chunked_attention(req: Request, engine: str | None = None, tiling: Tiling = 
     """(out, lse) of a validated, non-empty request."""
     if engine is None:
         engine, _ = choose_engine(req)
+    elif engine == "fused" and fused_unsupported(req) is not None:
+        raise ValueError(f"engine='fused' cannot run this call: {fused_unsupported(req)}")
+    elif engine not in ("fused", "tiled"):
+        raise ValueError(f"engine: expected 'fused' or 'tiled', got {engine!r}")
     plan = make_chunked_plan(req, engine, tiling)
     q, k, v = req.q, req.k, req.v
     D, Dv = req.head_dim, req.v_dim

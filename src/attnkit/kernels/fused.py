@@ -57,7 +57,7 @@ def segment_inputs(
         parts = affine.separable_bias(tile.h_flat, tile.q_flat, tile.k_flat, side) if side else None
         if parts is not None:
             row, col = parts
-            return SegmentInputs(attn_mask=col.to(mask_dtype)[None, :, None, :], row_shift=row[None].to(torch.float32))
+            return SegmentInputs(attn_mask=col.to(mask_dtype)[None, :, None, :], row_shift=row[None])
         return SegmentInputs(attn_mask=affine.dense_bias(tile.b, tile.h, tile.q, tile.k).to(mask_dtype))
     vis = visible(mask, tile)
     if has_bias:

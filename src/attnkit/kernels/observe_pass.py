@@ -2,7 +2,9 @@
 
 With the final lse of every row known, P = exp(S - lse) of any tile is exact and
 independent of the others, so the weights stream to observers in O(tile) memory
-(the same plan as the chunked backend; nothing N x N is ever held).
+(the same plan as the chunked backend; nothing N x N is ever held). Only the heads and
+query rows that some observer wants are computed (``Selection``), and nothing at all
+when none wants a tile.
 """
 
 from __future__ import annotations
@@ -11,42 +13,68 @@ import math
 
 import torch
 
-from ..observe import AttentionTile, CallInfo, feed
+from ..mods import index_tensors
+from ..observe import AttentionTile, CallInfo, Selection, feed, interested
 from .plan import FULL_SEG, make_plan
 from .request import Request
 from .tiles import Tile, visible
 
 OBSERVE_Q_BLOCK = 128
 OBSERVE_K_BLOCK = 512
+# Unmasked key ranges are cut too: a (heads x 128 x 2048) float32 tile and the meters'
+# temporaries stay cache-sized however long the context is.
+OBSERVE_MAX_FULL_SPAN = 2048
 
 
 def call_info(req: Request, layer: int | None = None, mechanism: str = "softmax") -> CallInfo:
     return CallInfo(req.batch, req.heads, req.q_len, req.k_len, req.q_start, layer, mechanism)
 
 
-def softmax_tiles(req: Request, lse: torch.Tensor, call: CallInfo):
-    """AttentionTiles of the softmax weights of a request, given its final lse."""
+def softmax_tiles(req: Request, lse: torch.Tensor, call: CallInfo, selection: Selection | None = None):
+    """AttentionTiles of the softmax weights of a request, given its final lse, for the
+    heads and query positions of ``selection`` (all by default)."""
+    selection = selection or Selection()
+    if selection.heads == ():
+        return
     cd = torch.float64 if req.q.dtype == torch.float64 else torch.float32
-    plan = make_plan(req.mask, req.batch, req.q_len, req.k_len, OBSERVE_Q_BLOCK, OBSERVE_K_BLOCK, OBSERVE_K_BLOCK)
+    all_heads = selection.heads is None or list(selection.heads) == list(range(req.heads))
+    heads = torch.arange(req.heads) if all_heads else torch.tensor(selection.heads, dtype=torch.long)
     groups = req.heads // req.kv_heads
+    # query head h reads kv head h // groups (None: one kv head per query head, in order)
+    kv_heads = None if (all_heads and groups == 1) else heads // groups
+    row_lo, row_hi = 0, req.q_len
+    if selection.q_range is not None:
+        row_lo = max(0, selection.q_range[0] - req.q_start)
+        row_hi = min(req.q_len, selection.q_range[1] - req.q_start)
+    plan = make_plan(req.mask, req.batch, req.q_len, req.k_len, OBSERVE_Q_BLOCK, OBSERVE_K_BLOCK, OBSERVE_K_BLOCK, OBSERVE_MAX_FULL_SPAN)
+    q_all = req.q if all_heads else req.q[:, heads]
     with torch.no_grad():
-        lse = lse.detach().to(cd)
+        lse = lse.detach() if all_heads else lse.detach()[:, heads]
+        lse = lse.to(cd)
         lse = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse)
         for bs, rows, blocks in plan.batch_slices(req.batch):
             for block in blocks:
-                q = req.q[bs, :, block.q0 : block.q1].to(cd)
-                lb = lse[bs, :, block.q0 : block.q1].unsqueeze(-1)
+                r0, r1 = max(block.q0, row_lo), min(block.q1, row_hi)
+                if r0 >= r1:
+                    continue
+                q = q_all[bs, :, r0:r1].to(cd)
+                lb = lse[bs, :, r0:r1].unsqueeze(-1)
                 for seg in block.segments:
-                    tile = Tile.make(rows, req.heads, req.q_start + block.q0, block.q1 - block.q0, seg.k0, seg.k1)
-                    k = req.k[bs, :, seg.k0 : seg.k1].to(cd).repeat_interleave(groups, dim=1)
+                    b, _, qi, ki = index_tensors(rows, 0, req.q_start + r0, r1 - r0, seg.k0, seg.k1 - seg.k0)
+                    tile = Tile(b, heads.view(1, -1, 1, 1), qi, ki)
+                    k = req.k[bs, :, seg.k0 : seg.k1]
+                    k = (k if kv_heads is None else k[:, kv_heads]).to(cd)
                     s = torch.matmul(q, k.transpose(-1, -2)) * req.scale
                     if req.score is not None:
                         s = req.score(s, tile.b, tile.h, tile.q, tile.k).to(cd)
-                    if seg.kind != FULL_SEG:
+                    full = seg.kind == FULL_SEG
+                    if not full:
                         s = s.masked_fill(~visible(req.mask, tile), -math.inf)
-                    yield AttentionTile(call, rows, tile.q_flat, tile.k_flat, torch.exp(s - lb), s)
+                    yield AttentionTile(call, rows, tile.q_flat, tile.k_flat, torch.exp(s - lb), s,
+                                        None if all_heads else heads, full)
 
 
 def observe_softmax(req: Request, lse: torch.Tensor, observers, layer: int | None = None) -> None:
     call = call_info(req, layer)
-    feed(observers, call, softmax_tiles(req, lse, call))
+    _, union = interested(observers, call)
+    feed(observers, call, softmax_tiles(req, lse, call, union))

@@ -185,7 +185,7 @@ class Not(Mask):
 
 
 def _paren(m: Mask) -> str:
-    return f"({m!r})" if isinstance(m, (And, Or)) else repr(m)
+    return f"({m!r})" if type(m) in (And, Or) else repr(m)
 
 
 def _combine(grids: list[Tensor], op) -> Tensor:

@@ -80,7 +80,7 @@ class Bias(ScoreMod):
         return None
 
     def __call__(self, s, b, h, q_idx, kv_idx):
-        return s + self.bias(b, h, q_idx, kv_idx)
+        return s + self.bias(b, h, q_idx, kv_idx).to(s.dtype)
 
 
 class Chain(ScoreMod):
@@ -212,18 +212,18 @@ class ALiBi(Bias):
         if self.slopes.dim() != 1 or not self.slopes.is_floating_point():
             raise ValueError(f"alibi(slopes): expected a 1-D float tensor, one slope per head, got {slopes!r}")
 
+    # Distances reach 10^5: biases are formed in float64 and rounded once by the caller.
     def bias(self, b, h, q_idx, kv_idx):
-        slope = self.slopes[h]
-        return -slope * (q_idx - kv_idx).abs().to(slope.dtype)
+        return -self.slopes[h].double() * (q_idx - kv_idx).abs().double()
 
     def separable(self, h, q_idx, kv_idx, side):
         # Measured from the first query of the tile so that terms stay small and the
         # sum keeps full float precision near the diagonal.
         origin = q_idx[0]
-        slope = self.slopes[h].view(-1, 1)
+        slope = self.slopes[h].double().view(-1, 1)
         sign = 1.0 if side == "left" else -1.0
-        row = -sign * slope * (q_idx - origin).to(slope.dtype)
-        col = sign * slope * (kv_idx - origin).to(slope.dtype)
+        row = -sign * slope * (q_idx - origin).double()
+        col = sign * slope * (kv_idx - origin).double()
         return row, col
 
     def parameters(self):
