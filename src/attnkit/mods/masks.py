@@ -12,6 +12,7 @@ query i sits at position ``Nk - Nq + i`` (bottom-right alignment, as FlashAttent
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -71,12 +72,16 @@ class Mask:
 def index_tensors(
     batch: int | Tensor, heads: int, q_start: int, q_len: int, k_start: int, k_len: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Broadcastable (b, h, q_idx, kv_idx) index tensors for a tile."""
-    b = batch.view(-1, 1, 1, 1) if isinstance(batch, Tensor) else torch.arange(batch).view(-1, 1, 1, 1)
-    h = torch.arange(heads).view(1, -1, 1, 1)
-    qi = torch.arange(q_start, q_start + q_len).view(1, 1, -1, 1)
-    ki = torch.arange(k_start, k_start + k_len).view(1, 1, 1, -1)
-    return b, h, qi, ki
+    """Broadcastable (b, h, q_idx, kv_idx) index tensors for a tile (read-only: cached)."""
+    b = batch.view(-1, 1, 1, 1) if isinstance(batch, Tensor) else _arange(0, batch, 0)
+    return b, _arange(0, heads, 1), _arange(q_start, q_len, 2), _arange(k_start, k_len, 3)
+
+
+@functools.lru_cache(maxsize=512)
+def _arange(start: int, length: int, dim: int) -> Tensor:
+    shape = [1, 1, 1, 1]
+    shape[dim] = length
+    return torch.arange(start, start + length).view(shape)
 
 
 def as_mask(obj, name: str = "mask") -> Mask:
@@ -225,12 +230,12 @@ class Window(Mask):
         self.left, self.right = left, right
 
     def __call__(self, b, h, q_idx, kv_idx):
-        out = torch.ones((), dtype=torch.bool)
-        if self.left is not None:
-            out = out & (kv_idx >= q_idx - self.left)
-        if self.right is not None:
-            out = out & (kv_idx <= q_idx + self.right)
-        return out
+        diff = kv_idx - q_idx
+        if self.left is None:
+            return diff <= self.right if self.right is not None else torch.ones_like(diff, dtype=torch.bool)
+        if self.right is None:
+            return diff >= -self.left
+        return (diff >= -self.left) & (diff <= self.right)
 
     def classify(self, grid):
         return classify_interval(
@@ -375,21 +380,28 @@ class Neighborhood(Mask):
     the borders so that it always holds ``kernel`` keys (Hassani et al. 2022, arXiv
     2204.07143); with ``dilation`` d, positions with the same residue mod d form their own
     sub-grid (DiNAT, arXiv 2209.15001); ``causal`` keeps keys at or before the query on
-    that axis. Positions are row-major over ``grid``.
+    that axis; with ``stride`` s, each group of s consecutive queries (of a sub-grid)
+    shares the neighbourhood of its leader, the group's centre (its last query when
+    causal), as NATTEN's strided / generalized NA (arXiv 2504.16922). Positions are
+    row-major over ``grid``.
     """
 
-    def __init__(self, grid: Sequence[int], kernel, dilation=1, causal=False):
+    def __init__(self, grid: Sequence[int], kernel, dilation=1, causal=False, stride=1):
         self.grid = tuple(int(g) for g in grid)
         n = len(self.grid)
         self.kernel = _per_axis(kernel, n, "kernel")
         self.dilation = _per_axis(dilation, n, "dilation")
         self.causal = _per_axis(causal, n, "causal", kind=bool)
-        for axis, (g, k, d) in enumerate(zip(self.grid, self.kernel, self.dilation)):
+        self.stride = _per_axis(stride, n, "stride")
+        for axis, (g, k, d, s) in enumerate(zip(self.grid, self.kernel, self.dilation, self.stride)):
             _positive_int(g, f"neighborhood: grid[{axis}]")
             _positive_int(k, f"neighborhood: kernel[{axis}]")
             _positive_int(d, f"neighborhood: dilation[{axis}]")
+            _positive_int(s, f"neighborhood: stride[{axis}]")
             if k * d > g:
                 raise ValueError(f"neighborhood: kernel[{axis}] * dilation[{axis}] = {k * d} exceeds grid[{axis}] = {g}")
+            if s > k:
+                raise ValueError(f"neighborhood: stride[{axis}] = {s} exceeds kernel[{axis}] = {k} (queries would go unattended)")
 
     @property
     def size(self) -> int:
@@ -404,14 +416,16 @@ class Neighborhood(Mask):
 
     def axis_window(self, x: Tensor, axis: int) -> tuple[Tensor, Tensor]:
         """First and last (inclusive) coordinate of the neighbourhood of coordinate x."""
-        g, k, d = self.grid[axis], self.kernel[axis], self.dilation[axis]
+        g, k, d, s = self.grid[axis], self.kernel[axis], self.dilation[axis], self.stride[axis]
         r, i = x % d, x // d
+        group_len = (g - r + d - 1) // d
         if self.causal[axis]:
-            start = torch.clamp(i - (k - 1), min=0)
+            leader = torch.minimum((i // s) * s + s - 1, group_len - 1)
+            start = torch.clamp(leader - (k - 1), min=0)
             end = i
         else:
-            group_len = (g - r + d - 1) // d
-            start = torch.minimum(torch.clamp(i - k // 2, min=0), group_len - k)
+            leader = torch.minimum((i // s) * s + s // 2, group_len - 1)
+            start = torch.minimum(torch.clamp(leader - k // 2, min=0), group_len - k)
             end = start + k - 1
         return r + d * start, r + d * end
 
@@ -455,23 +469,26 @@ class Neighborhood(Mask):
             parts.append(f"dilation={_unwrap(self.dilation)}")
         if any(self.causal):
             parts.append(f"causal={_unwrap(self.causal)}")
+        if any(s != 1 for s in self.stride):
+            parts.append(f"stride={_unwrap(self.stride)}")
         return f"{name}({', '.join(parts)})"
 
 
 class _Lazy1D(Mask):
     """``neighborhood_1d`` without a length: bound to Nk at call time."""
 
-    def __init__(self, kernel, dilation, causal):
-        self.kernel, self.dilation, self.causal = kernel, dilation, causal
+    def __init__(self, kernel, dilation, causal, stride=1):
+        self.kernel, self.dilation, self.causal, self.stride = kernel, dilation, causal, stride
 
     def bind(self, batch, heads, q_len, k_len):
-        return Neighborhood((k_len,), self.kernel, self.dilation, self.causal).bind(batch, heads, q_len, k_len)
+        return Neighborhood((k_len,), self.kernel, self.dilation, self.causal, self.stride).bind(batch, heads, q_len, k_len)
 
     def __call__(self, b, h, q_idx, kv_idx):
         raise RuntimeError("neighborhood_1d without length= must be bound to a call first (pass it to attnkit.attention)")
 
     def __repr__(self):
-        return f"neighborhood_1d(kernel={self.kernel}, dilation={self.dilation}, causal={self.causal})"
+        stride = f", stride={self.stride}" if self.stride != 1 else ""
+        return f"neighborhood_1d(kernel={self.kernel}, dilation={self.dilation}, causal={self.causal}{stride})"
 
 
 # --------------------------------------------------------------------------- helpers
@@ -542,27 +559,30 @@ def dilated(window: int, dilation: int, causal: bool = False) -> Mask:
     return Dilated(window, dilation, causal)
 
 
-def neighborhood_1d(kernel: int, dilation: int = 1, causal: bool = False, length: int | None = None) -> Mask:
+def neighborhood_1d(kernel: int, dilation: int = 1, causal: bool = False, length: int | None = None, stride: int = 1) -> Mask:
     """1-D neighborhood attention (NATTEN semantics); ``length`` defaults to Nk."""
     if length is None:
         _positive_int(kernel, "neighborhood_1d(kernel)")
         _positive_int(dilation, "neighborhood_1d(dilation)")
-        return _Lazy1D(kernel, dilation, bool(causal))
-    return Neighborhood((length,), kernel, dilation, causal)
+        _positive_int(stride, "neighborhood_1d(stride)")
+        if stride > kernel:
+            raise ValueError(f"neighborhood_1d: stride = {stride} exceeds kernel = {kernel} (queries would go unattended)")
+        return _Lazy1D(kernel, dilation, bool(causal), stride)
+    return Neighborhood((length,), kernel, dilation, causal, stride)
 
 
-def neighborhood_2d(grid: Sequence[int], kernel, dilation=1, causal=False) -> Mask:
+def neighborhood_2d(grid: Sequence[int], kernel, dilation=1, causal=False, stride=1) -> Mask:
     """2-D neighborhood attention over a row-major flattened ``grid=(height, width)``."""
     if len(tuple(grid)) != 2:
         raise ValueError(f"neighborhood_2d: grid must be (height, width), got {grid!r}")
-    return Neighborhood(grid, kernel, dilation, causal)
+    return Neighborhood(grid, kernel, dilation, causal, stride)
 
 
-def neighborhood_3d(grid: Sequence[int], kernel, dilation=1, causal=False) -> Mask:
+def neighborhood_3d(grid: Sequence[int], kernel, dilation=1, causal=False, stride=1) -> Mask:
     """3-D neighborhood attention over a row-major flattened ``grid=(depth, height, width)``."""
     if len(tuple(grid)) != 3:
         raise ValueError(f"neighborhood_3d: grid must be (depth, height, width), got {grid!r}")
-    return Neighborhood(grid, kernel, dilation, causal)
+    return Neighborhood(grid, kernel, dilation, causal, stride)
 
 
 def padding(lengths) -> Mask:
