@@ -1,0 +1,249 @@
+"""``attnkit.hf.use``: switch a loaded transformers model to attnkit, and back.
+
+attnkit registers one attention function and one mask function, both named "attnkit".
+The mask function matters as much as the attention function: transformers builds masks
+only for implementations that have one, and silently passes ``attention_mask=None``
+otherwise, so padding and causal masking would vanish. ``use`` sets the model's
+``attn_implementation`` to "attnkit" for its duration and records, for every submodule,
+what the switch asks for; on exit (also after an exception) the previous implementation
+and any enclosing switch come back.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..mechanisms import Mechanism, get_mechanism
+from ..mods import Mask, ScoreMod, as_mask, as_score
+
+Tensor = torch.Tensor
+NAME = "attnkit"
+
+# Module -> the switch in force for the model it belongs to.
+_ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def register() -> None:
+    """Register attnkit's attention and mask functions in transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from .attention import attnkit_attention_forward
+    from .masks import mask_spec
+
+    AttentionInterface.register(NAME, attnkit_attention_forward)
+    AttentionMaskInterface.register(NAME, mask_spec)
+
+
+@dataclass
+class Switch:
+    """What ``use`` asked for; yielded by the context manager.
+
+    ``mechanisms`` holds the mechanism built for each layer (one instance per layer, so a
+    mechanism with learnable parameters keeps them per layer)."""
+
+    model: nn.Module
+    mechanism: str | Mechanism
+    params: dict
+    mask: Mask | None
+    score: ScoreMod | None
+    layers: frozenset[int] | None
+    heads: tuple[int, ...] | None
+    observers: list | None
+    sinks: Tensor | Mapping[int, Tensor] | None
+    mechanisms: dict[int | None, Mechanism] = field(default_factory=dict)
+    #: True when the mechanism is softmax: attnkit's exact kernels run it directly
+    plain: bool = False
+    _layer_of: dict[int, int] = field(default_factory=dict)
+
+    def applies_to(self, layer: int | None) -> bool:
+        return self.layers is None or layer in self.layers
+
+    def mechanism_for(self, layer: int | None, q: Tensor, k: Tensor, v: Tensor) -> Mechanism | None:
+        """The layer's mechanism for a call on q, k, v, or None for plain softmax
+        (attnkit's exact kernels). A named one is built on the layer's first call, with
+        the call's sizes when its constructor takes them (as attnkit.nn layers do)."""
+        if self.plain:
+            return None
+        if isinstance(self.mechanism, Mechanism):
+            return self.mechanism
+        if layer not in self.mechanisms:
+            from ..nn.attention import build_mechanism
+
+            mech = build_mechanism(self.mechanism, self.params, q.shape[1], q.shape[-1], k.shape[1], v.shape[-1])
+            # Parameters follow the model's device and float dtype.
+            self.mechanisms[layer] = mech.to(device=q.device, dtype=q.dtype)
+        return self.mechanisms[layer]
+
+    def sinks_for(self, layer: int | None, num_heads: int, device) -> Tensor | None:
+        sinks = self.sinks
+        if isinstance(sinks, Mapping):
+            sinks = sinks.get(layer)
+        if sinks is None:
+            return None
+        if sinks.shape != (num_heads,):
+            raise ValueError(f"sinks: expected one logit per query head, shape ({num_heads},), for layer {layer}; got {tuple(sinks.shape)}")
+        return sinks.to(device)
+
+    def head_flags(self, num_heads: int, device) -> Tensor:
+        if max(self.heads) >= num_heads:
+            raise ValueError(f"heads: {list(self.heads)} names a head >= the layer's {num_heads} query heads")
+        flags = torch.zeros(num_heads, dtype=torch.bool, device=device)
+        flags[list(self.heads)] = True
+        return flags
+
+    def layer_of(self, module: nn.Module) -> int:
+        """A module's layer index when it has no ``layer_idx``: its rank among the
+        model's modules of the same class."""
+        key = id(module)
+        if key not in self._layer_of:
+            same = [m for m in self.model.modules() if type(m) is type(module)]
+            for i, m in enumerate(same):
+                self._layer_of[id(m)] = i
+        return self._layer_of[key]
+
+
+def active_switch(module: nn.Module) -> tuple[Switch | None, int | None]:
+    """The switch in force for ``module`` and the module's layer index."""
+    switch = _ACTIVE.get(module)
+    layer = getattr(module, "layer_idx", None)
+    if not isinstance(layer, int) and switch is not None:
+        layer = switch.layer_of(module)
+    return switch, layer
+
+
+@contextmanager
+def use(
+    model: nn.Module,
+    mechanism: str | Mechanism = "softmax",
+    mask=None,
+    score=None,
+    layers: Iterable[int] | None = None,
+    heads: Iterable[int] | None = None,
+    observers=None,
+    sinks: Tensor | Mapping[int, Tensor] | None = None,
+    **params,
+):
+    """Run ``model`` (a transformers >= 5 model) on attnkit inside the ``with`` block.
+
+    Args:
+        model: a loaded ``PreTrainedModel`` whose attention goes through
+            ``AttentionInterface`` (Llama, Mistral, Qwen2/3, Gemma 2/3, GPT-2, BERT, ...).
+        mechanism: a registered mechanism name or a Mechanism instance; ``params`` build
+            it (one instance per layer for a name).
+        mask: an attnkit mask and-ed with the model's own (causal, sliding window, padding).
+        score: score mods applied after the model's own logits (scaled, soft-capped).
+        layers: layer indices to change (default: all); the others keep the model's own
+            attention, computed by attnkit.
+        heads: query-head indices to change (default: all); the others keep the model's
+            own attention. With softmax the change is gated per head in one call, and
+            mods see the real head indices. Another mechanism runs on the selected heads
+            as a call of its own (its mods see those heads numbered 0, 1, ...).
+        observers: attnkit meters; they see every attention call of the changed layers,
+            tagged with its layer index.
+        sinks: extra learned sink logits (Hq,), or a mapping layer -> (Hq,); they join
+            the model's own sinks, if it has any. Gradients reach them.
+
+    The model's own behaviour — its scaling, sliding-window layers, logit soft-capping,
+    sinks and position biases — is carried over from what it passes, not dropped.
+    Yields the ``Switch``, whose ``mechanisms`` maps layers to the mechanisms built.
+    """
+    _check_model(model)
+    switch = _make_switch(model, mechanism, mask, score, layers, heads, observers, sinks, params)
+    register()
+    configs = _configs(model)
+    saved_impl = {id(c): (c, c._attn_implementation_internal) for c in configs}
+    modules = list(model.modules())
+    saved_active = {m: _ACTIVE.get(m) for m in modules}
+    try:
+        model.set_attn_implementation(NAME)
+        for m in modules:
+            _ACTIVE[m] = switch
+        yield switch
+    finally:
+        for config, impl in saved_impl.values():
+            config._attn_implementation_internal = impl
+        for m, previous in saved_active.items():
+            if previous is None:
+                _ACTIVE.pop(m, None)
+            else:
+                _ACTIVE[m] = previous
+
+
+def _check_model(model) -> None:
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(f"model: expected a transformers PreTrainedModel, got {type(model).__name__}")
+    for m in model.modules():
+        if isinstance(m, PreTrainedModel) and not m._can_set_attn_implementation():
+            raise ValueError(
+                f"model: {type(m).__name__} does not route its attention through transformers' AttentionInterface, "
+                "so attnkit cannot switch it; models that do include Llama, Mistral, Qwen2/3, Gemma 2/3, GPT-2 and BERT"
+            )
+
+
+def _configs(model) -> list:
+    """Every config whose ``_attn_implementation`` the switch may change."""
+    from transformers import PreTrainedModel
+
+    seen, out = set(), []
+    stack = [m.config for m in model.modules() if isinstance(m, PreTrainedModel)]
+    while stack:
+        config = stack.pop()
+        if id(config) in seen:
+            continue
+        seen.add(id(config))
+        out.append(config)
+        for key in getattr(config, "sub_configs", {}):
+            sub = getattr(config, key, None)
+            if sub is not None:
+                stack.append(sub)
+    return out
+
+
+def _make_switch(model, mechanism, mask, score, layers, heads, observers, sinks, params) -> Switch:
+    if isinstance(mechanism, Mechanism):
+        mech = get_mechanism(mechanism, **params)  # raises when params come with an instance
+        plain = mech.name == "softmax"
+    else:
+        plain = get_mechanism(mechanism, **params).name == "softmax"  # validates the name and params now
+    user_mask = None if mask is None else as_mask(mask, "mask")
+    user_score = None if score is None else as_score(score, "score")
+    layer_set = None if layers is None else frozenset(_indices(layers, "layers", _text_config_int(model, "num_hidden_layers")))
+    head_list = None if heads is None else tuple(_indices(heads, "heads", _text_config_int(model, "num_attention_heads")))
+    if head_list == ():
+        raise ValueError("heads: expected at least one head index, got an empty selection")
+    if head_list is not None and not plain and observers:
+        raise ValueError(
+            "observers: with heads= and a mechanism other than softmax the selected heads run as a call of their own, "
+            "so no observer could see the whole layer; observe without heads=, or with mechanism='softmax'"
+        )
+    if sinks is not None and not isinstance(sinks, (Tensor, Mapping)):
+        raise ValueError(f"sinks: expected a tensor (Hq,) or a mapping layer -> tensor, got {type(sinks).__name__}")
+    return Switch(model, mechanism, dict(params), user_mask, user_score, layer_set, head_list,
+                  list(observers) if observers else None, sinks, plain=plain)
+
+
+def _text_config_int(model, name: str) -> int | None:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    n = getattr(config, name, None)
+    return n if isinstance(n, int) else None
+
+
+def _indices(values, name: str, limit: int | None) -> list[int]:
+    if isinstance(values, int):
+        values = [values]
+    out = []
+    for v in values:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0 or (limit is not None and v >= limit):
+            bound = f" below {limit}" if limit is not None else ""
+            raise ValueError(f"{name}: expected non-negative ints{bound}, got {v!r}")
+        out.append(v)
+    return out
