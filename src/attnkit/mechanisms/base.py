@@ -63,6 +63,14 @@ def available() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def mechanism_class(name: str) -> type:
+    """The registered class for ``name`` (to inspect its constructor before building it)."""
+    names = available()
+    if name not in _REGISTRY:
+        raise ValueError(f"mechanism: unknown name {name!r}; registered: {', '.join(names)}")
+    return _REGISTRY[name]
+
+
 def get_mechanism(mechanism, **params) -> Mechanism:
     """A Mechanism instance from a registered name (built with ``params``) or an instance."""
     if isinstance(mechanism, Mechanism):

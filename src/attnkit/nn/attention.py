@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 from ..api import attention
-from ..mechanisms import Mechanism, get_mechanism
-from ..mechanisms import base as mechanism_base
+from ..mechanisms import Mechanism, get_mechanism, mechanism_class
 from ..mods import alibi, causal, window
 from .cache import LayerCache
 from .mla import LatentAttention, LatentConfig
@@ -191,11 +190,10 @@ def build_mechanism(mechanism, params: dict, heads: int, head_dim: int, kv_heads
         return get_mechanism(mechanism, **params)
     if not isinstance(mechanism, str):
         raise ValueError(f"mechanism: expected a registered name or a Mechanism, got {type(mechanism).__name__}")
-    mechanism_base.available()  # loads the registry
-    cls = mechanism_base._REGISTRY.get(mechanism)
+    cls = mechanism_class(mechanism)
     # The names mechanisms use for their sizes (the linear family's, and the aliases others use).
     shapes = dict(heads=heads, num_heads=heads, head_dim=head_dim, kv_heads=kv_heads, value_dim=value_dim, v_dim=value_dim)
-    accepted = _init_keywords(cls) if cls is not None else set()
+    accepted = _init_keywords(cls)
     params = {**{k: v for k, v in shapes.items() if k in accepted and k not in params}, **params}
     return get_mechanism(mechanism, **params)
 
