@@ -18,3 +18,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   pip install -e ".${extra}"
   touch "$stamp"
 fi
+# The report tests open pages in headless Chromium: Debian's package, installed once.
+if [ "${1:-}" = "--test" ] && ! command -v chromium >/dev/null 2>&1; then
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+fi

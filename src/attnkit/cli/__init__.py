@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("bench",)
+COMMANDS = ("bench", "inspect", "arena")
 
 
 def build_parser() -> argparse.ArgumentParser:

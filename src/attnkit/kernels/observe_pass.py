@@ -19,11 +19,15 @@ from .plan import FULL_SEG, make_plan
 from .request import Request
 from .tiles import Tile, visible
 
-OBSERVE_Q_BLOCK = 128
+OBSERVE_Q_BLOCK = 128  # the smallest query block
 OBSERVE_K_BLOCK = 512
-# Unmasked key ranges are cut too: a (heads x 128 x 2048) float32 tile and the meters'
-# temporaries stay cache-sized however long the context is.
+# Unmasked key ranges are cut too, so a tile and the meters' temporaries stay a few MB
+# however long the context is ...
 OBSERVE_MAX_FULL_SPAN = 2048
+# ... and query blocks grow until a tile holds about this many weights: a short input is
+# then one tile per layer, and the meters' per-tile overhead (a few dozen small ops) is
+# paid once, not once per 128 queries.
+OBSERVE_TILE_WEIGHTS = 1 << 20
 
 
 def call_info(req: Request, layer: int | None = None, mechanism: str = "softmax") -> CallInfo:
@@ -46,7 +50,9 @@ def softmax_tiles(req: Request, lse: torch.Tensor, call: CallInfo, selection: Se
     if selection.q_range is not None:
         row_lo = max(0, selection.q_range[0] - req.q_start)
         row_hi = min(req.q_len, selection.q_range[1] - req.q_start)
-    plan = make_plan(req.mask, req.batch, req.q_len, req.k_len, OBSERVE_Q_BLOCK, OBSERVE_K_BLOCK, OBSERVE_K_BLOCK, OBSERVE_MAX_FULL_SPAN)
+    per_query = req.batch * len(heads) * min(req.k_len, OBSERVE_MAX_FULL_SPAN)
+    q_block = max(OBSERVE_Q_BLOCK, min(row_hi - row_lo, OBSERVE_TILE_WEIGHTS // max(per_query, 1)))
+    plan = make_plan(req.mask, req.batch, req.q_len, req.k_len, q_block, OBSERVE_K_BLOCK, OBSERVE_K_BLOCK, OBSERVE_MAX_FULL_SPAN)
     q_all = req.q if all_heads else req.q[:, heads]
     with torch.no_grad():
         lse = lse.detach() if all_heads else lse.detach()[:, heads]
@@ -57,21 +63,24 @@ def softmax_tiles(req: Request, lse: torch.Tensor, call: CallInfo, selection: Se
                 r0, r1 = max(block.q0, row_lo), min(block.q1, row_hi)
                 if r0 >= r1:
                     continue
-                q = q_all[bs, :, r0:r1].to(cd)
+                q = q_all[bs, :, r0:r1].to(cd) * req.scale  # scaled once per block, not per tile
                 lb = lse[bs, :, r0:r1].unsqueeze(-1)
                 for seg in block.segments:
                     b, _, qi, ki = index_tensors(rows, 0, req.q_start + r0, r1 - r0, seg.k0, seg.k1 - seg.k0)
                     tile = Tile(b, heads.view(1, -1, 1, 1), qi, ki)
                     k = req.k[bs, :, seg.k0 : seg.k1]
                     k = (k if kv_heads is None else k[:, kv_heads]).to(cd)
-                    s = torch.matmul(q, k.transpose(-1, -2)) * req.scale
+                    s = torch.matmul(q, k.transpose(-1, -2))
                     if req.score is not None:
                         s = req.score(s, tile.b, tile.h, tile.q, tile.k).to(cd)
-                    full = seg.kind == FULL_SEG
-                    if not full:
-                        s = s.masked_fill(~visible(req.mask, tile), -math.inf)
-                    yield AttentionTile(call, rows, tile.q_flat, tile.k_flat, torch.exp(s - lb), s,
-                                        None if all_heads else heads, full)
+                    vis = None
+                    if seg.kind != FULL_SEG:
+                        vis = visible(req.mask, tile)
+                        # an additive 0 / -inf mask at the mask's own (often 1 x 1 x BQ x span)
+                        # shape: a broadcast add is far cheaper than masked_fill on the tile
+                        s = s + torch.where(vis, 0.0, -math.inf).to(cd)
+                    yield AttentionTile(call, rows, tile.q_flat, tile.k_flat, torch.sub(s, lb).exp_(), s,
+                                        None if all_heads else heads, vis is None, vis, lb.squeeze(-1))
 
 
 def observe_softmax(req: Request, lse: torch.Tensor, observers, layer: int | None = None) -> None:

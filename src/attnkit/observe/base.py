@@ -5,11 +5,19 @@ For every attention call that is observed, each observer gets ``begin(call)``, t
 once, then ``end(call)``. Tiles carry the *normalised* weights the mechanism actually
 uses (softmax probabilities, sigmoid gates, signed weights...), so meters work on any
 mechanism. Masked pairs have weight 0 and score -inf.
+
+Before a call, ``wants(call)`` lets each observer say what it needs: None (leave me out
+of this call) or a ``Selection`` of heads and query positions. The softmax pass computes
+only the union of what is wanted, and no tile at all when nobody wants one, so a meter
+restricted to a few layers, heads or queries costs only those. Tiles may therefore hold
+a subset of the heads (``AttentionTile.heads``) and rows outside an observer's own
+selection: observers filter what they receive.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -30,9 +38,9 @@ class CallInfo:
 @dataclass(frozen=True)
 class AttentionTile:
     """Weights of queries ``q_pos`` (BQ,) against keys ``k_pos`` (span,) for batch rows
-    ``batch`` (Bt,) and all heads: ``weights`` (Bt, H, BQ, span), float32 (float64 for
-    float64 inputs). ``scores`` are the modified logits (-inf where masked), or None when
-    the mechanism has none to give."""
+    ``batch`` (Bt,) and heads ``heads``: ``weights`` (Bt, H', BQ, span), float32 (float64
+    for float64 inputs). ``scores`` are the modified logits (-inf where masked), or None
+    when the mechanism has none to give."""
 
     call: CallInfo
     batch: Tensor
@@ -40,14 +48,67 @@ class AttentionTile:
     k_pos: Tensor
     weights: Tensor
     scores: Tensor | None = None
+    #: (H',) indices of the heads along dim 1 of ``weights``; None: all ``call.heads`` in order
+    heads: Tensor | None = None
+    #: True when every (query, key) pair of the tile is visible (no mask cuts into it)
+    all_visible: bool = False
+    #: the mask on this tile, bool, broadcastable to ``weights``, when the kernel has it
+    #: (otherwise meters read visibility from ``scores`` > -inf, or from weights != 0)
+    visible: Tensor | None = None
+    #: softmax only: each row's log-normaliser (Bt, H', BQ), weights = exp(scores - log_norm)
+    #: (+inf for a row that sees no key)
+    log_norm: Tensor | None = None
 
     @property
     def layer(self) -> int | None:
         return self.call.layer
 
+    @property
+    def head_index(self) -> Tensor:
+        return torch.arange(self.call.heads) if self.heads is None else self.heads
+
+    @cached_property
+    def starts(self) -> tuple[int, int, int]:
+        """(first query position, first key position, first batch row); checks once per
+        tile, for every observer, that each is an ascending contiguous range."""
+        out = []
+        for name, pos in (("query", self.q_pos), ("key", self.k_pos), ("batch", self.batch)):
+            first = int(pos[0])
+            if int(pos[-1]) - first + 1 != len(pos):
+                raise ValueError(f"tile: {name} positions must be an ascending contiguous range, got {pos.tolist()[:8]}...")
+            out.append(first)
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What an observer needs from one call: ``heads`` (indices; None = all; () = no tile,
+    only ``begin``/``end``) and query positions ``q_range = (lo, hi)``, lo <= pos < hi
+    (None = all)."""
+
+    heads: tuple[int, ...] | None = None
+    q_range: tuple[int, int] | None = None
+
+    @staticmethod
+    def union(selections) -> Selection:
+        selections = [s for s in selections if s.heads != ()]
+        if not selections:
+            return Selection(heads=())
+        heads = None
+        if all(s.heads is not None for s in selections):
+            heads = tuple(sorted(set().union(*(s.heads for s in selections))))
+        q_range = None
+        if all(s.q_range is not None for s in selections):
+            q_range = (min(s.q_range[0] for s in selections), max(s.q_range[1] for s in selections))
+        return Selection(heads, q_range)
+
 
 class Observer:
     """Base class for meters: override what you need."""
+
+    def wants(self, call: CallInfo) -> Selection | None:
+        """What this observer needs from ``call``; None leaves it out of the call."""
+        return Selection()
 
     def begin(self, call: CallInfo) -> None:
         pass
@@ -59,15 +120,30 @@ class Observer:
         pass
 
 
+def interested(observers, call: CallInfo) -> tuple[list, Selection]:
+    """The observers that want ``call``, and the union of what they want."""
+    chosen, selections = [], []
+    for o in observers or ():
+        sel = o.wants(call) if hasattr(o, "wants") else Selection()
+        if sel is not None:
+            chosen.append(o)
+            selections.append(sel)
+    return chosen, Selection.union(selections)
+
+
 def feed(observers, call: CallInfo, tiles) -> None:
-    """Drive observers through one call's tiles (an iterable of AttentionTile)."""
-    observers = list(observers or ())
+    """Drive observers through one call's tiles (an iterable of AttentionTile).
+
+    Only observers that want the call take part, and ``tiles`` is not consumed when none
+    of them wants a tile: a lazy generator then computes nothing."""
+    observers, union = interested(observers, call)
     if not observers:
         return
     for o in observers:
         o.begin(call)
-    for tile in tiles:
-        for o in observers:
-            o.update(tile)
+    if union.heads != ():
+        for tile in tiles:
+            for o in observers:
+                o.update(tile)
     for o in observers:
         o.end(call)
