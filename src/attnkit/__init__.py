@@ -1,6 +1,7 @@
 """attnkit: attention mechanisms from the literature behind one exact, fast API."""
 
 from .api import attention, explain
+from .approx import ApproxError, approx_error
 from .mods import (
     Mask,
     ScoreMod,
@@ -21,10 +22,25 @@ from .mods import (
     window,
 )
 
+# `attnkit.inspect` is the function; the subpackage stays importable as attnkit.inspect.*
+from .inspect import AttentionProfile, inspect  # noqa: E402
+
 __version__ = "0.1.0"
 
+# Subpackages with heavy imports (transformers), loaded on first attribute access so that
+# `import attnkit` stays fast: `attnkit.hf.use(...)` works after a plain `import attnkit`.
+_LAZY_SUBPACKAGES = ("hf", "nn", "report", "arena")
+
+
+def __getattr__(name):
+    if name in _LAZY_SUBPACKAGES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = [
-    "attention", "explain", "Mask", "ScoreMod",
+    "attention", "explain", "approx_error", "ApproxError", "inspect", "AttentionProfile", "Mask", "ScoreMod",
     "causal", "window", "prefix_lm", "document", "dilated", "neighborhood_1d", "neighborhood_2d",
     "neighborhood_3d", "padding", "alibi", "softcap", "temperature", "log_length_scale",
     "relative_bias", "bias",

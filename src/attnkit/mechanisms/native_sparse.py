@@ -1,0 +1,591 @@
+"""Native Sparse Attention (Yuan et al., DeepSeek 2025, arXiv 2502.11089).
+
+Every query t (causal) mixes three attentions with per-head gates g in [0, 1]:
+
+    o_t = g_cmp * Attn(q_t, K~cmp, V~cmp) + g_slc * Attn(q_t, K_slc, V_slc) + g_win * Attn(q_t, K_win, V_win)
+
+- compression: the keys (and values) of every block of ``compress_block`` tokens, taken
+  every ``compress_stride`` tokens, are squeezed into one key by phi — the block mean, or
+  a learned MLP over the block with an intra-block position embedding (eq. 7). A query
+  sees the compressed blocks that are complete at its position.
+- selection: the compression branch's probabilities p_cmp score the selection blocks of
+  ``select_block`` tokens. Block j gets the mass of the compressed blocks that overlap it
+  (eq. 9's "spatial relationship"; p_slc = p_cmp when all three sizes are equal), summed
+  over the query heads of a GQA group so the group shares one choice (eq. 10). The
+  ``initial_blocks`` first blocks and ``local_blocks`` most recent ones (the query's own
+  block included) are always taken, as in the paper's 1 + 2; the rest of the
+  ``num_selected`` are the top-scoring earlier blocks (eq. 11). The query then attends to
+  the raw tokens of its blocks (causally within its own).
+- sliding window: the ``window`` most recent tokens, the query included.
+
+Gates come from the caller (``gates=`` of shape (B, Hq, Nq, 3), the paper's sigmoid MLP
+on the input), or from a learnable per-head table ``gate_logits`` (with ``num_heads``),
+or are 1/2 each (sigmoid(0)). Any GQA ratio works.
+
+Fast path: the compression branch comes out of the pass that scores the blocks (a dense
+chunked softmax over the few compressed keys); with gradients it is an
+``attnkit.attention`` call instead (the compressed causal rule is a structured mask, and
+the backward keeps O(N) memory). The sliding window is one fused-op call over query
+blocks with their key windows gathered. The selection branch groups queries by key block instead of keys by query: for every
+key block, the (query, head) rows that selected it form one call of torch's fused flash
+op, and the partial results merge by their lse. Its backward runs the op's backward per
+block against the final out and lse. Selection itself is discrete and carries no gradient.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels import make_request
+from ..kernels.request import all_finite, nonfinite_error
+from ..mods.grid import states
+from ..mods.masks import Causal, Mask
+from ..observe import AttentionTile, CallInfo, feed
+from .base import Mechanism, register
+from .hyper_attention import FlashWithLse
+
+Tensor = torch.Tensor
+
+_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_op_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+SELECT_Q_CHUNK = 4096  # query rows per chunk when scoring blocks (bounds the Nq x blocks memory)
+WINDOW_BLOCK = 128  # queries per block of the sliding-window call
+OBSERVE_Q_BLOCK = 128
+OBSERVE_K_BLOCK = 512
+
+
+class CompressedCausal(Mask):
+    """Compressed key i (tokens [i * stride, i * stride + block)) is visible to the query at
+    token position p once its block is complete: ``i * stride + block - 1 <= p``.
+
+    ``shift`` = Nk - Ncmp turns the query index the kernels pass (a position among the
+    Ncmp compressed keys) back into a token position."""
+
+    def __init__(self, block: int, stride: int, shift: int):
+        self.block, self.stride, self.shift = block, stride, shift
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return kv_idx * self.stride + self.block - 1 <= q_idx + self.shift
+
+    def classify(self, grid):
+        q_lo, q_hi = grid.q_bounds()
+        k_lo, k_hi = grid.k_bounds()
+        full = (k_hi - 1) * self.stride + self.block - 1 <= q_lo + self.shift
+        empty = k_lo * self.stride + self.block - 1 > q_hi - 1 + self.shift
+        return states(full, empty)
+
+    def __repr__(self):
+        return f"compressed_causal(block={self.block}, stride={self.stride})"
+
+
+class CompressMLP(nn.Module):
+    """phi of the paper: a block of ``block`` vectors plus a learned intra-block position
+    embedding, flattened, through a two-layer MLP to one vector."""
+
+    def __init__(self, block: int, dim: int, hidden: int):
+        super().__init__()
+        self.position = nn.Parameter(torch.zeros(block, dim))
+        self.net = nn.Sequential(nn.Linear(block * dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+
+    def forward(self, blocks: Tensor) -> Tensor:  # (..., block, dim) -> (..., dim)
+        x = blocks + self.position.to(blocks.dtype)
+        return self.net.to(blocks.dtype)(x.flatten(-2))
+
+
+class _SelectedAttention(torch.autograd.Function):
+    """Causal attention of every query to the raw tokens of its selected blocks.
+
+    ``selection`` (B, Hkv, Nq, n) holds block ids, -1 for an empty slot; the query's own
+    block is always among them. The own blocks of all queries are one batched causal call
+    (block-diagonal attention). Every other selected block lies wholly before its query,
+    so queries are grouped by key block instead of keys by query: the rows (a query with
+    the G heads of its group) that chose a block are cut into entries of ``ROWS`` rows,
+    and a few fused-op calls run thousands of entries at once, each against its block's
+    keys. Partial results merge by lse with a running max (scatter_reduce), so no
+    (row, slot) array is ever held."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, selection, scale, block, q_start):
+        B, Hq, Nq, W = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+        G = Hq // Hkv
+        cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+        diagonal = _Diagonal(block, q_start, Nq, Nk)
+        o_own, l_own = diagonal.forward(q, k, v, scale)
+        entries = _Entries(selection, diagonal.own, -(-Nk // block))
+        # Rows r = (b, kv head, query) hold the G heads of a group; row R is a zero dummy.
+        acc = _rows(o_own.to(cd), Hkv)
+        top = _rows(l_own.to(cd).unsqueeze(-1), Hkv).squeeze(-1)  # running max of the partial lses
+        den = torch.ones_like(top)
+        q_rows, k_blocks, v_blocks = _rows(q, Hkv), _blocks(k, block), _blocks(v, block)
+        for rows, blocks in entries.chunks(G * W):
+            o, l = _op(_take(q_rows, rows), k_blocks.index_select(0, blocks).unsqueeze(1), v_blocks.index_select(0, blocks).unsqueeze(1),
+                       0.0, False, scale=scale)
+            flat = rows.reshape(-1)
+            o = o.transpose(1, 2).reshape(-1, G, W).to(cd)
+            l = l.transpose(1, 2).reshape(-1, G).to(cd)
+            new_top = top.scatter_reduce(0, flat.unsqueeze(1).expand(-1, G), l, "amax")
+            alpha = torch.exp(top - new_top)
+            acc.mul_(alpha.unsqueeze(-1))
+            den.mul_(alpha)
+            w = torch.exp(l - new_top.index_select(0, flat))
+            acc.index_add_(0, flat, o.mul_(w.unsqueeze(-1)))
+            den.index_add_(0, flat, w)
+            top = new_top
+        out = _unrows(acc / den.unsqueeze(-1), B, Hkv).to(q.dtype)
+        lse = _unrows((top + torch.log(den)).unsqueeze(-1), B, Hkv).squeeze(-1)
+        ctx.scale, ctx.entries, ctx.diagonal = scale, entries, diagonal
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        B, Hq, Nq, W = q.shape
+        Hkv = k.shape[1]
+        G = Hq // Hkv
+        block = ctx.diagonal.block
+        grad_out = grad_out.to(q.dtype).contiguous()
+        lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        # Given each row's final out and lse, the op's backward over any subset of its keys
+        # is exactly that subset's share of dq and its dk, dv (FlashAttention-2).
+        dq, dk, dv = ctx.diagonal.backward(grad_out, q, k, v, out, lse, ctx.scale)
+        dq_rows = _rows(dq, Hkv)
+        dk_blocks, dv_blocks = _blocks(dk, block), _blocks(dv, block)
+        q_rows, o_rows, g_rows = _rows(q, Hkv), _rows(out, Hkv), _rows(grad_out, Hkv)
+        l_rows = _rows(lse.unsqueeze(-1), Hkv).squeeze(-1)
+        k_blocks, v_blocks = _blocks(k, block), _blocks(v, block)
+        for rows, blocks in ctx.entries.chunks(G * W):
+            kb, vb = k_blocks.index_select(0, blocks).unsqueeze(1), v_blocks.index_select(0, blocks).unsqueeze(1)
+            gq, gk, gv = _op_backward(_take(g_rows, rows), _take(q_rows, rows), kb, vb, _take(o_rows, rows),
+                                      _take(l_rows.unsqueeze(-1), rows).squeeze(-1), 0.0, False, scale=ctx.scale)
+            dq_rows.index_add_(0, rows.reshape(-1), gq.transpose(1, 2).reshape(-1, G, W).to(dq_rows.dtype))
+            dk_blocks.index_add_(0, blocks, gk.squeeze(1).to(dk_blocks.dtype))
+            dv_blocks.index_add_(0, blocks, gv.squeeze(1).to(dv_blocks.dtype))
+        dq = _unrows(dq_rows, B, Hkv)
+        dk = dk_blocks.view(B, Hkv, -1, W)[:, :, : k.shape[2]]
+        dv = dv_blocks.view(B, Hkv, -1, W)[:, :, : k.shape[2]]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def _rows(x: Tensor, kv_heads: int) -> Tensor:
+    """(B, Hq, Nq, W) -> (B * Hkv * Nq + 1, G, W): one row per (batch, kv head, query)
+    with the G query heads of the group, and a zero dummy row at the end."""
+    B, Hq, Nq, W = x.shape
+    G = Hq // kv_heads
+    rows = x.reshape(B, kv_heads, G, Nq, W).transpose(2, 3).reshape(B * kv_heads * Nq, G, W)
+    return torch.cat([rows, rows.new_zeros(1, G, W)])
+
+
+def _unrows(rows: Tensor, B: int, kv_heads: int) -> Tensor:
+    G, W = rows.shape[1:]
+    return rows[:-1].reshape(B, kv_heads, -1, G, W).transpose(2, 3).reshape(B, kv_heads * G, -1, W)
+
+
+def _take(rows: Tensor, index: Tensor) -> Tensor:
+    """Rows (R + 1, G, W) picked by index (E, C) -> (E, G, C, W), the op's layout."""
+    E, C = index.shape
+    return rows.index_select(0, index.reshape(-1)).view(E, C, *rows.shape[1:]).transpose(1, 2)
+
+
+def _blocks(x: Tensor, block: int) -> Tensor:
+    """(B, Hkv, Nk, W) -> (B * Hkv * n_blocks, block, W), the last block zero-padded."""
+    B, H, Nk, W = x.shape
+    n = -(-Nk // block)
+    return F.pad(x, (0, 0, 0, n * block - Nk)).reshape(B * H * n, block, W)
+
+
+class _Entries:
+    """The (row, block) pairs of a selection other than each query's own block, sorted by
+    (batch, kv head, block) and cut into entries of at most ``ROWS`` rows of one block."""
+
+    ROWS = 256
+    ELEMENTS_PER_CALL = 1 << 25  # query elements gathered per fused-op call (128 MB in float32)
+
+    def __init__(self, selection: Tensor, own: Tensor, n_blocks: int):
+        B, Hkv, Nq, n = selection.shape
+        bg = torch.arange(B * Hkv).view(B, Hkv, 1, 1)
+        row = bg * Nq + torch.arange(Nq).view(1, 1, Nq, 1)
+        keep = (selection >= 0) & (selection != own.view(1, 1, Nq, 1))
+        key = (bg * n_blocks + selection)[keep]  # block id among B * Hkv * n_blocks
+        row = row.expand_as(selection)[keep]
+        order = torch.sort(key, stable=True).indices
+        key, row = key[order], row[order]
+        ids, counts = torch.unique_consecutive(key, return_counts=True)
+        per_key = -(-counts // self.ROWS)
+        first_entry = torch.cumsum(per_key, 0) - per_key
+        first_pair = torch.cumsum(counts, 0) - counts
+        at = torch.arange(key.numel()) - first_pair.repeat_interleave(counts)
+        entry = first_entry.repeat_interleave(counts) + at // self.ROWS
+        self.rows = torch.full((int(per_key.sum()), self.ROWS), B * Hkv * Nq, dtype=torch.long)  # dummy row
+        self.rows[entry, at % self.ROWS] = row
+        self.blocks = ids.repeat_interleave(per_key)
+
+    def chunks(self, row_width: int):
+        step = max(1, self.ELEMENTS_PER_CALL // (self.ROWS * row_width))
+        for e0 in range(0, self.blocks.numel(), step):
+            yield self.rows[e0 : e0 + step], self.blocks[e0 : e0 + step]
+
+
+class _Diagonal:
+    """Every query against its own selection block, causally: the positions are cut into
+    blocks of ``block`` (zero-padded at both ends) and run as one square causal call."""
+
+    def __init__(self, block: int, q_start: int, Nq: int, Nk: int):
+        self.block, self.q_start, self.Nq, self.Nk = block, q_start, Nq, Nk
+        self.first = q_start // block  # first position block holding a query
+        self.n = (Nk - 1) // block - self.first + 1
+        self.offset = q_start - self.first * block  # padding rows before the first query
+        self.own = (torch.arange(Nq) + q_start) // block
+
+    def _cut(self, x: Tensor, rows: bool) -> Tensor:
+        """(B, H, L, W) -> (B * n, H, block, W) over positions [first * block, ...)."""
+        B, H, _, W = x.shape
+        span = self.n * self.block
+        if rows:  # queries: pad before q_start and after Nk
+            x = F.pad(x, (0, 0, self.offset, span - self.offset - x.shape[2]))
+        else:
+            x = F.pad(x[:, :, self.first * self.block :], (0, 0, 0, span - (self.Nk - self.first * self.block)))
+        return x.view(B, H, self.n, self.block, W).transpose(1, 2).reshape(B * self.n, H, self.block, W)
+
+    def _uncut(self, x: Tensor, rows: bool) -> Tensor:
+        shape = x.shape
+        x = x.view(-1, self.n, *shape[1:]).transpose(1, 2).reshape(-1, shape[1], self.n * self.block, *shape[3:])
+        if rows:
+            return x[:, :, self.offset : self.offset + self.Nq]
+        return x[:, :, : self.Nk - self.first * self.block]
+
+    def forward(self, q, k, v, scale):
+        # Padded keys sit after every real query of their block: the causal cut hides them.
+        o, l = _op(self._cut(q, True), self._cut(k, False), self._cut(v, False), 0.0, True, scale=scale)
+        return self._uncut(o, True), self._uncut(l, True)
+
+    def backward(self, grad_out, q, k, v, out, lse, scale):
+        cut = lambda x: self._cut(x, True)
+        lse_cut = self._cut(lse.unsqueeze(-1), True).squeeze(-1)
+        gq, gk, gv = _op_backward(cut(grad_out), cut(q), self._cut(k, False), self._cut(v, False), cut(out), lse_cut,
+                                  0.0, True, scale=scale)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dk = torch.zeros(k.shape, dtype=acc)
+        dv = torch.zeros(v.shape, dtype=acc)
+        dk[:, :, self.first * self.block :] = self._uncut(gk, False)
+        dv[:, :, self.first * self.block :] = self._uncut(gv, False)
+        return self._uncut(gq, True).to(acc), dk, dv
+
+
+def _window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float) -> tuple[Tensor, Tensor]:
+    """Every query against its ``window`` most recent keys, itself included: queries in
+    blocks of ``WINDOW_BLOCK``, each block with the keys from ``window - 1`` before its
+    first query to its last query gathered, a few blocks per fused-op call with a band mask."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    width = max(D, Dv)  # the op wants one head size: pad the smaller with zero columns
+    q, k, v = (t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+    bw, q_start = WINDOW_BLOCK, Nk - Nq
+    first = q_start // bw
+    m = (Nk - 1) // bw - first + 1
+    offset = q_start - first * bw
+    span = window - 1 + bw
+    qb = F.pad(q, (0, 0, offset, m * bw - offset - Nq)).view(B, Hq, m, bw, width).transpose(1, 2)
+    # Blocks per call: the gathered windows stay near 2^25 elements whatever the length.
+    step = max(1, (1 << 25) // (B * Hkv * span * width))
+    outs, lses = [], []
+    for j0 in range(0, m, step):
+        j = torch.arange(j0, min(j0 + step, m))
+        starts = (first + j).view(-1, 1, 1) * bw
+        key_pos = starts - window + 1 + torch.arange(span).view(1, 1, span)  # (blocks, 1, span)
+        q_pos = starts + torch.arange(bw).view(1, bw, 1)  # (blocks, bw, 1)
+        visible = (key_pos >= 0) & (key_pos < Nk) & (key_pos <= q_pos) & (key_pos > q_pos - window)
+        mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill(~visible, -math.inf).unsqueeze(1).repeat(B, 1, 1, 1)
+        index = key_pos.clamp(0, Nk - 1).reshape(-1)
+        n = j.numel()
+        windows = lambda x: x.index_select(2, index).view(B, Hkv, n, span, width).transpose(1, 2).reshape(B * n, Hkv, span, width)
+        o, lse = FlashWithLse.apply(qb[:, j0 : j0 + n].reshape(B * n, Hq, bw, width), windows(k), windows(v), mask, scale)
+        outs.append(o.view(B, n, Hq, bw, width))
+        lses.append(lse.view(B, n, Hq, bw))
+    o = torch.cat(outs, 1).transpose(1, 2).reshape(B, Hq, m * bw, width)[:, :, offset : offset + Nq, :Dv]
+    lse = torch.cat(lses, 1).transpose(1, 2).reshape(B, Hq, m * bw)[:, :, offset : offset + Nq]
+    return o, lse
+
+
+@register("nsa")
+class NativeSparseAttention(Mechanism):
+    """Native Sparse Attention (arXiv 2502.11089); see the module docstring.
+
+    Args:
+        compress_block, compress_stride: l and d of the compression (l % d == 0).
+        select_block: l' of the selection blocks (a multiple of d).
+        num_selected: n, blocks each query attends to (forced ones included).
+        window: w, most recent tokens of the sliding-window branch.
+        initial_blocks, local_blocks: blocks always selected at the start and at the end.
+        compress: "mean" or "mlp" (learned phi; needs head_dim, and v_dim if different).
+        num_heads: query heads, for a learnable per-head gate table ``gate_logits``.
+    """
+
+    paper = "arXiv:2502.11089"
+
+    def __init__(self, compress_block: int = 32, compress_stride: int = 16, select_block: int = 64, num_selected: int = 16,
+                 window: int = 512, initial_blocks: int = 1, local_blocks: int = 2, compress: str = "mean",
+                 head_dim: int | None = None, v_dim: int | None = None, num_heads: int | None = None):
+        super().__init__()
+        for name, value, low in (("compress_block", compress_block, 1), ("compress_stride", compress_stride, 1),
+                                 ("select_block", select_block, 1), ("num_selected", num_selected, 1), ("window", window, 1),
+                                 ("initial_blocks", initial_blocks, 0), ("local_blocks", local_blocks, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+        if compress_block % compress_stride:
+            raise ValueError(f"compress_block: must be a multiple of compress_stride={compress_stride}, got {compress_block}")
+        if select_block % compress_stride:
+            raise ValueError(f"select_block: must be a multiple of compress_stride={compress_stride}, got {select_block}")
+        if initial_blocks + local_blocks > num_selected:
+            raise ValueError(f"num_selected: must cover the forced blocks, initial_blocks + local_blocks = {initial_blocks + local_blocks}, got {num_selected}")
+        if compress not in ("mean", "mlp"):
+            raise ValueError(f"compress: expected 'mean' or 'mlp', got {compress!r}")
+        self.compress_block, self.compress_stride, self.select_block = compress_block, compress_stride, select_block
+        self.num_selected, self.window = num_selected, window
+        self.initial_blocks, self.local_blocks, self.compress_kind = initial_blocks, local_blocks, compress
+        if compress == "mlp":
+            if not isinstance(head_dim, int) or head_dim < 1:
+                raise ValueError(f"head_dim: compress='mlp' needs the head dim (int >= 1), got {head_dim!r}")
+            v_dim = head_dim if v_dim is None else v_dim
+            self.compress_k = CompressMLP(compress_block, head_dim, head_dim)
+            self.compress_v = CompressMLP(compress_block, v_dim, v_dim)
+        if num_heads is not None:
+            if not isinstance(num_heads, int) or num_heads < 1:
+                raise ValueError(f"num_heads: expected an int >= 1, got {num_heads!r}")
+            self.gate_logits = nn.Parameter(torch.zeros(num_heads, 3))
+        else:
+            self.gate_logits = None
+
+    # ------------------------------------------------------------------ pieces
+
+    def compress(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Compressed keys and values (B, Hkv, Ncmp, D), Ncmp = (Nk - l) // d + 1 blocks."""
+        l, d = self.compress_block, self.compress_stride
+        Nk = k.shape[2]
+        if Nk < l:
+            return k[:, :, :0], v[:, :, :0]
+        kb, vb = k.unfold(2, l, d).transpose(-1, -2), v.unfold(2, l, d).transpose(-1, -2)  # (B, H, Ncmp, l, D)
+        if self.compress_kind == "mean":
+            return kb.mean(-2), vb.mean(-2)
+        return self.compress_k(kb), self.compress_v(vb)
+
+    def overlap(self, n_cmp: int, n_blocks: int, dtype) -> Tensor:
+        """(Ncmp, n_blocks): 1 where compressed block i and selection block j share a token."""
+        i = torch.arange(n_cmp).view(-1, 1) * self.compress_stride
+        j = torch.arange(n_blocks).view(1, -1) * self.select_block
+        return ((i < j + self.select_block) & (i + self.compress_block > j)).to(dtype)
+
+    def choose(self, importance: Tensor, own: Tensor, width: int) -> Tensor:
+        """Block ids (..., width) from block importance (..., blocks): forced blocks first,
+        then the top-scoring earlier ones; -1 where fewer blocks exist."""
+        j = torch.arange(importance.shape[-1])
+        own = own.unsqueeze(-1)
+        forced = ((j < self.initial_blocks) | (j > own - self.local_blocks)) & (j <= own)
+        score = importance.masked_fill(j >= own, -math.inf).masked_fill(forced, math.inf)
+        top = torch.topk(score, min(width, score.shape[-1]), dim=-1)
+        chosen = top.indices.masked_fill(torch.isneginf(top.values), -1)
+        return F.pad(chosen, (0, width - chosen.shape[-1]), value=-1)
+
+    def select(self, q: Tensor, k_cmp: Tensor, v_cmp: Tensor | None, scale: float, Nk: int):
+        """Selected blocks (B, Hkv, Nq, n) from the compression branch's probabilities, and
+        that branch's (out, lse) when ``v_cmp`` is given (no gradient: the same pass)."""
+        B, Hq, Nq, _ = q.shape
+        Hkv, n_cmp = k_cmp.shape[1], k_cmp.shape[2]
+        G = Hq // Hkv
+        l, d, block = self.compress_block, self.compress_stride, self.select_block
+        cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+        width = min(self.num_selected, -(-Nk // block))
+        pos = torch.arange(Nq) + Nk - Nq
+        own = pos // block
+        identity = l == d == block  # compressed block i is selection block i
+        parts, outs, lses = [], [], []
+        with torch.no_grad():
+            kc = k_cmp.detach().to(cd)
+            for r0 in range(0, Nq, SELECT_Q_CHUNK):
+                r1 = min(r0 + SELECT_Q_CHUNK, Nq)
+                # Only blocks up to the chunk's last own block, and the compressed blocks
+                # complete by its last position, can matter.
+                cols = int(own[r1 - 1]) + 1
+                seen = min(n_cmp, max(0, (int(pos[r1 - 1]) - l + 1) // d + 1))
+                importance = torch.zeros(B, Hkv, r1 - r0, cols, dtype=cd)
+                o = torch.zeros(B, Hq, r1 - r0, 0 if v_cmp is None else v_cmp.shape[-1], dtype=cd)
+                lse = torch.full((B, Hq, r1 - r0), -math.inf, dtype=cd)
+                if seen:
+                    qc = q[:, :, r0:r1].detach().to(cd).reshape(B, Hkv, G * (r1 - r0), -1)
+                    s = torch.matmul(qc, kc[:, :, :seen].transpose(-1, -2)).view(B, Hkv, G, r1 - r0, seen) * scale
+                    visible = torch.arange(seen) * d + l - 1 <= pos[r0:r1, None]
+                    s = s.masked_fill_(~visible, -math.inf)
+                    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+                    p = torch.exp(s - torch.where(torch.isneginf(lse), math.inf, lse))  # rows seeing nothing: 0
+                    lse = lse.view(B, Hq, r1 - r0)
+                    if v_cmp is not None:
+                        o = torch.matmul(p.view(B, Hkv, G * (r1 - r0), seen), v_cmp[:, :, :seen].detach().to(cd)).view(B, Hq, r1 - r0, -1)
+                    p = p.sum(2)  # the group's heads share one choice (eq. 10)
+                    if identity:
+                        importance[..., :seen] = p
+                    else:
+                        importance = torch.matmul(p, self.overlap(seen, cols, cd))
+                parts.append(self.choose(importance, own[r0:r1].view(1, 1, -1), width))
+                outs.append(o)
+                lses.append(lse)
+        return torch.cat(parts, dim=2), (torch.cat(outs, dim=2), torch.cat(lses, dim=2))
+
+    def gates(self, gates: Tensor | None, B: int, Hq: int, Nq: int, dtype) -> Tensor:
+        """Gates (B|1, Hq, Nq|1, 3) in [0, 1] for the compression, selection, window branches."""
+        if gates is not None:
+            if not isinstance(gates, Tensor) or gates.dim() != 4 or gates.shape[-1] != 3 or gates.shape[1] != Hq \
+                    or gates.shape[0] not in (1, B) or gates.shape[2] not in (1, Nq):
+                raise ValueError(f"gates: expected shape (B|1, Hq={Hq}, Nq|1, 3), got {getattr(gates, 'shape', gates)!r}")
+            return gates.to(dtype)
+        if self.gate_logits is not None:
+            if self.gate_logits.shape[0] != Hq:
+                raise ValueError(f"gate_logits: table has {self.gate_logits.shape[0]} heads but the call has Hq={Hq}")
+            return torch.sigmoid(self.gate_logits).to(dtype).view(1, Hq, 1, 3)
+        return torch.full((1, 1, 1, 3), 0.5, dtype=dtype)
+
+    def _check_call(self, q, k, v, mask, score, sinks, return_lse, scale, backend):
+        req = make_request(q, k, v, scale=scale)
+        if not isinstance(mask, Causal):
+            raise ValueError(f"mask: NSA is causal (arXiv 2502.11089); pass mask=attnkit.causal(), got {mask!r}")
+        for name, value in (("score", score), ("sinks", sinks)):
+            if value is not None:
+                raise ValueError(f"{name}: NSA takes no {name}, got {value!r}")
+        if return_lse:
+            raise ValueError("return_lse: NSA's output is a gated sum of three attentions and has no single logsumexp")
+        if backend not in ("auto", "reference"):
+            raise ValueError(f"backend: NSA runs 'auto' (its fast path) or 'reference', got {backend!r}")
+        if req.q_len > req.k_len:
+            raise ValueError(f"q, k: NSA needs Nq <= Nk (queries are the last Nq positions), got Nq={req.q_len}, Nk={req.k_len}")
+        return req
+
+    # ------------------------------------------------------------------ fast path
+
+    def forward(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto",
+                check_finite=True, observers=None, layer=None, gates=None):
+        from ..api import attention
+
+        req = self._check_call(q, k, v, mask, score, sinks, return_lse, scale, backend)
+        if backend == "reference" and observers:
+            raise ValueError("observers: the dense reference (backend='reference') feeds no observers; use backend='auto'")
+        if backend == "reference":
+            out = self.reference(q, k, v, mask=mask, scale=scale, gates=gates)
+        else:
+            cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+            g = self.gates(gates, req.batch, req.heads, req.q_len, cd)
+            qc, kc, vc = q.to(cd), k.to(cd), v.to(cd)
+            k_cmp, v_cmp = self.compress(kc, vc)
+            # Without gradients the selection pass also yields the compression branch.
+            differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *self.parameters()))
+            selection, (o_cmp, lse_cmp) = self.select(qc, k_cmp, None if differentiable else v_cmp, req.scale, req.k_len)
+            if differentiable:
+                shift = req.k_len - k_cmp.shape[2]
+                o_cmp, lse_cmp = attention(qc, k_cmp, v_cmp, mask=CompressedCausal(self.compress_block, self.compress_stride, shift),
+                                           scale=req.scale, return_lse=True, check_finite=False)
+            o_slc, lse_slc = self._selected(qc, kc, vc, selection, req)
+            o_win, lse_win = _window_attention(qc, kc, vc, self.window, req.scale)
+            out = (g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win).to(q.dtype)
+            if observers:
+                call = CallInfo(req.batch, req.heads, req.q_len, req.k_len, req.q_start, layer, self.name)
+                branches = (g.detach(), k_cmp.detach(), lse_cmp.detach(), selection, lse_slc, lse_win.detach())
+                feed(observers, call, self._tiles(req, call, *branches))
+        if check_finite and not all_finite(out):
+            raise nonfinite_error(req)
+        return out
+
+    def _selected(self, q, k, v, selection, req) -> tuple[Tensor, Tensor]:
+        D, Dv = q.shape[-1], v.shape[-1]
+        width = max(D, Dv)  # the op wants one head size: pad the smaller with zero columns
+        q, k, v = (t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+        out, lse = _SelectedAttention.apply(q, k, v, selection, req.scale, self.select_block, req.q_start)
+        return out[..., :Dv], lse
+
+    def _tiles(self, req, call, g, k_cmp, lse_cmp, selection, lse_slc, lse_win):
+        """The weight each raw key gets in the output: g_slc * P_slc + g_win * P_win +
+        g_cmp * P_cmp of every compressed block spread evenly over its tokens (with mean
+        compression, exactly the weight of v_j in the output)."""
+        cd = torch.float64 if req.q.dtype == torch.float64 else torch.float32
+        B, H = req.batch, req.heads
+        G = H // req.kv_heads
+        l, d, block = self.compress_block, self.compress_stride, self.select_block
+        n_cmp, n_blocks = k_cmp.shape[2], -(-req.k_len // block)
+        g = g.expand(B, H, req.q_len, 3)
+        inf_if_dead = lambda x: torch.where(torch.isneginf(x), math.inf, x).to(cd).unsqueeze(-1)
+        with torch.no_grad():
+            for r0 in range(0, req.q_len, OBSERVE_Q_BLOCK):
+                r1 = min(r0 + OBSERVE_Q_BLOCK, req.q_len)
+                pos = torch.arange(r0, r1) + req.q_start
+                q = req.q[:, :, r0:r1].to(cd)
+                p_cmp = torch.zeros(B, H, r1 - r0, n_cmp, dtype=cd)
+                if n_cmp:
+                    kc = k_cmp.to(cd).repeat_interleave(G, 1)
+                    visible = torch.arange(n_cmp) * d + l - 1 <= pos[:, None]
+                    p_cmp = torch.exp(torch.matmul(q, kc.transpose(-1, -2)) * req.scale - inf_if_dead(lse_cmp[:, :, r0:r1])).masked_fill(~visible, 0.0)
+                chosen = torch.zeros(B, req.kv_heads, r1 - r0, n_blocks + 1, dtype=torch.bool)
+                chosen.scatter_(-1, selection[:, :, r0:r1] % (n_blocks + 1), True)  # -1 lands in the spare column
+                chosen = chosen[..., :n_blocks].repeat_interleave(G, 1)
+                for c0 in range(0, int(pos[-1]) + 1, OBSERVE_K_BLOCK):
+                    c1 = min(c0 + OBSERVE_K_BLOCK, int(pos[-1]) + 1)
+                    keys = torch.arange(c0, c1)
+                    k = req.k[:, :, c0:c1].to(cd).repeat_interleave(G, 1)
+                    s = torch.matmul(q, k.transpose(-1, -2)) * req.scale
+                    causal = keys <= pos[:, None]
+                    in_slc = chosen[..., keys // block] & causal
+                    in_win = causal & (keys > pos[:, None] - self.window)
+                    w = g[:, :, r0:r1, 1:2] * torch.exp(s - inf_if_dead(lse_slc[:, :, r0:r1])).masked_fill(~in_slc, 0.0)
+                    w = w + g[:, :, r0:r1, 2:3] * torch.exp(s - inf_if_dead(lse_win[:, :, r0:r1])).masked_fill(~in_win, 0.0)
+                    if n_cmp:
+                        cover = ((keys >= torch.arange(n_cmp)[:, None] * d) & (keys < torch.arange(n_cmp)[:, None] * d + l)).to(cd) / l
+                        w = w + g[:, :, r0:r1, 0:1] * torch.matmul(p_cmp, cover)
+                    if bool(w.any()):
+                        yield AttentionTile(call, torch.arange(B), pos, keys, w, None)
+
+    # ------------------------------------------------------------------ reference
+
+    def reference(self, q, k, v, *, mask=None, scale=None, gates=None, **_):
+        """The three branches written densely from the paper's equations (7-11), O(N^2)."""
+        req = self._check_call(q, k, v, mask, None, None, False, scale, "auto")
+        cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+        B, H, Nq, Nk = req.batch, req.heads, req.q_len, req.k_len
+        G = H // req.kv_heads
+        q, k, v = q.to(cd), k.to(cd), v.to(cd)
+        g = self.gates(gates, B, H, Nq, cd)
+        pos = torch.arange(Nq).view(-1, 1) + Nk - Nq
+        key = torch.arange(Nk).view(1, -1)
+
+        def attend(keys, values, visible):  # masked softmax attention; no visible key -> 0
+            s = torch.matmul(q, keys.repeat_interleave(G, 1).transpose(-1, -2)) * req.scale
+            s = s.masked_fill(~visible, -math.inf)
+            p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+            return torch.matmul(p, values.repeat_interleave(G, 1)), p
+
+        # compression (eq. 7): complete blocks only
+        k_cmp, v_cmp = self.compress(k, v)
+        n_cmp = k_cmp.shape[2]
+        o_cmp, p_cmp = attend(k_cmp, v_cmp, torch.arange(n_cmp).view(1, -1) * self.compress_stride + self.compress_block - 1 <= pos)
+        # selection (eq. 8-11): block importance from p_cmp, shared by a GQA group, top-n
+        n_blocks = -(-Nk // self.select_block)
+        tokens = torch.arange(Nk)
+        cmp_covers = (tokens >= torch.arange(n_cmp).view(-1, 1) * self.compress_stride) & \
+                     (tokens < torch.arange(n_cmp).view(-1, 1) * self.compress_stride + self.compress_block)
+        block_has = tokens // self.select_block == torch.arange(n_blocks).view(-1, 1)
+        overlap = (cmp_covers.to(cd) @ block_has.to(cd).T > 0).to(cd)
+        importance = torch.matmul(p_cmp, overlap).view(B, req.kv_heads, G, Nq, n_blocks).sum(2)
+        own = (pos // self.select_block).view(1, 1, Nq, 1)
+        j = torch.arange(n_blocks)
+        forced = ((j < self.initial_blocks) | (j > own - self.local_blocks)) & (j <= own)
+        ranked = torch.where(forced, math.inf, torch.where(j < own, importance, -math.inf))
+        order = torch.sort(ranked, dim=-1, descending=True, stable=True)
+        keep = (torch.arange(n_blocks) < self.num_selected) & ~torch.isneginf(order.values)
+        chosen = torch.zeros_like(keep).scatter(-1, order.indices, keep)  # (B, Hkv, Nq, n_blocks)
+        in_selected = chosen.repeat_interleave(G, 1)[..., tokens // self.select_block] & (key <= pos)
+        o_slc, _ = attend(k, v, in_selected)
+        # sliding window: the last `window` tokens
+        o_win, _ = attend(k, v, (key <= pos) & (key > pos - self.window))
+        return (g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win).to(req.q.dtype)

@@ -1,0 +1,201 @@
+"""Native Sparse Attention: the paper's branches by literal loops, fast path against the
+dense reference (values and gradients), exact limits, observers, bad input."""
+
+import math
+
+import pytest
+import torch
+from helpers import assert_close, qkv
+
+import attnkit as ak
+from attnkit.kernels import make_request, reference_attention
+from attnkit.mechanisms import get_mechanism
+from attnkit.mechanisms.native_sparse import CompressedCausal
+from attnkit.mods import EMPTY, FULL, TileGrid
+from attnkit.observe import Observer
+
+SMALL = dict(compress_block=8, compress_stride=4, select_block=8, num_selected=3, window=6)
+
+
+def literal_nsa(mech, q, k, v, gates):
+    """Eq. (5)-(11) of arXiv 2502.11089 with mean compression, one query at a time."""
+    B, Hq, Nq, _ = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    G, scale = Hq // Hkv, q.shape[-1] ** -0.5
+    l, d, bs = mech.compress_block, mech.compress_stride, mech.select_block
+    n_cmp = (Nk - l) // d + 1
+    out = torch.zeros(B, Hq, Nq, v.shape[-1], dtype=torch.float64)
+    chosen = {}
+
+    def softmax_over(b, h, t, keys, values):
+        s = torch.stack([q[b, h, t] @ kk for kk in keys]) * scale
+        return torch.softmax(s, 0) @ torch.stack(values)
+
+    for b in range(B):
+        for t in range(Nq):
+            pos = Nk - Nq + t
+            cmp = [i for i in range(n_cmp) if i * d + l - 1 <= pos]
+            k_cmp = {i: k[b, :, i * d : i * d + l].mean(1) for i in cmp}
+            v_cmp = {i: v[b, :, i * d : i * d + l].mean(1) for i in cmp}
+            own = pos // bs
+            for g in range(Hkv):
+                importance = [0.0] * (own + 1)
+                for h in range(g * G, (g + 1) * G):
+                    if cmp:
+                        p = torch.softmax(torch.stack([q[b, h, t] @ k_cmp[i][g] for i in cmp]) * scale, 0)
+                        for i, pi in zip(cmp, p.tolist()):
+                            for j in range(own + 1):  # selection block j shares a token with compressed block i
+                                if i * d < (j + 1) * bs and i * d + l > j * bs:
+                                    importance[j] += pi
+                forced = {j for j in range(own + 1) if j < mech.initial_blocks or j > own - mech.local_blocks}
+                rest = sorted((j for j in range(own) if j not in forced), key=lambda j: -importance[j])
+                sel = forced | set(rest[: mech.num_selected - len(forced)])
+                chosen[b, g, t] = sel
+                for h in range(g * G, (g + 1) * G):
+                    o_cmp = softmax_over(b, h, t, [k_cmp[i][g] for i in cmp], [v_cmp[i][g] for i in cmp]) if cmp else 0
+                    slc = [j for j in range(pos + 1) if j // bs in sel]
+                    o_slc = softmax_over(b, h, t, [k[b, g, j] for j in slc], [v[b, g, j] for j in slc])
+                    win = range(max(0, pos - mech.window + 1), pos + 1)
+                    o_win = softmax_over(b, h, t, [k[b, g, j] for j in win], [v[b, g, j] for j in win])
+                    gt = gates[b, h, t]
+                    out[b, h, t] = gt[0] * o_cmp + gt[1] * o_slc + gt[2] * o_win
+    return out, chosen
+
+
+@pytest.mark.parametrize("Nq,Nk,Hq,Hkv,kwargs", [
+    (40, 40, 3, 1, {}),
+    (30, 44, 4, 2, dict(compress_block=8, compress_stride=8, select_block=8, num_selected=4, initial_blocks=0, local_blocks=1)),
+])
+def test_literal_equations(Nq, Nk, Hq, Hkv, kwargs):
+    q, k, v = qkv(B=1, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=4)
+    mech = get_mechanism("nsa", **{**SMALL, **kwargs})
+    gates = torch.rand(1, Hq, Nq, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    want, chosen = literal_nsa(mech, q, k, v, gates)
+    assert_close(mech.reference(q, k, v, mask=ak.causal(), gates=gates), want)
+    assert_close(mech(q, k, v, mask=ak.causal(), gates=gates), want)
+    k_cmp, _ = mech.compress(k, v)
+    selection, _ = mech.select(q, k_cmp, None, 0.5, Nk)
+    for (b, g, t), sel in chosen.items():
+        assert set(selection[b, g, t].tolist()) - {-1} == sel
+
+
+def test_compressed_causal_mask_tiles():
+    mask = CompressedCausal(block=8, stride=4, shift=50 - 11)  # 11 compressed keys of 50 tokens
+    dense = mask.dense(1, 1, 30, 11)[0, 0]
+    assert torch.equal(dense, torch.arange(11) * 4 + 7 <= torch.arange(20, 50).view(-1, 1))
+    grid = TileGrid(q_start=11 - 30, q_len=30, q_block=7, k_len=11, k_block=3)
+    states = mask.classify(grid)[0]
+    for i in range(grid.n_q):
+        for j in range(grid.n_k):
+            tile = dense[i * 7 : (i + 1) * 7, j * 3 : (j + 1) * 3]
+            assert states[i, j] != EMPTY or not bool(tile.any())
+            assert states[i, j] != FULL or bool(tile.all())
+
+
+CASES = [
+    (70, 70, 4, 2, 8, {}),
+    (50, 83, 6, 2, 5, dict(select_block=16, num_selected=4)),  # GQA ratio 3: not a power of two
+    (64, 64, 3, 3, 8, dict(compress_block=8, compress_stride=8, compress="mlp", head_dim=8, v_dim=8)),
+    (33, 97, 2, 1, 7, dict(compress="mlp", head_dim=8, v_dim=7, num_heads=2)),
+]
+
+
+@pytest.mark.parametrize("Nq,Nk,Hq,Hkv,Dv,kwargs", CASES)
+def test_fast_path_matches_reference_values_and_gradients(Nq, Nk, Hq, Hkv, Dv, kwargs):
+    q, k, v = qkv(B=2, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=8, Dv=Dv, requires_grad=True)
+    torch.manual_seed(0)
+    mech = get_mechanism("nsa", **{**SMALL, **kwargs}).double()
+    gates = None
+    if mech.gate_logits is None:
+        gates = torch.rand(2, Hq, Nq, 3, dtype=torch.float64).requires_grad_()
+    out = mech(q, k, v, mask=ak.causal(), gates=gates)
+    ref = mech.reference(q, k, v, mask=ak.causal(), gates=gates)
+    assert_close(out, ref)
+    with torch.no_grad():  # inference takes another route for the compression branch
+        assert_close(mech(q, k, v, mask=ak.causal(), gates=gates), ref)
+    go = torch.randn_like(out)
+    wrt = [q, k, v] + ([gates] if gates is not None else []) + list(mech.parameters())
+    for got, want in zip(torch.autograd.grad((out * go).sum(), wrt), torch.autograd.grad((ref * go).sum(), wrt)):
+        assert_close(got, want)
+
+
+def test_gradcheck():
+    q, k, v = qkv(B=1, Hq=2, Hkv=1, Nq=24, Nk=24, D=3, requires_grad=True)
+    mech = get_mechanism("nsa", compress_block=4, compress_stride=2, select_block=4, num_selected=3, window=5)
+    gates = torch.rand(1, 2, 24, 3, dtype=torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b, c, g: mech(a, b, c, mask=ak.causal(), gates=g), (q, k, v, gates), fast_mode=True)
+
+
+def test_all_blocks_selected_is_causal_softmax():
+    q, k, v = qkv(B=2, Hq=4, Hkv=2, Nq=56, Nk=72, D=8)
+    mech = get_mechanism("nsa", compress_block=8, compress_stride=4, select_block=8, num_selected=9, window=4)
+    only_selection = torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64).view(1, 1, 1, 3).expand(1, 4, 1, 3)
+    out = mech(q, k, v, mask=ak.causal(), gates=only_selection)
+    want, _ = reference_attention(make_request(q, k, v, mask=ak.causal()), torch.float64)
+    assert_close(out, want)
+    only_window = torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64).view(1, 1, 1, 3).expand(1, 4, 1, 3)
+    wide = get_mechanism("nsa", compress_block=8, compress_stride=4, select_block=8, num_selected=3, window=72)
+    assert_close(wide(q, k, v, mask=ak.causal(), gates=only_window), want)
+
+
+def test_default_gates_are_one_half():
+    q, k, v = qkv(B=1, Hq=2, Hkv=1, Nq=40, Nk=40, D=4)
+    mech = get_mechanism("nsa", **SMALL)
+    half = torch.full((1, 2, 40, 3), 0.5, dtype=torch.float64)
+    assert_close(ak.attention(q, k, v, mask=ak.causal(), mechanism=mech), mech(q, k, v, mask=ak.causal(), gates=half))
+
+
+class Collect(Observer):
+    def begin(self, call):
+        self.weights = torch.zeros(call.batch, call.heads, call.q_len, call.k_len, dtype=torch.float64)
+
+    def update(self, tile):
+        self.weights[:, :, tile.q_pos.view(-1, 1) - (tile.call.k_len - tile.call.q_len), tile.k_pos.view(1, -1)] += tile.weights
+
+
+def test_observed_weights_make_the_output_with_mean_compression():
+    q, k, v = qkv(B=2, Hq=4, Hkv=2, Nq=45, Nk=60, D=8)
+    gates = torch.rand(2, 4, 45, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    meter = Collect()
+    out = get_mechanism("nsa", **SMALL)(q, k, v, mask=ak.causal(), gates=gates, observers=[meter])
+    assert_close(torch.matmul(meter.weights, v.repeat_interleave(2, 1)), out)
+    assert bool((meter.weights[:, :, :, 60 - 45 + 1 :].triu() == 0).all())  # causal: no weight on future keys
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(compress_block=6, compress_stride=4), "compress_block"),
+    (dict(select_block=6, compress_stride=4), "select_block"),
+    (dict(num_selected=2, initial_blocks=1, local_blocks=2), "num_selected"),
+    (dict(compress="max"), "compress"),
+    (dict(compress="mlp"), "head_dim"),
+    (dict(window=0), "window"),
+    (dict(local_blocks=0), "local_blocks"),
+])
+def test_invalid_parameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        get_mechanism("nsa", **kwargs)
+
+
+def test_invalid_calls():
+    q, k, v = qkv(B=1, Hq=2, Hkv=1, Nq=32, Nk=32, D=4)
+    mech = get_mechanism("nsa", **SMALL)
+    with pytest.raises(ValueError, match="causal"):
+        mech(q, k, v)
+    with pytest.raises(ValueError, match="return_lse"):
+        mech(q, k, v, mask=ak.causal(), return_lse=True)
+    with pytest.raises(ValueError, match="Nq <= Nk"):
+        mech(q, k[:, :, :16], v[:, :, :16], mask=ak.causal())
+    with pytest.raises(ValueError, match="gates"):
+        mech(q, k, v, mask=ak.causal(), gates=torch.rand(1, 2, 32, 2))
+    with pytest.raises(ValueError, match="gate_logits"):
+        get_mechanism("nsa", **SMALL, num_heads=3)(q, k, v, mask=ak.causal())
+    assert math.isfinite(float(mech(q, k, v, mask=ak.causal()).sum()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lower_precision_within_tolerance_of_float64(dtype):
+    q, k, v = (t.to(dtype).double() for t in qkv(B=1, Hq=4, Hkv=2, Nq=64, Nk=64, D=16))
+    mech = get_mechanism("nsa", **SMALL)
+    got = mech(q.to(dtype), k.to(dtype), v.to(dtype), mask=ak.causal())
+    assert got.dtype == dtype
+    assert_close(got, mech.reference(q, k, v, mask=ak.causal()), dtype=dtype)
