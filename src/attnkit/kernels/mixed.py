@@ -1,0 +1,191 @@
+"""Softmax with a learned transform of the logits before it and head mixing after it.
+
+For mechanisms whose weights are ``P~ = M softmax(T(S))``: ``T`` acts on a tile of logits
+(mixing heads, as in talking heads, or a 2-D convolution over queries and keys, as in
+multi-token attention, which needs a *halo* of neighbouring logits around the tile), and
+``M`` (Hq x Hq) mixes the normalised maps across heads. Mixing after the softmax needs
+each row's final lse first, so a block of rows takes two passes over its key tiles: the
+first finds the lse of every head, the second forms ``M P`` and multiplies the values.
+
+Backward: with ``dP = M^T (dO V^T)``, ``dZ = P * (dP - delta~)`` where ``delta~_h =
+sum_j P_hj dP_hj`` is no longer rowsum(dO * O) once heads are mixed, so it takes its own
+pass first. ``T``'s gradient (and its parameters') comes from autograd on each tile,
+from the halo-extended raw logits, whose gradient is scattered back into dq and dk.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .engine import Block, EngineTiling, GradBlock, OnlineSoftmax, TileKernel, fast_exp, fast_exp_, grouped, safe_lse, ungrouped
+from .plan import FULL_SEG
+from .tiles import Tile, visible
+
+Tensor = torch.Tensor
+
+
+def _dead(lse: Tensor) -> Tensor | None:
+    """(Bt, H, BQ, 1) rows that see no key, or None when there are none in the block."""
+    dead = torch.isneginf(lse)
+    return dead.unsqueeze(-1) if bool(dead.any()) else None
+
+
+def _zero_dead(p: Tensor, dead: Tensor | None) -> Tensor:
+    # the fast exp leaves e^-87 where a row has nothing; mixing must not spread it
+    return p if dead is None else p.masked_fill_(dead, 0.0)
+
+
+def mix_heads(m: Tensor, x: Tensor) -> Tensor:
+    """``out[:, g] = sum_h m[g, h] x[:, h]`` for x (Bt, H, ...)."""
+    bt, h = x.shape[:2]
+    return torch.matmul(m.to(x.dtype), x.reshape(bt, h, -1)).reshape(x.shape)
+
+
+class MixedSoftmaxKernel(TileKernel):
+    """``transform``: (Bt, H, BQ + q_halo, span + k_before + k_after) logits (hidden pairs
+    and positions outside the call set to 0) -> (Bt, H, BQ, span); differentiable.
+    ``transform_params``: the tensors it reads that need gradients. ``mix``: (H, H) or None.
+    """
+
+    stats = ("lse",)
+    # a block's tiles are kept between the two passes: smaller blocks, less memory
+    tiling = EngineTiling(q_block=64, k_block=64, tile_k=512)
+
+    def __init__(self, transform: Callable[[Tensor], Tensor], transform_params: list[Tensor], mix: Tensor | None,
+                 halo: tuple[int, int, int] = (0, 0, 0)):
+        self.transform = transform
+        self.transform_params = list(transform_params)
+        self.mix = mix
+        self.halo = halo
+        # without mixing the lse is the softmax's own, and its gradient is handled
+        self.differentiable_stats = ("lse",) if mix is None else ()
+
+    def params(self) -> list[Tensor]:
+        return self.transform_params + ([self.mix] if self.mix is not None else [])
+
+    # ------------------------------------------------------------------ logits
+
+    def _extended(self, blk: Block, kind: str, k0: int, k1: int, track: bool):
+        """(s_ext, s_raw | None, (r0, c0, c1)): the halo-extended, masked-to-zero logits."""
+        prob = blk.prob
+        q_halo, k_before, k_after = self.halo
+        r0 = max(0, blk.q0 - q_halo)
+        c0, c1 = max(0, k0 - k_before), min(prob.req.k_len, k1 + k_after)
+        qg = grouped(prob.q[blk.bs, :, r0 : blk.q1], prob.kv_heads)
+        s_raw = ungrouped(torch.matmul(qg, prob.k[blk.bs, :, c0:c1].transpose(-1, -2)), prob.heads)
+        with torch.set_grad_enabled(track):
+            s = s_raw.requires_grad_(True) if track else s_raw
+            needs_mask = prob.mask is not None and (kind != FULL_SEG or self.halo != (0, 0, 0))
+            if prob.score is not None or needs_mask:
+                tile = Tile.make(blk.rows, prob.heads, prob.q_start + r0, blk.q1 - r0, c0, c1)
+                if prob.score is not None:
+                    s = prob.score(s, tile.b, tile.h, tile.q, tile.k).to(prob.cd)
+                if needs_mask:
+                    s = s.masked_fill(~visible(prob.mask, tile), 0.0)
+            pad = (k_before - (k0 - c0), k_after - (c1 - k1), q_halo - (blk.q0 - r0), 0)
+            if any(pad):
+                s = F.pad(s, pad)
+        return s, (s_raw if track else None), (r0, c0, c1)
+
+    def _logits(self, blk: Block, kind: str, k0: int, k1: int, track: bool = False):
+        s_ext, s_raw, where = self._extended(blk, kind, k0, k1, track)
+        with torch.set_grad_enabled(track):
+            z = self.transform(s_ext)
+            if kind != FULL_SEG:
+                z = z.masked_fill(~blk.visible(kind, k0, k1), -math.inf)
+        return z, s_raw, where
+
+    # ------------------------------------------------------------------ forward
+
+    def forward_block(self, blk: Block):
+        dv = blk.prob.v.shape[-1]
+        if self.mix is None:
+            acc = OnlineSoftmax(blk, dv)
+            for kind, k0, k1 in blk.tiles():
+                acc.add(blk, self._logits(blk, kind, k0, k1)[0], k0, k1)
+            out, lse = acc.result()
+            return out, {"lse": lse}
+        # Mixing needs every head's final lse: keep this block's logits (block x keys,
+        # linear in N) from the first pass rather than computing them twice.
+        tiles = [(k0, k1, self._logits(blk, kind, k0, k1)[0]) for kind, k0, k1 in blk.tiles()]
+        lse = _lse([z for _, _, z in tiles])
+        lse_b, dead = safe_lse(lse), _dead(lse)
+        out = blk.zeros(dv)
+        mix = self.mix.detach()
+        for k0, k1, z in tiles:
+            p = _zero_dead(fast_exp_(z.sub_(lse_b)), dead)
+            blk.pv_add_(out, mix_heads(mix, p), k0, k1)
+        return out, {"lse": lse}
+
+    def observe_block(self, blk: Block, stats):
+        lse_b, dead = safe_lse(stats["lse"]), _dead(stats["lse"])
+        mix = None if self.mix is None else self.mix.detach()
+        for kind, k0, k1 in blk.tiles():
+            z = self._logits(blk, kind, k0, k1)[0]
+            p = _zero_dead(torch.exp(z - lse_b), dead)
+            yield k0, k1, (p if mix is None else mix_heads(mix, p)), z
+
+    # ------------------------------------------------------------------ backward
+
+    def backward_block(self, blk: GradBlock, stats, delta, grad_stats):
+        lse_b, dead = safe_lse(stats["lse"]), _dead(stats["lse"])
+        mix = None if self.mix is None else self.mix.detach()
+        grads: list[Tensor | None] = [None] * len(self.params())
+
+        def tile_grads(k0, k1, kind):
+            z, s_raw, where = self._logits(blk, kind, k0, k1, track=True)
+            p = _zero_dead(fast_exp(z.detach() - lse_b), dead)
+            dw = blk.dw(k0, k1)
+            return z, s_raw, where, p, dw, (dw if mix is None else mix_heads(mix.T, dw))
+
+        if mix is None:  # delta is rowsum(dO * O): one streaming pass
+            d = (delta - grad_stats["lse"] if "lse" in grad_stats else delta).unsqueeze(-1)
+            for kind, k0, k1 in blk.tiles():
+                self._tile_backward(blk, k0, k1, *tile_grads(k0, k1, kind), d, None, grads)
+            return grads
+        # delta~_h = sum_j P_hj (M^T dW)_hj needs the whole row first: keep the block's tiles
+        tiles = [(k0, k1, *tile_grads(k0, k1, kind)) for kind, k0, k1 in blk.tiles()]
+        d = sum((p * dp).sum(dim=-1, keepdim=True) for *_, p, _, dp in tiles)
+        for tile in tiles:
+            self._tile_backward(blk, *tile, d, mix, grads)
+        return grads
+
+    def _tile_backward(self, blk: GradBlock, k0, k1, z, s_raw, where, p, dw, dp, d, mix, grads) -> None:
+        n_t = len(self.transform_params)
+        if mix is not None:
+            dmix = torch.matmul(dw.transpose(0, 1).reshape(dw.shape[1], -1), p.transpose(0, 1).reshape(p.shape[1], -1).T)
+            grads[n_t] = dmix if grads[n_t] is None else grads[n_t] + dmix
+        dz = p * (dp - d)
+        learned = [i for i, t in enumerate(self.transform_params) if t.requires_grad]
+        wanted = [s_raw] + [self.transform_params[i] for i in learned] + blk.prob.score_params
+        got = torch.autograd.grad(z, wanted, dz, allow_unused=True)
+        for i, g in zip(learned, got[1 : 1 + len(learned)]):
+            if g is not None:
+                grads[i] = g if grads[i] is None else grads[i] + g
+        blk.grads.add_params(got[1 + len(learned) :])
+        blk.add(k0, k1, None, p if mix is None else mix_heads(mix, p))
+        self._scatter_logit_grad(blk, got[0], *where)
+
+    @staticmethod
+    def _scatter_logit_grad(blk: GradBlock, ds: Tensor, r0: int, c0: int, c1: int) -> None:
+        """dq and dk of the halo-extended logits (rows r0.., keys c0..c1) of one tile."""
+        prob, g = blk.prob, blk.grads
+        dsg = grouped(ds, prob.kv_heads)
+        ks = (blk.bs, slice(None), slice(c0, c1))
+        g.dq[blk.bs, :, r0 : blk.q1] += ungrouped(torch.matmul(dsg, prob.k[ks]), prob.heads) * prob.scale
+        g.dk[ks] += torch.matmul(dsg.transpose(-1, -2), grouped(prob.q[blk.bs, :, r0 : blk.q1], prob.kv_heads))
+
+
+def _lse(tiles: list[Tensor]) -> Tensor:
+    """Row logsumexp over a block's tiles of logits; -inf for rows that see no key."""
+    m = tiles[0].amax(dim=-1)
+    for z in tiles[1:]:
+        m = torch.maximum(m, z.amax(dim=-1))
+    dead = torch.isneginf(m)  # decided by the max: the fast exp never gives exact zeros
+    m_safe = torch.where(dead, torch.zeros_like(m), m).unsqueeze(-1)
+    l = sum(fast_exp(z - m_safe).sum(dim=-1) for z in tiles)
+    return torch.where(dead, m, m_safe.squeeze(-1) + torch.log(l))

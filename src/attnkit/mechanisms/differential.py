@@ -1,0 +1,121 @@
+"""Differential attention (Ye, Dong, Xia, Sun, Zhu, Huang, Wei 2024, "Differential
+Transformer", arXiv 2410.05258).
+
+Two softmax maps from two halves of every head's query and key, subtracted:
+
+    DiffAttn = (softmax(Q1 K1^T / sqrt(d)) - lambda * softmax(Q2 K2^T / sqrt(d))) V,
+
+with ``[Q1 | Q2] = q`` and ``[K1 | K2] = k`` split along the head dimension (d = D / 2)
+and V shared. The difference cancels attention noise common to both maps. ``lambda`` is
+a constant, or (``lambda_dim=``) re-parameterised as in the paper,
+``lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init`` with learned vectors, and
+``lambda_init = 0.8 - 0.6 exp(-0.3 (l - 1))`` for layer l when ``layer_index`` is given.
+The paper's per-head GroupNorm and ``(1 - lambda_init)`` output scale act on the heads'
+outputs and belong to the layer, not to the attention operator.
+
+Both maps run on the chunked backend (fused flash tiles, any mask and score mod, forward
+and backward in O(N) memory); the output is their difference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..kernels import chunked_attention, empty_result, make_request
+from ..kernels.engine import dense_softmax
+from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish
+from ..kernels.observe_pass import call_info, softmax_tiles
+from ..kernels.request import Request
+from ..observe import AttentionTile, feed
+from ..observe.base import interested
+from .base import Mechanism, register
+
+Tensor = torch.Tensor
+
+
+@register("differential")
+class Differential(Mechanism):
+    """``(softmax(Q1 K1^T) - lambda softmax(Q2 K2^T)) V`` with q, k split in halves."""
+
+    paper = "arXiv:2410.05258"
+
+    def __init__(self, lambda_init: float | None = 0.8, layer_index: int | None = None, lambda_dim: int | None = None):
+        super().__init__()
+        if layer_index is not None:
+            if isinstance(layer_index, bool) or not isinstance(layer_index, int) or layer_index < 0:
+                raise ValueError(f"differential(layer_index): expected an int >= 0 (0 for the first layer), got {layer_index!r}")
+            lambda_init = 0.8 - 0.6 * math.exp(-0.3 * layer_index)
+        if isinstance(lambda_init, bool) or not isinstance(lambda_init, (int, float)) or not math.isfinite(lambda_init):
+            raise ValueError(f"differential(lambda_init): expected a finite number, got {lambda_init!r}")
+        self.lambda_init = float(lambda_init)
+        if lambda_dim is None:
+            self.lambda_q1 = self.lambda_k1 = self.lambda_q2 = self.lambda_k2 = None
+        else:
+            if isinstance(lambda_dim, bool) or not isinstance(lambda_dim, int) or lambda_dim < 1:
+                raise ValueError(f"differential(lambda_dim): expected an int >= 1, got {lambda_dim!r}")
+            for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+                setattr(self, name, nn.Parameter(torch.randn(lambda_dim) * 0.1))
+
+    def extra_repr(self) -> str:
+        learned = "" if self.lambda_q1 is None else f", lambda_dim={self.lambda_q1.numel()}"
+        return super().extra_repr() + f", lambda_init={self.lambda_init:.4g}{learned}"
+
+    def lam(self) -> Tensor:
+        """The current lambda (a 0-d tensor; differentiable when re-parameterised)."""
+        if self.lambda_q1 is None:
+            return torch.tensor(self.lambda_init)
+        return (torch.exp(torch.dot(self.lambda_q1, self.lambda_k1)) - torch.exp(torch.dot(self.lambda_q2, self.lambda_k2))
+                + self.lambda_init)
+
+    def halves(self, q, k, v, mask, score, scale) -> tuple[Request, Request]:
+        for name, t in (("q", q), ("k", k)):
+            if isinstance(t, Tensor) and t.dim() == 4 and t.shape[-1] % 2:
+                raise ValueError(f"{name}: differential attention splits the head dim in two halves; D={t.shape[-1]} is odd")
+        if isinstance(q, Tensor) and q.dim() == 4 and scale is None:
+            scale = 1.0 / math.sqrt(q.shape[-1] // 2)
+        q1, q2 = q.chunk(2, dim=-1)
+        k1, k2 = k.chunk(2, dim=-1)
+        return (make_request(q1, k1, v, mask=mask, score=score, scale=scale, return_lse=True),
+                make_request(q2, k2, v, mask=mask, score=score, scale=scale, return_lse=True))
+
+    def forward(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto",
+                check_finite=True, observers=None, layer=None):
+        check_options(self.name, sinks=sinks, return_lse=return_lse, backend=backend, lse=False)
+        first, second = self.halves(q, k, v, mask, score, scale)
+        if backend == "reference":
+            out = self.reference(q, k, v, mask=mask, score=score, scale=scale)
+        else:
+            run = empty_result if first.q_len == 0 or first.k_len == 0 else chunked_attention
+            o1, lse1 = run(first)
+            o2, lse2 = run(second)
+            lam = self.lam().to(o1.dtype)
+            out = o1 - lam * o2
+            if observers:
+                lam_value = float(lam)
+                call = call_info(first, layer, self.name)
+                _, union = interested(observers, call)
+                with torch.no_grad():  # both tile streams restore this mode, whatever their order
+                    feed(observers, call, _difference(softmax_tiles(first, lse1, call, union), softmax_tiles(second, lse2, call, union), lam_value))
+        return finish(first, out, check_finite)
+
+    def reference(self, q, k, v, *, mask=None, score=None, scale=None, **_):
+        """The paper's Eq. (1): ``(softmax(Q1 K1^T s) - lambda softmax(Q2 K2^T s)) V``."""
+        first, second = self.halves(q, k, v, mask, score, scale)
+        p1, _ = dense_softmax(dense_logits(first))
+        p2, _ = dense_softmax(dense_logits(second))
+        weights = p1 - self.lam().to(p1.dtype) * p2
+        return torch.matmul(weights, dense_values(first)).to(q.dtype)
+
+
+
+def _difference(first, second, lam: float):
+    """Tiles of P1 - lambda P2 from the two maps' tile streams (same plan, same order)."""
+    try:
+        for a, b in zip(first, second):
+            yield AttentionTile(a.call, a.batch, a.q_pos, a.k_pos, a.weights - lam * b.weights, None, a.heads)
+    finally:  # close the inner generators last-opened first, so each restores its own mode
+        second.close()
+        first.close()

@@ -1,0 +1,144 @@
+"""Multi-token attention (Golovneva, Wang, Weston, Sukhbaatar 2025, "Multi-Token
+Attention", arXiv 2504.00927).
+
+Every attention weight may depend on several queries, keys and heads at once:
+
+- key-query convolution before the softmax: each head convolves its logits with a
+  learned (cq x ck) kernel over (query, key), looking back cq - 1 queries and
+  (ck - 1) / 2 keys to either side. Hidden logits enter the convolution as 0 and are
+  hidden again after it (the paper's Mask_0 then Mask_-inf), so no future key leaks in;
+- head mixing after the softmax: heads in groups of ch mix their weights with a learned
+  (ch x ch) matrix per group.
+
+Kernels start as the identity (a 1 at the current query and key, the paper's "identity"
+initialisation), so the mechanism computes softmax attention until it trains. The
+paper's group normalisation with depth scaling acts on the heads' outputs and belongs
+to the layer.
+
+The chunked path computes each tile's logits with a halo of cq - 1 rows above and
+(ck - 1) / 2 keys on each side, convolves, and runs the two-pass mixed softmax of
+kernels/mixed.py; the gradient of the halo logits is scattered back into dq and dk.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.engine import dense_softmax, observe_kernel, run_kernel
+from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish, request
+from ..kernels.mixed import MixedSoftmaxKernel, mix_heads
+from ..kernels.request import Request
+from .base import Mechanism, register
+
+Tensor = torch.Tensor
+
+
+class KeyQueryConv(torch.autograd.Function):
+    """Depthwise 2-D convolution of logit tiles (one kernel per head). Its backward avoids
+    torch's CPU ``convolution_backward``, which takes a slow path for depthwise weight
+    gradients (30x here): the input gradient is the transposed convolution, the kernel
+    gradient a convolution of the input with dZ as the kernel (batch rows as groups)."""
+
+    @staticmethod
+    def forward(ctx, s: Tensor, kernel: Tensor) -> Tensor:  # s (B, H, R, C), kernel (H, 1, cq, ck)
+        ctx.save_for_backward(s, kernel)
+        return F.conv2d(s, kernel, groups=kernel.shape[0])
+
+    @staticmethod
+    def backward(ctx, dz: Tensor):
+        s, kernel = ctx.saved_tensors
+        b, h = s.shape[:2]
+        ds = F.conv_transpose2d(dz, kernel, groups=h) if ctx.needs_input_grad[0] else None
+        dk = None
+        if ctx.needs_input_grad[1]:
+            per_row = F.conv2d(s.reshape(1, b * h, *s.shape[2:]), dz.reshape(b * h, 1, *dz.shape[2:]), groups=b * h)
+            dk = per_row.view(b, h, *kernel.shape[2:]).sum(dim=0).unsqueeze(1)
+        return ds, dk
+
+
+def _positive(value, name: str, odd: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (odd and value % 2 == 0):
+        raise ValueError(f"multi_token({name}): expected an {'odd ' if odd else ''}int >= 1, got {value!r}")
+    return value
+
+
+@register("multi_token")
+class MultiToken(Mechanism):
+    """Key-query convolution of the logits (per head) and head mixing of the weights (per group)."""
+
+    paper = "arXiv:2504.00927"
+
+    def __init__(self, num_heads: int | None = None, query_kernel: int = 6, key_kernel: int = 11, head_kernel: int = 2):
+        super().__init__()
+        self.cq = _positive(query_kernel, "query_kernel")
+        self.ck = _positive(key_kernel, "key_kernel", odd=True)
+        self.ch = _positive(head_kernel, "head_kernel")
+        self.num_heads = None if num_heads is None else _positive(num_heads, "num_heads")
+        if self.num_heads is not None and self.num_heads % self.ch:
+            raise ValueError(f"multi_token(head_kernel): {self.ch} must divide num_heads={self.num_heads}")
+        if self.num_heads is None:
+            self.register_parameter("kq_kernel", None)
+            self.register_parameter("head_mix", None)
+            return
+        kernel = torch.zeros(self.num_heads, self.cq, self.ck)
+        kernel[:, -1, self.ck // 2] = 1.0  # identity: the current query and key
+        self.kq_kernel = nn.Parameter(kernel)
+        groups = self.num_heads // self.ch
+        self.head_mix = nn.Parameter(torch.eye(self.ch).repeat(groups, 1, 1)) if self.ch > 1 else None
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", num_heads={self.num_heads}, kernel=({self.cq}, {self.ck}), head_kernel={self.ch}"
+
+    def _check(self, req: Request) -> None:
+        if self.num_heads is None:
+            raise ValueError("multi_token: no kernels; build MultiToken(num_heads=H) (they start as the identity)")
+        if req.heads != self.num_heads:
+            raise ValueError(f"multi_token: kernels for {self.num_heads} heads but the call has Hq={req.heads}")
+
+    def mixing_matrix(self) -> Tensor | None:
+        """The (H x H) block-diagonal matrix of the per-group head mixing."""
+        return None if self.head_mix is None else torch.block_diag(*self.head_mix)
+
+    def _convolve(self, s: Tensor) -> Tensor:
+        return KeyQueryConv.apply(s, self.kq_kernel.to(s.dtype).unsqueeze(1))
+
+    def kernel(self) -> MixedSoftmaxKernel:
+        halo = (self.cq - 1, self.ck // 2, self.ck // 2)
+        return MixedSoftmaxKernel(self._convolve, [self.kq_kernel], self.mixing_matrix(), halo)
+
+    def forward(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto",
+                check_finite=True, observers=None, layer=None):
+        check_options(self.name, sinks=sinks, return_lse=return_lse, backend=backend, lse=self.ch == 1)
+        req = request(q, k, v, mask=mask, score=score, scale=scale)
+        self._check(req)
+        kernel = self.kernel()
+        if backend == "reference":
+            out, lse = self._dense(req)
+        else:
+            out, stats = run_kernel(req, kernel)
+            lse = stats["lse"]
+        if observers:
+            observe_kernel(req, kernel, {"lse": lse}, observers, layer, self.name)
+        finish(req, out, check_finite)
+        return (out, lse) if return_lse else out
+
+    def reference(self, q, k, v, *, mask=None, score=None, scale=None, return_lse=False, **_):
+        req = request(q, k, v, mask=mask, score=score, scale=scale)
+        self._check(req)
+        out, lse = self._dense(req)
+        return (out, lse) if return_lse else out
+
+    def _dense(self, req: Request):
+        """As the paper's code: zero the hidden logits, pad (cq - 1 queries before, (ck - 1) / 2
+        keys each side), depthwise conv2d, hide again, softmax, mix heads within groups."""
+        s = dense_logits(req)
+        hidden = torch.isneginf(s)
+        padded = F.pad(s.masked_fill(hidden, 0.0), (self.ck // 2, self.ck // 2, self.cq - 1, 0))
+        z = self._convolve(padded).masked_fill(hidden, float("-inf"))
+        p, lse = dense_softmax(z)
+        mix = self.mixing_matrix()
+        if mix is not None:
+            p = mix_heads(mix, p)
+        return torch.matmul(p, dense_values(req)).to(req.q.dtype), lse

@@ -1,0 +1,187 @@
+"""Sigmoid attention (Ramapuram et al. 2024, "Theory, Analysis, and Best Practices for
+Sigmoid Self-Attention", arXiv 2409.04431).
+
+Each weight is an independent gate, ``w_ij = sigmoid(s_ij + b)``, with no normalisation
+over the row; ``b = -log n`` (n = number of keys) keeps the initial output norm close to
+softmax attention's. Without a row normaliser the chunked path needs no running max and
+no rescaling: every tile adds ``sigmoid(S + b) V`` to the output and is done.
+
+For inference it also runs through FlexAttention (``backend="flex"``): FlexAttention
+normalises, so the score mod is ``log sigmoid(s + b)`` and the normalisation is undone
+afterwards. Where FlexAttention returns the logsumexp (CUDA, or uncompiled), the output
+is multiplied by ``exp(lse)`` (the row sum of the gates). Compiled FlexAttention on CPU
+returns no lse (torch 2.13: "return_lse is not supported yet"), so there one extra key
+with logit 0 (weight 1) and a value that is 1 in an extra column carries the normaliser:
+that column comes out as ``1 / (1 + sum sigmoid)``, which undoes the rest exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+
+from ..kernels.engine import Block, GradBlock, TileKernel, observe_kernel, run_kernel
+from ..kernels.flex import flex_attention_call, flex_unsupported
+from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish, request
+from ..kernels.request import Request, make_request
+from ..mods import Mask, ScoreMod
+from .base import Mechanism, register
+
+Tensor = torch.Tensor
+
+
+class SigmoidKernel(TileKernel):
+    """Unnormalised pointwise weights: out = sum over tiles of sigmoid(S + b) V."""
+
+    def __init__(self, bias: float):
+        self.bias = bias
+
+    def forward_block(self, blk: Block):
+        acc = blk.zeros(blk.prob.v.shape[-1])
+        for kind, k0, k1 in blk.tiles():
+            w = blk.logits(kind, k0, k1).add_(self.bias).sigmoid_()  # masked: sigmoid(-inf) = 0
+            blk.pv_add_(acc, w, k0, k1)
+        return acc, {}
+
+    def backward_block(self, blk: GradBlock, stats, delta, grad_stats):
+        for kind, k0, k1 in blk.tiles():
+            s, tracked = blk.tracked_logits(kind, k0, k1)
+            w = torch.sigmoid(s.detach() + self.bias)
+            ds = blk.dw(k0, k1).mul_(w * (1 - w))
+            blk.add(k0, k1, ds, w, (s, tracked))
+        return []
+
+    def observe_block(self, blk: Block, stats):
+        for kind, k0, k1 in blk.tiles():
+            s = blk.logits(kind, k0, k1)
+            yield k0, k1, torch.sigmoid(s + self.bias), s
+
+
+@register("sigmoid")
+class Sigmoid(Mechanism):
+    """``sigmoid(s + b) V`` with no row normalisation; ``bias=None`` means ``b = -log(Nk)``."""
+
+    paper = "arXiv:2409.04431"
+
+    def __init__(self, bias: float | None = None):
+        super().__init__()
+        if bias is not None and (isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias)):
+            raise ValueError(f"sigmoid(bias): expected a finite number or None (for -log n), got {bias!r}")
+        self.bias = None if bias is None else float(bias)
+        self._flex_mods: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def bias_for(self, k_len: int) -> float:
+        return -math.log(max(k_len, 1)) if self.bias is None else self.bias
+
+    def forward(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto",
+                check_finite=True, observers=None, layer=None):
+        check_options(self.name, sinks=sinks, return_lse=return_lse, backend=backend, lse=False,
+                      backends=("auto", "chunked", "flex", "reference"))
+        req = request(q, k, v, mask=mask, score=score, scale=scale)
+        if backend == "reference":
+            out = self.reference(q, k, v, mask=mask, score=score, scale=scale)
+        elif backend == "flex":
+            if req.needs_grad and req.q.device.type == "cpu":
+                raise ValueError("backend='flex' cannot run this call: FlexAttention has no backward on CPU; use backend='chunked' to train")
+            out = self.flex(req)
+        else:
+            out, _ = run_kernel(req, SigmoidKernel(self.bias_for(req.k_len)))
+        if observers:
+            observe_kernel(req, SigmoidKernel(self.bias_for(req.k_len)), {}, observers, layer, self.name)
+        return finish(req, out, check_finite)
+
+    def reference(self, q, k, v, *, mask=None, score=None, scale=None, **_):
+        """The paper's Eq. (1): sigmoid(Q K^T / sqrt(d) + b) V, masked gates are 0."""
+        req = request(q, k, v, mask=mask, score=score, scale=scale)
+        w = torch.sigmoid(dense_logits(req) + self.bias_for(req.k_len))
+        return torch.matmul(w, dense_values(req)).to(q.dtype)
+
+    # ----------------------------------------------------------------- FlexAttention
+
+    def flex(self, req: Request, run=flex_attention_call, lse_route: bool | None = None) -> Tensor:
+        """Inference through FlexAttention. ``run`` evaluates a softmax request and returns
+        (out, lse | None); ``lse_route`` undoes the normalisation with the lse (default:
+        everywhere but CPU, whose compiled FlexAttention returns no lse)."""
+        if lse_route is None:
+            lse_route = req.q.device.type != "cpu"
+        bias = self.bias_for(req.k_len)
+        if req.q_len == 0 or req.k_len == 0:
+            return torch.zeros(req.batch, req.heads, req.q_len, req.v_dim, dtype=req.q.dtype, device=req.q.device)
+        if lse_route:
+            soft = make_request(req.q, req.k, req.v, mask=req.mask, score=_LogSigmoid(req.score, bias, None, 0), scale=req.scale, return_lse=True)
+            out, lse = run(_flex_checked(soft, run))
+            return (out.to(lse.dtype) * torch.exp(lse).unsqueeze(-1)).to(req.q.dtype)
+        return self._flex_with_unit_key(req, bias, run)
+
+    def _flex_with_unit_key(self, req: Request, bias: float, run) -> Tensor:
+        B, Hkv, Nk, D = req.k.shape
+        Dv = req.v_dim
+        width = max(D, Dv + 1)  # CPU FlexAttention wants one head size for q, k and v
+        q = torch.nn.functional.pad(req.q, (0, width - D))
+        k = torch.nn.functional.pad(req.k, (0, width - D, 0, 1))  # key Nk: the unit key
+        v = torch.nn.functional.pad(req.v, (0, width - Dv, 0, 1))
+        v[:, :, Nk, Dv] = 1.0
+        mask = None if req.mask is None else self._unit_key_mask(req.mask, Nk)
+        soft = make_request(q, k, v, mask=mask, score=_LogSigmoid(req.score, bias, Nk, 1), scale=req.scale)
+        out, _ = run(_flex_checked(soft, run))
+        return (out[..., :Dv] / out[..., Dv : Dv + 1]).to(req.q.dtype)
+
+    def _unit_key_mask(self, mask: Mask, nk: int) -> Mask:
+        # One wrapper per user mask, so FlexAttention's block-mask cache keeps working.
+        per_mask = self._flex_mods.setdefault(mask, {})
+        if nk not in per_mask:
+            per_mask[nk] = _OrUnitKey(mask, nk)
+        return per_mask[nk]
+
+
+def _flex_checked(req: Request, run) -> Request:
+    if run is flex_attention_call:
+        why = flex_unsupported(req)
+        if why is not None:
+            raise ValueError(f"backend='flex' cannot run this call: {why}")
+    return req
+
+
+class _LogSigmoid(ScoreMod):
+    """log sigmoid(score(s) + b), so that a softmax over it is sigmoid / (row sum); the
+    unit key (index ``unit``, if any) gets logit 0. Query positions are shifted back by
+    ``shift`` (the unit key moved the bottom-right alignment by one)."""
+
+    def __init__(self, inner: ScoreMod | None, bias: float, unit: int | None, shift: int):
+        self.inner, self.bias, self.unit, self.shift = inner, bias, unit, shift
+
+    def __call__(self, s, b, h, q_idx, kv_idx):
+        if self.inner is not None:
+            real_kv = kv_idx if self.unit is None else kv_idx.clamp(max=self.unit - 1)  # mods may index tables by key
+            s = self.inner(s, b, h, q_idx - self.shift, real_kv)
+        out = torch.nn.functional.logsigmoid(s + self.bias)
+        return out if self.unit is None else torch.where(kv_idx == self.unit, torch.zeros_like(out), out)
+
+    def atoms(self):
+        return (self,) if self.inner is None else (self, *self.inner.atoms())
+
+    def __repr__(self):
+        return f"log_sigmoid(+{self.bias:g})"
+
+
+class _OrUnitKey(Mask):
+    """The user's mask (queries shifted back by one), or the unit key at index ``unit``."""
+
+    def __init__(self, inner: Mask, unit: int):
+        self.inner, self.unit = inner, unit
+        self.batch_dependent = inner.batch_dependent
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        inner = self.inner(b, h, q_idx - 1, kv_idx.clamp(max=self.unit - 1))  # masks may index tables by key
+        return (kv_idx == self.unit) | torch.as_tensor(inner, dtype=torch.bool)
+
+    def bind(self, *shape):
+        return self  # the inner mask is already bound to the original call
+
+    def children(self):
+        return (self.inner,)
+
+    def __repr__(self):
+        return f"({self.inner!r}) | unit_key({self.unit})"

@@ -1,0 +1,62 @@
+"""Differential attention (arXiv 2410.05258) against its literal two-map formula."""
+
+import math
+
+import mechanism_contract as mc
+import pytest
+import torch
+from helpers import assert_close, qkv
+
+import attnkit as ak
+from attnkit.kernels import make_request, reference_attention
+from attnkit.mechanisms.differential import Differential
+
+
+def test_matches_reference():
+    mc.grid(Differential())
+    mc.grid(Differential(lambda_dim=4).double(), shapes={"gqa": mc.SHAPES["gqa"]})
+
+
+def test_multi_tile():
+    mc.matches_reference(Differential(layer_index=3), dict(B=1, Hq=4, Hkv=2, Nq=280, Nk=300, D=8), ak.causal() & ak.window(100), ak.softcap(3.0))
+
+
+def test_gradcheck():
+    mc.gradchecks(Differential(lambda_init=0.3), shape=dict(B=1, Hq=2, Hkv=1, Nq=5, Nk=7, D=4, Dv=2), mask=ak.causal())
+
+
+def test_contract():
+    mc.low_precision(Differential(), mask=ak.causal())
+    mc.dead_rows(Differential())
+    mc.observers(Differential(lambda_init=0.6), mask=ak.causal())
+    mc.empty_sequences(Differential())
+    mc.by_name("differential", Differential())
+
+
+def test_lambda_zero_is_softmax_of_the_first_halves():
+    q, k, v = qkv(B=1, Hq=2, Hkv=1, Nq=9, Nk=9, D=8)
+    out = Differential(lambda_init=0.0)(q, k, v, mask=ak.causal())
+    ref, _ = reference_attention(make_request(q[..., :4], k[..., :4], v, mask=ak.causal()))
+    assert_close(out, ref)
+
+
+def test_lambda_schedule_and_reparameterisation():
+    assert Differential(layer_index=0).lambda_init == pytest.approx(0.2)
+    assert Differential(layer_index=5).lambda_init == pytest.approx(0.8 - 0.6 * math.exp(-1.5))
+    mech = Differential(lambda_dim=3)
+    with torch.no_grad():
+        for name, value in (("lambda_q1", 0.1), ("lambda_k1", 0.2), ("lambda_q2", 0.3), ("lambda_k2", -0.1)):
+            getattr(mech, name).fill_(value)
+    assert mech.lam().item() == pytest.approx(math.exp(3 * 0.02) - math.exp(-3 * 0.03) + 0.8, rel=1e-6)
+
+
+def test_rejects_bad_input():
+    for kwargs in (dict(lambda_init=math.nan), dict(layer_index=-1), dict(lambda_dim=0)):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            Differential(**kwargs)
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, Nq=4, Nk=4, D=5)
+    with pytest.raises(ValueError, match="odd"):
+        Differential()(q, k, v)
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, Nq=4, Nk=4, D=4)
+    with pytest.raises(ValueError, match="return_lse"):
+        Differential()(q, k, v, return_lse=True)

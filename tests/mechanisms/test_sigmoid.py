@@ -1,0 +1,87 @@
+"""Sigmoid attention (arXiv 2409.04431): chunked path and FlexAttention against the literal
+formula sigmoid(QK^T / sqrt(d) + b) V."""
+
+import math
+
+import mechanism_contract as mc
+import pytest
+import torch
+from helpers import assert_close, qkv
+
+import attnkit as ak
+from attnkit.kernels import make_request, reference_attention
+from attnkit.mechanisms.sigmoid import Sigmoid
+
+
+def test_matches_reference():
+    mc.grid(Sigmoid())
+    mc.matches_reference(Sigmoid(bias=-1.5), mc.SHAPES["gqa"], ak.causal())
+
+
+def test_small_tiles(monkeypatch):
+    with mc.small_tiles(monkeypatch):
+        for name in ("none", "causal", "window", "document"):
+            mc.matches_reference(Sigmoid(), dict(B=2, Hq=4, Hkv=2, Nq=21, Nk=37, D=8), mc.MASKS[name](37), ak.alibi(4))
+
+
+def test_gradcheck(monkeypatch):
+    with mc.small_tiles(monkeypatch):
+        mc.gradchecks(Sigmoid(), mask=ak.causal(), score=ak.softcap(2.0))
+
+
+def test_low_precision():
+    mc.low_precision(Sigmoid(), mask=ak.causal())
+
+
+def test_dead_rows_observers_empty():
+    mc.dead_rows(Sigmoid())
+    mc.observers(Sigmoid(), mask=ak.causal() & ak.window(6))
+    mc.empty_sequences(Sigmoid())
+
+
+def test_by_name():
+    mc.by_name("sigmoid", Sigmoid())
+
+
+def test_default_bias_is_minus_log_n():
+    # zero logits: every gate is sigmoid(-log n) = 1 / (1 + n)
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, Nq=5, Nk=9, D=4)
+    out = Sigmoid()(torch.zeros_like(q), k, v)
+    assert_close(out, v.sum(dim=2, keepdim=True).expand(-1, -1, 5, -1) / 10)
+
+
+@pytest.mark.parametrize("lse_route", [False, True])
+def test_flex_routes_undo_the_normalisation(lse_route):
+    """Both ways of turning FlexAttention's softmax back into sigmoid gates, run here on the
+    reference softmax backend (which returns the lse) in place of compiled Flex."""
+    q, k, v = qkv(B=2, Hq=4, Hkv=2, Nq=13, Nk=30, D=8, Dv=5, dtype=torch.float32)
+    mech = Sigmoid()
+    for mask in (None, ak.causal(), ak.document(torch.arange(30) // 6)):
+        req = make_request(q, k, v, mask=mask, score=ak.alibi(4))
+        got = mech.flex(req, run=reference_attention, lse_route=lse_route)
+        assert_close(got, mech.reference(q.double(), k.double(), v.double(), mask=mask, score=ak.alibi(4)), dtype=torch.float32)
+
+
+@pytest.mark.slow
+def test_flex_compiled_on_cpu():
+    """Compiled FlexAttention on CPU returns no lse; the unit-key route still gives the gates."""
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, Nq=128, Nk=128, D=16, dtype=torch.float32)
+    mech = Sigmoid()
+    with torch.no_grad():
+        out = mech(q, k, v, mask=ak.causal(), backend="flex")
+    assert_close(out, mech.reference(q.double(), k.double(), v.double(), mask=ak.causal()), dtype=torch.float32)
+
+
+def test_flex_refuses_training():
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, Nq=8, Nk=8, D=4, dtype=torch.float32, requires_grad=True)
+    with pytest.raises(ValueError, match="backward"):
+        Sigmoid()(q, k, v, backend="flex")
+
+
+def test_rejects_bad_parameters():
+    for bad in (math.nan, math.inf, "x", True):
+        with pytest.raises(ValueError, match="bias"):
+            Sigmoid(bias=bad)
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, Nq=4, Nk=4, D=4)
+    with pytest.raises(ValueError, match="return_lse"):
+        Sigmoid()(q, k, v, return_lse=True)
