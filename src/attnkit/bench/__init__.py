@@ -8,7 +8,7 @@ import importlib
 
 from .harness import Row, format_table, machine_info, peak_rss_growth, time_pair, write_json
 
-SUITES = ("kernels",)
+SUITES = ("kernels", "hf", "inspect", "linear", "sparse", "mechanisms")
 
 
 def suite_module(name: str):

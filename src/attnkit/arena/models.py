@@ -1,0 +1,160 @@
+"""The models the arena trains, and the mechanism specs that configure them.
+
+- token tasks: ``attnkit.nn.TransformerLM`` (every layer runs the mechanism);
+- real-valued inputs (in-context regression): ``VectorTransformer``, TransformerLM's
+  blocks between a linear read-in and read-out, as Garg et al. (arXiv 2208.01066)
+  wrap GPT-2;
+- the single-layer associative-retrieval probe: ``RetrievalLayer``, one attention layer
+  whose query reads a memory written by all the (key, value) pairs, as in Schlag et al.
+  (arXiv 2102.11174, section 6.1).
+
+A mechanism spec is a registered name with optional parameters, written
+``name:key=value:key=value`` (values parsed as JSON, else kept as strings), e.g.
+``linear:rule=delta:feature_map=elu+1``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..api import attention
+from ..mechanisms import available
+from ..nn import Block, LearnedPositions, TransformerConfig, TransformerLM, build_mechanism
+from ..nn.transformer import _init_weights
+
+Tensor = torch.Tensor
+
+#: short names the arena accepts besides the registry's (the issue's "delta")
+ALIASES = {"delta": "deltanet"}
+
+
+@dataclass(frozen=True)
+class MechanismSpec:
+    """A mechanism as the arena runs it: ``label`` (how tables name it), the registered
+    ``name`` and constructor ``params``."""
+
+    label: str
+    name: str
+    params: dict = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str) -> MechanismSpec:
+        text = text.strip()
+        name, *assignments = text.split(":")
+        name = ALIASES.get(name, name)
+        if name not in available():
+            raise ValueError(f"mechanisms: unknown mechanism {name!r} in {text!r}; registered: {', '.join(available())}")
+        params = {}
+        for item in assignments:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise ValueError(f"mechanisms: expected name:key=value:..., got {text!r}")
+            try:
+                params[key] = json.loads(value)
+            except json.JSONDecodeError:
+                params[key] = value
+        return cls(text, name, params)
+
+
+def parse_mechanisms(mechanisms) -> list[MechanismSpec]:
+    """``"softmax,sigmoid,linear:rule=delta"`` (or a list of such strings and specs) ->
+    specs, each label once."""
+    if isinstance(mechanisms, str):
+        mechanisms = [part for part in mechanisms.split(",") if part.strip()]
+    specs = [m if isinstance(m, MechanismSpec) else MechanismSpec.parse(m) for m in mechanisms]
+    if not specs:
+        raise ValueError(f"mechanisms: expected a comma-separated list of names, got {mechanisms!r}")
+    labels = [s.label for s in specs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"mechanisms: each may appear once, got {', '.join(labels)}")
+    return specs
+
+
+def build_model(task, spec: MechanismSpec, d_model: int, n_layers: int, n_heads: int) -> nn.Module:
+    """The model ``task`` is read by (``task.model_kind``), running ``spec`` in every attention layer.
+    Call ``torch.manual_seed`` first to fix its initialisation."""
+    if task.fixed_layers is not None and n_layers != task.fixed_layers:
+        raise ValueError(f"layers: the {task.name} task is a {task.fixed_layers}-layer probe, got {n_layers}")
+    if task.model_kind == "retrieval":
+        return RetrievalLayer(task.num_keys, task.num_values, d_model, n_heads, spec.name, spec.params)
+    config = TransformerConfig(
+        vocab_size=getattr(task, "vocab_size", 1), d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+        max_len=max(task.eval_lengths()), mechanism=spec.name, mechanism_params=dict(spec.params),
+    )
+    if task.model_kind == "lm":
+        return TransformerLM(config)
+    if task.model_kind == "vectors":
+        return VectorTransformer(config, task.input_dim, task.output_dim)
+    raise ValueError(f"task: unknown model_kind {task.model_kind!r}")
+
+
+class VectorTransformer(nn.Module):
+    """TransformerLM's blocks on real-valued inputs: read-in ``Linear(input_dim, d_model)``,
+    the pre-norm blocks, a final RMSNorm and read-out ``Linear(d_model, output_dim)``
+    (``config.vocab_size`` is unused). x (B, N, input_dim) -> (B, N, output_dim)."""
+
+    def __init__(self, config: TransformerConfig, input_dim: int, output_dim: int):
+        super().__init__()
+        self.config = config
+        self.read_in = nn.Linear(input_dim, config.d_model)
+        self.positions = LearnedPositions(config.max_len, config.d_model) if config.positions == "learned" else None
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.read_out = nn.Linear(config.d_model, output_dim)
+        _init_weights(self)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() != 3 or x.shape[-1] != self.read_in.in_features:
+            raise ValueError(f"x: expected (B, N, {self.read_in.in_features}), got {tuple(x.shape)}")
+        positions = torch.arange(x.shape[1], device=x.device)
+        h = self.read_in(x)
+        if self.positions is not None:
+            h = h + self.positions(positions)
+        for block in self.blocks:
+            h = block(h, positions=positions)
+        return self.read_out(self.norm(h))
+
+
+class RetrievalLayer(nn.Module):
+    """One attention layer as an associative memory (Schlag et al. 2021, arXiv 2102.11174).
+
+    Each pair is one position, ``x_t = E_key[k_t] + E_value[v_t]``; keys and values are
+    projections of it, the query a projection of ``E_key[query]``. The query reads after
+    every pair has been written (no mask: a linear mechanism's state after the last pair),
+    and a linear read-out gives logits over the values. No positions, no MLP: what is
+    retrieved is what the mechanism's memory holds.
+
+    inputs (B, L + 1, 2): (key, value) rows, then (query, anything) -> logits (B, 1, num_values).
+    """
+
+    def __init__(self, num_keys: int, num_values: int, d_model: int, n_heads: int, mechanism: str, params: dict | None = None):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"heads: must divide d_model={d_model}, got {n_heads}")
+        self.n_heads, self.head_dim = n_heads, d_model // n_heads
+        self.key_embed = nn.Embedding(num_keys, d_model)
+        self.value_embed = nn.Embedding(num_values, d_model)
+        self.q_proj = nn.Linear(d_model, d_model, bias=False)
+        self.k_proj = nn.Linear(d_model, d_model, bias=False)
+        self.v_proj = nn.Linear(d_model, d_model, bias=False)
+        self.mechanism = build_mechanism(mechanism, dict(params or {}), n_heads, self.head_dim, n_heads, self.head_dim)
+        self.readout = nn.Linear(d_model, num_values, bias=False)
+
+    def forward(self, inputs: Tensor) -> Tensor:
+        if inputs.dim() != 3 or inputs.shape[-1] != 2 or inputs.shape[1] < 2:
+            raise ValueError(f"inputs: expected (B, L + 1, 2) key/value ids with L >= 1, got {tuple(inputs.shape)}")
+        B, L = inputs.shape[0], inputs.shape[1] - 1
+        pairs = self.key_embed(inputs[:, :L, 0]) + self.value_embed(inputs[:, :L, 1])
+        query = self.key_embed(inputs[:, L:, 0])
+        q = self._heads(self.q_proj(query))
+        k, v = self._heads(self.k_proj(pairs)), self._heads(self.v_proj(pairs))
+        out = attention(q, k, v, mechanism=self.mechanism)  # (B, H, 1, Dh)
+        return self.readout(out.transpose(1, 2).reshape(B, 1, -1))
+
+    def _heads(self, x: Tensor) -> Tensor:
+        B, N, _ = x.shape
+        return x.view(B, N, self.n_heads, self.head_dim).transpose(1, 2)
