@@ -134,3 +134,15 @@ def machine_info() -> dict:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "machine": platform.machine(),
     }
+
+
+def fwd_bwd(fn, q, k, v):
+    """A timed step: clear the gradients, run ``fn(q, k, v)`` and back-propagate ones."""
+    import torch
+
+    def run():
+        for t in (q, k, v):
+            t.grad = None
+        out = fn(q, k, v)
+        out.backward(torch.ones_like(out))
+    return run

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from .. import api
 from .. import mods as M
 from ..kernels import chunked_attention, make_request
-from .harness import Row, peak_rss_growth, time_pair
+from .harness import Row, fwd_bwd, peak_rss_growth, time_pair
 
 B, H, D = 1, 8, 64
 STEPS = 5
@@ -24,15 +24,6 @@ def _inputs(n: int, dtype=torch.float32, grad: bool = False):
     if grad:
         qkv = [t.requires_grad_() for t in qkv]
     return qkv
-
-
-def _fwd_bwd(fn, q, k, v):
-    def run():
-        for t in (q, k, v):
-            t.grad = None
-        out = fn(q, k, v)
-        out.backward(torch.ones_like(out))
-    return run
 
 
 def _ratio_row(case, n, cand, base, baseline_name, limit, repeats, faster=False, note=""):
@@ -65,10 +56,10 @@ def dense_cases(n: int, repeats: int) -> list[Row]:
                                note="bf16 matmul tiles need AVX512-BF16/AMX; else the fused op"))
     qg, kg, vg = _inputs(n, grad=True)
     bwd_repeats = max(1, repeats - 2)
-    rows.append(_ratio_row("full fwd+bwd fp32", n, _fwd_bwd(lambda a, b, c: api.attention(a, b, c, backend="chunked"), qg, kg, vg),
-                           _fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c), qg, kg, vg), "sdpa", 1.5, bwd_repeats))
-    rows.append(_ratio_row("causal fwd+bwd fp32", n, _fwd_bwd(lambda a, b, c: api.attention(a, b, c, mask=M.causal(), backend="chunked"), qg, kg, vg),
-                           _fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), qg, kg, vg), "sdpa causal", 1.5, bwd_repeats))
+    rows.append(_ratio_row("full fwd+bwd fp32", n, fwd_bwd(lambda a, b, c: api.attention(a, b, c, backend="chunked"), qg, kg, vg),
+                           fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c), qg, kg, vg), "sdpa", 1.5, bwd_repeats))
+    rows.append(_ratio_row("causal fwd+bwd fp32", n, fwd_bwd(lambda a, b, c: api.attention(a, b, c, mask=M.causal(), backend="chunked"), qg, kg, vg),
+                           fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), qg, kg, vg), "sdpa causal", 1.5, bwd_repeats))
     return rows
 
 

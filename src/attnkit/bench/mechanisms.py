@@ -12,18 +12,18 @@ relative error of their output against exact softmax attention.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import textwrap
+
 import torch
 
 from .. import api
 from .. import mods as M
 from ..mechanisms import get_mechanism
 from ..mechanisms.topk import TopTheta, calibrate_top_theta
-import json
-import subprocess
-import sys
-import textwrap
-
-from .harness import Row, time_pair
+from .harness import Row, fwd_bwd, time_pair
 
 B, H, D = 1, 8, 64
 SUITE = "mechanisms"
@@ -49,15 +49,6 @@ def build(name: str, n: int):
     return get_mechanism(name, **PARAMS.get(name, {}))
 
 
-def _fwd_bwd(fn, q, k, v):
-    def run():
-        for t in (q, k, v):
-            t.grad = None
-        out = fn(q, k, v)
-        out.backward(torch.ones_like(out))
-    return run
-
-
 def timing_rows(name: str, n: int, repeats: int) -> list[Row]:
     mech = build(name, n)
     limit_fwd, limit_bwd = (1.0, 1.0) if name == "sigmoid" else (2.0, 2.5)
@@ -69,7 +60,7 @@ def timing_rows(name: str, n: int, repeats: int) -> list[Row]:
         a, b = time_pair(lambda: candidate(q, k, v), lambda: softmax(q, k, v), repeats=repeats)
     rows.append(Row(SUITE, f"{name} fwd", f"N={n}", a, "attnkit softmax", b, f"<= {limit_fwd:g}x", a / b <= limit_fwd))
     qg, kg, vg = _inputs(n, grad=True)
-    a, b = time_pair(_fwd_bwd(candidate, qg, kg, vg), _fwd_bwd(softmax, qg, kg, vg), repeats=max(1, repeats - 1))
+    a, b = time_pair(fwd_bwd(candidate, qg, kg, vg), fwd_bwd(softmax, qg, kg, vg), repeats=max(1, repeats - 1))
     rows.append(Row(SUITE, f"{name} fwd+bwd", f"N={n}", a, "attnkit softmax", b, f"<= {limit_bwd:g}x", a / b <= limit_bwd))
     return rows
 

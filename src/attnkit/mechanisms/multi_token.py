@@ -26,11 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.engine import dense_softmax, observe_kernel, run_kernel
-from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish, request
+from ..kernels.engine import dense_softmax
+from ..kernels.mechanism_call import dense_logits, dense_values
 from ..kernels.mixed import MixedSoftmaxKernel, mix_heads
 from ..kernels.request import Request
-from .base import Mechanism, register
+from .base import register
+from .mixed_heads import MixedSoftmaxMechanism
 
 Tensor = torch.Tensor
 
@@ -65,7 +66,7 @@ def _positive(value, name: str, odd: bool = False) -> int:
 
 
 @register("multi_token")
-class MultiToken(Mechanism):
+class MultiToken(MixedSoftmaxMechanism):
     """Key-query convolution of the logits (per head) and head mixing of the weights (per group)."""
 
     paper = "arXiv:2504.00927"
@@ -104,31 +105,13 @@ class MultiToken(Mechanism):
     def _convolve(self, s: Tensor) -> Tensor:
         return KeyQueryConv.apply(s, self.kq_kernel.to(s.dtype).unsqueeze(1))
 
-    def kernel(self) -> MixedSoftmaxKernel:
+    def kernel(self, req: Request | None = None) -> MixedSoftmaxKernel:
         halo = (self.cq - 1, self.ck // 2, self.ck // 2)
         return MixedSoftmaxKernel(self._convolve, [self.kq_kernel], self.mixing_matrix(), halo)
 
-    def forward(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto",
-                check_finite=True, observers=None, layer=None):
-        check_options(self.name, sinks=sinks, return_lse=return_lse, backend=backend, lse=self.ch == 1)
-        req = request(q, k, v, mask=mask, score=score, scale=scale)
-        self._check(req)
-        kernel = self.kernel()
-        if backend == "reference":
-            out, lse = self._dense(req)
-        else:
-            out, stats = run_kernel(req, kernel)
-            lse = stats["lse"]
-        if observers:
-            observe_kernel(req, kernel, {"lse": lse}, observers, layer, self.name)
-        finish(req, out, check_finite)
-        return (out, lse) if return_lse else out
-
-    def reference(self, q, k, v, *, mask=None, score=None, scale=None, return_lse=False, **_):
-        req = request(q, k, v, mask=mask, score=score, scale=scale)
-        self._check(req)
-        out, lse = self._dense(req)
-        return (out, lse) if return_lse else out
+    @property
+    def has_lse(self) -> bool:
+        return self.ch == 1
 
     def _dense(self, req: Request):
         """As the paper's code: zero the hidden logits, pad (cq - 1 queries before, (ck - 1) / 2

@@ -21,17 +21,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.engine import dense_softmax, observe_kernel, run_kernel
-from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish, request
+from ..kernels.engine import dense_softmax
+from ..kernels.mechanism_call import dense_logits, dense_values
 from ..kernels.mixed import MixedSoftmaxKernel, mix_heads
 from ..kernels.request import Request
-from .base import Mechanism, register
+from .base import register
+from .mixed_heads import MixedSoftmaxMechanism
 
 Tensor = torch.Tensor
 
 
 @register("talking_heads")
-class TalkingHeads(Mechanism):
+class TalkingHeads(MixedSoftmaxMechanism):
     """Learned (H x H) head mixing of the logits (``pre``) and of the weights (``post``)."""
 
     paper = "arXiv:2003.02436"
@@ -63,27 +64,9 @@ class TalkingHeads(Mechanism):
             return MixedSoftmaxKernel(lambda s: s, [], self.post_mix)
         return MixedSoftmaxKernel(lambda s: mix_heads(pre, s), [pre], self.post_mix)
 
-    def forward(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto",
-                check_finite=True, observers=None, layer=None):
-        check_options(self.name, sinks=sinks, return_lse=return_lse, backend=backend, lse=not self.post)
-        req = request(q, k, v, mask=mask, score=score, scale=scale)
-        self._check(req)
-        kernel = self.kernel(req)
-        if backend == "reference":
-            out, lse = self._dense(req)
-        else:
-            out, stats = run_kernel(req, kernel)
-            lse = stats["lse"]
-        if observers:
-            observe_kernel(req, kernel, {"lse": lse}, observers, layer, self.name)
-        finish(req, out, check_finite)
-        return (out, lse) if return_lse else out
-
-    def reference(self, q, k, v, *, mask=None, score=None, scale=None, return_lse=False, **_):
-        req = request(q, k, v, mask=mask, score=score, scale=scale)
-        self._check(req)
-        out, lse = self._dense(req)
-        return (out, lse) if return_lse else out
+    @property
+    def has_lse(self) -> bool:
+        return not self.post
 
     def _dense(self, req: Request):
         """The paper's Sec. 4 listing: J = QK^T; J' = P_l J; W = softmax(J'); W' = P_w W; O = W' V."""

@@ -220,9 +220,8 @@ class CosReweight(FeatureMap):
         return f"cosformer(max_len={self.max_len})"
 
 
-class L2Norm(FeatureMap):
-    """inner(x) / |inner(x)|: unit-norm keys keep the delta rule's update a contraction
-    (DeltaNet, Yang et al. 2024, arXiv 2406.06484)."""
+class _Normalised(FeatureMap):
+    """A feature map whose rows are rescaled after ``inner``; subclasses say how (``normalise``)."""
 
     def __init__(self, inner: FeatureMap, eps: float = 1e-6):
         self.inner, self.eps = inner, eps
@@ -236,38 +235,33 @@ class L2Norm(FeatureMap):
 
     def for_call(self, end_position, stateful):
         inner = self.inner.for_call(end_position, stateful)
-        return self if inner is self.inner else L2Norm(inner, self.eps)
+        return self if inner is self.inner else type(self)(inner, self.eps)
 
     def __call__(self, x, start=0, rescale_rows=False):
-        f = self.inner(x, start)
+        return self.normalise(self.inner(x, start))
+
+    def normalise(self, f: Tensor) -> Tensor:
+        raise NotImplementedError
+
+
+class L2Norm(_Normalised):
+    """inner(x) / |inner(x)|: unit-norm keys keep the delta rule's update a contraction
+    (DeltaNet, Yang et al. 2024, arXiv 2406.06484)."""
+
+    def normalise(self, f):
         return f * torch.rsqrt((f * f).sum(-1, keepdim=True) + self.eps)
 
     def __repr__(self):
         return f"l2norm({self.inner!r})"
 
 
-class SumNorm(FeatureMap):
+class SumNorm(_Normalised):
     """inner(x) / Σ inner(x): features that sum to one (Schlag et al. 2021, arXiv 2102.11174,
     Sec. 4.2), used with the delta rule in place of the attention normaliser. Sums below
     1e-6 (an all-zero DPFP row) divide by 1e-6 instead of making NaN."""
 
-    def __init__(self, inner: FeatureMap, floor: float = 1e-6):
-        self.inner, self.floor = inner, floor
-
-    @property
-    def approximates_exp(self):
-        return self.inner.approximates_exp
-
-    def out_dim(self, d):
-        return self.inner.out_dim(d)
-
-    def for_call(self, end_position, stateful):
-        inner = self.inner.for_call(end_position, stateful)
-        return self if inner is self.inner else SumNorm(inner, self.floor)
-
-    def __call__(self, x, start=0, rescale_rows=False):
-        f = self.inner(x, start)
-        return f / f.sum(-1, keepdim=True).clamp_min(self.floor)
+    def normalise(self, f):
+        return f / f.sum(-1, keepdim=True).clamp_min(self.eps)
 
     def __repr__(self):
         return f"sumnorm({self.inner!r})"
