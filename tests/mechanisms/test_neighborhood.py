@@ -215,3 +215,14 @@ def test_invalid_calls():
         mech(q, k, v, backend="sdpa")
     with pytest.raises(ValueError, match="rpb"):
         get_mechanism("neighborhood", kernel=3, grid=(4, 4), rpb=True, num_heads=3).double()(q, k, v)
+
+
+def test_a_causal_neighbourhood_accepts_the_causal_mask_it_implies():
+    """A decoder (attnkit.hf, attnkit.nn) always passes causal(); a causal neighbourhood
+    already hides every later token, so the call equals the one without the mask."""
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, Nq=16, Nk=16, D=4, dtype=torch.float64)
+    for grid in ((16,), (4, 4)):
+        mech = get_mechanism("neighborhood", kernel=3, grid=grid, causal=True)
+        assert_close(mech(q, k, v, mask=ak.causal()), mech(q, k, v))
+    with pytest.raises(ValueError, match="mask"):
+        get_mechanism("neighborhood", kernel=3, causal=True)(q, k, v, mask=ak.window(2))

@@ -213,7 +213,7 @@ def _make_switch(model, mechanism, mask, score, layers, heads, observers, sinks,
         mech = get_mechanism(mechanism, **params)  # raises when params come with an instance
         plain = mech.name == "softmax"
     else:
-        plain = get_mechanism(mechanism, **params).name == "softmax"  # validates the name and params now
+        plain = _validate_named(model, mechanism, params).name == "softmax"
     user_mask = None if mask is None else as_mask(mask, "mask")
     user_score = None if score is None else as_score(score, "score")
     layer_set = None if layers is None else frozenset(_indices(layers, "layers", _text_config_int(model, "num_hidden_layers")))
@@ -229,6 +229,20 @@ def _make_switch(model, mechanism, mask, score, layers, heads, observers, sinks,
         raise ValueError(f"sinks: expected a tensor (Hq,) or a mapping layer -> tensor, got {type(sinks).__name__}")
     return Switch(model, mechanism, dict(params), user_mask, user_score, layer_set, head_list,
                   list(observers) if observers else None, sinks, plain=plain)
+
+
+def _validate_named(model, mechanism: str, params: dict) -> Mechanism:
+    """Build a named mechanism once now, with the sizes the config declares, so that a bad
+    name or parameter fails at ``use`` and not in the middle of a forward pass."""
+    from ..nn.attention import build_mechanism
+
+    heads = _text_config_int(model, "num_attention_heads")
+    hidden = _text_config_int(model, "hidden_size")
+    if heads is None:
+        return get_mechanism(mechanism, **params)
+    kv_heads = _text_config_int(model, "num_key_value_heads") or heads
+    head_dim = _text_config_int(model, "head_dim") or (hidden // heads if hidden else 64)
+    return build_mechanism(mechanism, params, heads, head_dim, kv_heads, head_dim)
 
 
 def _text_config_int(model, name: str) -> int | None:

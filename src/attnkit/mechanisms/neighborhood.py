@@ -31,7 +31,7 @@ from torch import nn
 
 from ..kernels import make_request
 from ..kernels.request import all_finite, nonfinite_error
-from ..mods.masks import Neighborhood
+from ..mods.masks import Causal, Neighborhood
 from ..observe import AttentionTile, CallInfo, feed
 from .base import Mechanism, register
 
@@ -290,6 +290,10 @@ class NeighborhoodAttention(Mechanism):
 
     def _check_call(self, q, k, v, mask, score, scale, sinks, backend):
         req = make_request(q, k, v, scale=scale)
+        if self.causal and isinstance(mask, Causal) and q.shape[-2] == k.shape[-2]:
+            # A causal neighbourhood hides every later token (on a grid, in raster order
+            # too), so a decoder's causal mask adds nothing: accept it.
+            mask = None
         for name, value in (("mask", mask), ("score", score), ("sinks", sinks)):
             if value is not None:
                 raise ValueError(f"{name}: neighborhood attention defines its own visibility and bias (kernel, dilation, stride, causal, rpb); got {name}={value!r}")
