@@ -10,6 +10,7 @@ from helpers import assert_close, qkv
 import attnkit as ak
 from attnkit.kernels import make_request, reference_attention
 from attnkit.mechanisms import get_mechanism
+from attnkit.mechanisms import native_sparse
 from attnkit.mechanisms.native_sparse import CompressedCausal
 from attnkit.mods import EMPTY, FULL, TileGrid
 from attnkit.observe import Observer
@@ -102,6 +103,20 @@ CASES = [
 
 @pytest.mark.parametrize("Nq,Nk,Hq,Hkv,Dv,kwargs", CASES)
 def test_fast_path_matches_reference_values_and_gradients(Nq, Nk, Hq, Hkv, Dv, kwargs):
+    check_against_reference(Nq, Nk, Hq, Hkv, Dv, kwargs)
+
+
+@pytest.mark.parametrize("Nq,Nk,Hq,Hkv,Dv,kwargs", CASES)
+def test_fast_path_in_many_chunks_and_window_blocks(monkeypatch, Nq, Nk, Hq, Hkv, Dv, kwargs):
+    """Block scoring in query chunks of 16 and the window in query blocks of 8 with a
+    window of 20: chunk edges, windows starting before key 0 (masked one by one) and the
+    shared band mask of the later blocks all meet the reference."""
+    monkeypatch.setattr(native_sparse, "SELECT_Q_CHUNK", 16)
+    monkeypatch.setattr(native_sparse, "WINDOW_BLOCK", 8)
+    check_against_reference(Nq, Nk, Hq, Hkv, Dv, {**kwargs, "window": 20})
+
+
+def check_against_reference(Nq, Nk, Hq, Hkv, Dv, kwargs):
     q, k, v = qkv(B=2, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=8, Dv=Dv, requires_grad=True)
     torch.manual_seed(0)
     mech = get_mechanism("nsa", **{**SMALL, **kwargs}).double()

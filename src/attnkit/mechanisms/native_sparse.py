@@ -22,14 +22,19 @@ Gates come from the caller (``gates=`` of shape (B, Hq, Nq, 3), the paper's sigm
 on the input), or from a learnable per-head table ``gate_logits`` (with ``num_heads``),
 or are 1/2 each (sigmoid(0)). Any GQA ratio works.
 
-Fast path: the compression branch comes out of the pass that scores the blocks (a dense
-chunked softmax over the few compressed keys); with gradients it is an
-``attnkit.attention`` call instead (the compressed causal rule is a structured mask, and
-the backward keeps O(N) memory). The sliding window is one fused-op call over query
-blocks with their key windows gathered. The selection branch groups queries by key block instead of keys by query: for every
-key block, the (query, head) rows that selected it form one call of torch's fused flash
-op, and the partial results merge by their lse. Its backward runs the op's backward per
-block against the final out and lse. Selection itself is discrete and carries no gradient.
+Fast path: the compression branch comes out of the pass that scores the blocks (a
+softmax over the compressed keys complete by each query-chunk's end, in chunks of
+``SELECT_Q_CHUNK`` queries; a selection block's importance is a strided sum of the
+compressed blocks overlapping it); with gradients it is an ``attnkit.attention`` call
+instead (the compressed causal rule is a structured mask, and the backward keeps O(N)
+memory). The sliding window runs query blocks against overlapping strided views of the
+keys, with one band mask shared by all but the first blocks. The selection branch groups
+queries by key block instead of keys by query: for every key block, the (query, head)
+rows that selected it form entries of torch's fused flash op, and the partial results
+merge by their lse. Its backward runs the op's backward per block against the final out
+and lse. Selection itself is discrete and carries no gradient. Calls and gathers are
+kept to ``CALL_ELEMENTS`` each: at long lengths, fresh buffers above glibc's mmap
+threshold cost more in page faults than in compute.
 """
 
 from __future__ import annotations
@@ -53,8 +58,12 @@ Tensor = torch.Tensor
 _op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _op_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
-SELECT_Q_CHUNK = 4096  # query rows per chunk when scoring blocks (bounds the Nq x blocks memory)
+SELECT_Q_CHUNK = 512  # query rows per chunk when scoring blocks: little causal waste, scores under 32 MiB at N=16384
 WINDOW_BLOCK = 128  # queries per block of the sliding-window call
+# Elements of one fused-op call's gathered queries or output (8 MB in float32). Kept under
+# glibc's mmap threshold (32 MiB at most) on purpose: a larger buffer is a fresh mapping on
+# every call, and its page faults cost more than the copy that fills it.
+CALL_ELEMENTS = 1 << 21
 OBSERVE_Q_BLOCK = 128
 OBSERVE_K_BLOCK = 512
 
@@ -105,9 +114,9 @@ class _SelectedAttention(torch.autograd.Function):
     (block-diagonal attention). Every other selected block lies wholly before its query,
     so queries are grouped by key block instead of keys by query: the rows (a query with
     the G heads of its group) that chose a block are cut into entries of ``ROWS`` rows,
-    and a few fused-op calls run thousands of entries at once, each against its block's
-    keys. Partial results merge by lse with a running max (scatter_reduce), so no
-    (row, slot) array is ever held."""
+    and each fused-op call runs many entries at once, each against its block's keys.
+    Partial results merge by lse with a running max (scatter_reduce); only rows whose
+    max rose are rescaled, so no (row, slot) array is held and no call pays for all rows."""
 
     @staticmethod
     def forward(ctx, q, k, v, selection, scale, block, q_start):
@@ -130,14 +139,17 @@ class _SelectedAttention(torch.autograd.Function):
             o = o.transpose(1, 2).reshape(-1, G, W).to(cd)
             l = l.transpose(1, 2).reshape(-1, G).to(cd)
             new_top = top.scatter_reduce(0, flat.unsqueeze(1).expand(-1, G), l, "amax")
-            alpha = torch.exp(top - new_top)
-            acc.mul_(alpha.unsqueeze(-1))
-            den.mul_(alpha)
+            # Only rows whose running max rose need rescaling: a call touches a small share
+            # of the rows, and a pass over all of acc per call would cost more than the call.
+            risen = (new_top > top).any(-1).nonzero().squeeze(1)
+            alpha = torch.exp(top.index_select(0, risen) - new_top.index_select(0, risen))
+            acc.index_copy_(0, risen, acc.index_select(0, risen).mul_(alpha.unsqueeze(-1)))
+            den.index_copy_(0, risen, den.index_select(0, risen).mul_(alpha))
             w = torch.exp(l - new_top.index_select(0, flat))
             acc.index_add_(0, flat, o.mul_(w.unsqueeze(-1)))
             den.index_add_(0, flat, w)
             top = new_top
-        out = _unrows(acc / den.unsqueeze(-1), B, Hkv).to(q.dtype)
+        out = _unrows(acc.div_(den.unsqueeze(-1)), B, Hkv).to(q.dtype)
         lse = _unrows((top + torch.log(den)).unsqueeze(-1), B, Hkv).squeeze(-1)
         ctx.scale, ctx.entries, ctx.diagonal = scale, entries, diagonal
         ctx.save_for_backward(q, k, v, out, lse)
@@ -198,7 +210,13 @@ def _blocks(x: Tensor, block: int) -> Tensor:
     """(B, Hkv, Nk, W) -> (B * Hkv * n_blocks, block, W), the last block zero-padded."""
     B, H, Nk, W = x.shape
     n = -(-Nk // block)
-    return F.pad(x, (0, 0, 0, n * block - Nk)).reshape(B * H * n, block, W)
+    return _pad_rows(x, 0, n * block - Nk).reshape(B * H * n, block, W)
+
+
+def _pad_rows(x: Tensor, before: int, after: int) -> Tensor:
+    """Zero rows before and after dim 2 of (B, H, L, W); x itself when there are none
+    (F.pad would copy it: at long lengths a fresh buffer whose page faults cost time)."""
+    return x if before == after == 0 else F.pad(x, (0, 0, before, after))
 
 
 class _Entries:
@@ -206,29 +224,25 @@ class _Entries:
     (batch, kv head, block) and cut into entries of at most ``ROWS`` rows of one block."""
 
     ROWS = 256
-    ELEMENTS_PER_CALL = 1 << 25  # query elements gathered per fused-op call (128 MB in float32)
 
     def __init__(self, selection: Tensor, own: Tensor, n_blocks: int):
         B, Hkv, Nq, n = selection.shape
-        bg = torch.arange(B * Hkv).view(B, Hkv, 1, 1)
-        row = bg * Nq + torch.arange(Nq).view(1, 1, Nq, 1)
         keep = (selection >= 0) & (selection != own.view(1, 1, Nq, 1))
-        key = (bg * n_blocks + selection)[keep]  # block id among B * Hkv * n_blocks
-        row = row.expand_as(selection)[keep]
-        order = torch.sort(key, stable=True).indices
-        key, row = key[order], row[order]
-        ids, counts = torch.unique_consecutive(key, return_counts=True)
+        pair = keep.reshape(-1).nonzero().squeeze(1)  # flat (row, slot) index of every kept pair
+        row = pair // n  # row (batch, kv head, query), as _rows numbers them
+        key = selection.reshape(-1)[pair] + row // Nq * n_blocks  # block id among B * Hkv * n_blocks
+        key, order = torch.sort(key, stable=True)
+        row = row[order]
+        counts = torch.bincount(key, minlength=B * Hkv * n_blocks)
         per_key = -(-counts // self.ROWS)
         first_entry = torch.cumsum(per_key, 0) - per_key
-        first_pair = torch.cumsum(counts, 0) - counts
-        at = torch.arange(key.numel()) - first_pair.repeat_interleave(counts)
-        entry = first_entry.repeat_interleave(counts) + at // self.ROWS
+        at = torch.arange(key.numel()) - (torch.cumsum(counts, 0) - counts)[key]  # rank among its block's rows
         self.rows = torch.full((int(per_key.sum()), self.ROWS), B * Hkv * Nq, dtype=torch.long)  # dummy row
-        self.rows[entry, at % self.ROWS] = row
-        self.blocks = ids.repeat_interleave(per_key)
+        self.rows[first_entry[key] + at // self.ROWS, at % self.ROWS] = row
+        self.blocks = torch.arange(B * Hkv * n_blocks).repeat_interleave(per_key)
 
     def chunks(self, row_width: int):
-        step = max(1, self.ELEMENTS_PER_CALL // (self.ROWS * row_width))
+        step = max(1, CALL_ELEMENTS // (self.ROWS * row_width))
         for e0 in range(0, self.blocks.numel(), step):
             yield self.rows[e0 : e0 + step], self.blocks[e0 : e0 + step]
 
@@ -249,10 +263,10 @@ class _Diagonal:
         B, H, _, W = x.shape
         span = self.n * self.block
         if rows:  # queries: pad before q_start and after Nk
-            x = F.pad(x, (0, 0, self.offset, span - self.offset - x.shape[2]))
+            x = _pad_rows(x, self.offset, span - self.offset - x.shape[2])
         else:
-            x = F.pad(x[:, :, self.first * self.block :], (0, 0, 0, span - (self.Nk - self.first * self.block)))
-        return x.view(B, H, self.n, self.block, W).transpose(1, 2).reshape(B * self.n, H, self.block, W)
+            x = _pad_rows(x[:, :, self.first * self.block :], 0, span - (self.Nk - self.first * self.block))
+        return x.reshape(B, H, self.n, self.block, W).transpose(1, 2).reshape(B * self.n, H, self.block, W)
 
     def _uncut(self, x: Tensor, rows: bool) -> Tensor:
         shape = x.shape
@@ -280,11 +294,14 @@ class _Diagonal:
 
 
 def _window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float) -> tuple[Tensor, Tensor]:
-    """Every query against its ``window`` most recent keys, itself included: queries in
-    blocks of ``WINDOW_BLOCK``, each block with the keys from ``window - 1`` before its
-    first query to its last query gathered, a few blocks per fused-op call with a band mask."""
+    """Every query against its ``window`` most recent keys, itself included (the paper's
+    sliding-window branch): queries in blocks of ``WINDOW_BLOCK``, each against the
+    ``window - 1 + WINDOW_BLOCK`` keys ending at its last query. Those key windows are
+    overlapping strided views of one padded copy of k and v (no gather), and the band
+    rule is the same mask for every block: only the first blocks, whose window starts
+    before key 0, need a mask each. Later blocks go in calls of ``CALL_ELEMENTS`` outputs."""
     B, Hq, Nq, D = q.shape
-    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    Nk, Dv = k.shape[2], v.shape[-1]
     width = max(D, Dv)  # the op wants one head size: pad the smaller with zero columns
     q, k, v = (t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
     bw, q_start = WINDOW_BLOCK, Nk - Nq
@@ -292,26 +309,35 @@ def _window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float
     m = (Nk - 1) // bw - first + 1
     offset = q_start - first * bw
     span = window - 1 + bw
-    qb = F.pad(q, (0, 0, offset, m * bw - offset - Nq)).view(B, Hq, m, bw, width).transpose(1, 2)
-    # Blocks per call: the gathered windows stay near 2^25 elements whatever the length.
-    step = max(1, (1 << 25) // (B * Hkv * span * width))
+    qb = _pad_rows(q, offset, m * bw - offset - Nq).reshape(B, Hq, m, bw, width).transpose(1, 2)
+    # Row i of the padded keys is position first * bw - (window - 1) + i: block j's window
+    # is rows [j * bw, j * bw + span). Zero keys past Nk are seen by padded queries only.
+    windows = lambda x: F.pad(x, (0, 0, window - 1, (first + m) * bw - Nk))[:, :, first * bw :].unfold(2, span, bw) \
+        .permute(0, 2, 1, 4, 3)  # (B, m, Hkv, span, width), views
+    kw, vw = windows(k), windows(v)
+    r, s = torch.arange(bw).view(-1, 1), torch.arange(span).view(1, -1)
+    band = (s >= r) & (s <= r + window - 1)  # key_pos in (q_pos - window, q_pos]
+    head = max(0, min(m, -(-(window - 1) // bw) - first))  # blocks whose window starts before key 0
+    key_pos = (first + torch.arange(head)).view(-1, 1, 1) * bw - (window - 1) + s
+    step = max(1, CALL_ELEMENTS // (Hq * bw * width))  # later blocks per call
+    runs = [(slice(0, head), _additive(band & (key_pos >= 0), q.dtype))]
+    runs += [(slice(j, min(j + step, m)), _additive(band.unsqueeze(0), q.dtype)) for j in range(head, m, step)]
     outs, lses = [], []
-    for j0 in range(0, m, step):
-        j = torch.arange(j0, min(j0 + step, m))
-        starts = (first + j).view(-1, 1, 1) * bw
-        key_pos = starts - window + 1 + torch.arange(span).view(1, 1, span)  # (blocks, 1, span)
-        q_pos = starts + torch.arange(bw).view(1, bw, 1)  # (blocks, bw, 1)
-        visible = (key_pos >= 0) & (key_pos < Nk) & (key_pos <= q_pos) & (key_pos > q_pos - window)
-        mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill(~visible, -math.inf).unsqueeze(1).repeat(B, 1, 1, 1)
-        index = key_pos.clamp(0, Nk - 1).reshape(-1)
-        n = j.numel()
-        windows = lambda x: x.index_select(2, index).view(B, Hkv, n, span, width).transpose(1, 2).reshape(B * n, Hkv, span, width)
-        o, lse = FlashWithLse.apply(qb[:, j0 : j0 + n].reshape(B * n, Hq, bw, width), windows(k), windows(v), mask, scale)
-        outs.append(o.view(B, n, Hq, bw, width))
-        lses.append(lse.view(B, n, Hq, bw))
-    o = torch.cat(outs, 1).transpose(1, 2).reshape(B, Hq, m * bw, width)[:, :, offset : offset + Nq, :Dv]
-    lse = torch.cat(lses, 1).transpose(1, 2).reshape(B, Hq, m * bw)[:, :, offset : offset + Nq]
+    for b in range(B):
+        for blocks, mask in runs:
+            if blocks.start < blocks.stop:
+                o, lse = FlashWithLse.apply(qb[b, blocks], kw[b, blocks], vw[b, blocks], mask, scale)
+                outs.append(o.transpose(0, 1))  # (Hq, blocks, bw, width)
+                lses.append(lse.transpose(0, 1))
+    # One concatenation in (Hq, batch and block) order: the result is (B, Hq, m * bw) as a view.
+    o = torch.cat(outs, 1).view(Hq, B, m * bw, width).transpose(0, 1)[:, :, offset : offset + Nq, :Dv]
+    lse = torch.cat(lses, 1).view(Hq, B, m * bw).transpose(0, 1)[:, :, offset : offset + Nq]
     return o, lse
+
+
+def _additive(visible: Tensor, dtype) -> Tensor:
+    """Boolean (blocks, bw, span) -> the op's additive mask (blocks, 1, bw, span)."""
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, -math.inf).unsqueeze(1)
 
 
 @register("nsa")
@@ -376,11 +402,23 @@ class NativeSparseAttention(Mechanism):
             return kb.mean(-2), vb.mean(-2)
         return self.compress_k(kb), self.compress_v(vb)
 
-    def overlap(self, n_cmp: int, n_blocks: int, dtype) -> Tensor:
-        """(Ncmp, n_blocks): 1 where compressed block i and selection block j share a token."""
-        i = torch.arange(n_cmp).view(-1, 1) * self.compress_stride
-        j = torch.arange(n_blocks).view(1, -1) * self.select_block
-        return ((i < j + self.select_block) & (i + self.compress_block > j)).to(dtype)
+    def block_mass(self, p: Tensor, n_blocks: int) -> Tensor:
+        """Importance (B, Hkv, rows, n_blocks) of the selection blocks from the compression
+        probabilities p (B, Hkv, G, rows, Ncmp): block j sums, over the G heads of the group
+        (eq. 10), the compressed blocks that share a token with it (eq. 9). With
+        a = select_block / d and c = compress_block / d those are the a + c - 1 consecutive
+        blocks from j * a - c + 1, so G * (a + c - 1) strided slice-adds replace a dense
+        (Ncmp, n_blocks) matmul."""
+        a, c = self.select_block // self.compress_stride, self.compress_block // self.compress_stride
+        B, Hkv, G, rows, n_cmp = p.shape
+        out = p.new_zeros(B, Hkv, rows, n_blocks)
+        for t in range(1 - c, a):  # compressed block j * a + t, for every block j that has one
+            lo = -(t // a)  # first j with j * a + t >= 0
+            hi = min(n_blocks, (n_cmp - 1 - t) // a + 1)
+            if lo < hi:
+                for g in range(G):
+                    out[..., lo:hi] += p[:, :, g, :, lo * a + t : (hi - 1) * a + t + 1 : a]
+        return out
 
     def choose(self, importance: Tensor, own: Tensor, width: int) -> Tensor:
         """Block ids (..., width) from block importance (..., blocks): forced blocks first,
@@ -389,53 +427,66 @@ class NativeSparseAttention(Mechanism):
         own = own.unsqueeze(-1)
         forced = ((j < self.initial_blocks) | (j > own - self.local_blocks)) & (j <= own)
         score = importance.masked_fill(j >= own, -math.inf).masked_fill(forced, math.inf)
-        top = torch.topk(score, min(width, score.shape[-1]), dim=-1)
+        top = torch.topk(score, min(width, score.shape[-1]), dim=-1, sorted=False)  # a set: order unused
         chosen = top.indices.masked_fill(torch.isneginf(top.values), -1)
         return F.pad(chosen, (0, width - chosen.shape[-1]), value=-1)
 
     def select(self, q: Tensor, k_cmp: Tensor, v_cmp: Tensor | None, scale: float, Nk: int):
         """Selected blocks (B, Hkv, Nq, n) from the compression branch's probabilities, and
-        that branch's (out, lse) when ``v_cmp`` is given (no gradient: the same pass)."""
+        that branch's (out, lse) when ``v_cmp`` is given (no gradient: the same pass).
+        Queries go in chunks of ``SELECT_Q_CHUNK``, each against the compressed blocks
+        complete by its last position only, so the causal waste stays small."""
         B, Hq, Nq, _ = q.shape
         Hkv, n_cmp = k_cmp.shape[1], k_cmp.shape[2]
         G = Hq // Hkv
-        l, d, block = self.compress_block, self.compress_stride, self.select_block
         cd = torch.float64 if q.dtype == torch.float64 else torch.float32
-        width = min(self.num_selected, -(-Nk // block))
+        width = min(self.num_selected, -(-Nk // self.select_block))
         pos = torch.arange(Nq) + Nk - Nq
-        own = pos // block
-        identity = l == d == block  # compressed block i is selection block i
+        own = pos // self.select_block
         parts, outs, lses = [], [], []
         with torch.no_grad():
-            kc = k_cmp.detach().to(cd)
+            qc, kc = q.detach().to(cd), k_cmp.detach().to(cd)
+            vc = None if v_cmp is None else v_cmp.detach().to(cd)
             for r0 in range(0, Nq, SELECT_Q_CHUNK):
                 r1 = min(r0 + SELECT_Q_CHUNK, Nq)
-                # Only blocks up to the chunk's last own block, and the compressed blocks
-                # complete by its last position, can matter.
-                cols = int(own[r1 - 1]) + 1
-                seen = min(n_cmp, max(0, (int(pos[r1 - 1]) - l + 1) // d + 1))
-                importance = torch.zeros(B, Hkv, r1 - r0, cols, dtype=cd)
-                o = torch.zeros(B, Hq, r1 - r0, 0 if v_cmp is None else v_cmp.shape[-1], dtype=cd)
-                lse = torch.full((B, Hq, r1 - r0), -math.inf, dtype=cd)
+                cols = int(own[r1 - 1]) + 1  # no block after the chunk's last own block matters
+                seen = min(n_cmp, self._complete(int(pos[r1 - 1])))
                 if seen:
-                    qc = q[:, :, r0:r1].detach().to(cd).reshape(B, Hkv, G * (r1 - r0), -1)
-                    s = torch.matmul(qc, kc[:, :, :seen].transpose(-1, -2)).view(B, Hkv, G, r1 - r0, seen) * scale
-                    visible = torch.arange(seen) * d + l - 1 <= pos[r0:r1, None]
-                    s = s.masked_fill_(~visible, -math.inf)
-                    lse = torch.logsumexp(s, dim=-1, keepdim=True)
-                    p = torch.exp(s - torch.where(torch.isneginf(lse), math.inf, lse))  # rows seeing nothing: 0
-                    lse = lse.view(B, Hq, r1 - r0)
-                    if v_cmp is not None:
-                        o = torch.matmul(p.view(B, Hkv, G * (r1 - r0), seen), v_cmp[:, :, :seen].detach().to(cd)).view(B, Hq, r1 - r0, -1)
-                    p = p.sum(2)  # the group's heads share one choice (eq. 10)
-                    if identity:
-                        importance[..., :seen] = p
-                    else:
-                        importance = torch.matmul(p, self.overlap(seen, cols, cd))
+                    p, lse = self._compressed_probs(qc[:, :, r0:r1], kc[:, :, :seen], pos[r0:r1], scale)
+                    importance = self.block_mass(p, cols)
+                    o = p.new_zeros(B, Hq, r1 - r0, 0) if vc is None else \
+                        torch.matmul(p.view(B, Hkv, G * (r1 - r0), seen), vc[:, :, :seen]).view(B, Hq, r1 - r0, -1)
+                else:  # no compressed block is complete yet: nothing to score, p = 0
+                    importance = torch.zeros(B, Hkv, r1 - r0, cols, dtype=cd)
+                    o = torch.zeros(B, Hq, r1 - r0, 0 if vc is None else vc.shape[-1], dtype=cd)
+                    lse = torch.full((B, Hq, r1 - r0), -math.inf, dtype=cd)
                 parts.append(self.choose(importance, own[r0:r1].view(1, 1, -1), width))
                 outs.append(o)
-                lses.append(lse)
+                lses.append(lse.view(B, Hq, r1 - r0))
         return torch.cat(parts, dim=2), (torch.cat(outs, dim=2), torch.cat(lses, dim=2))
+
+    def _complete(self, position: int) -> int:
+        """How many compressed blocks are complete at a token position (eq. 7's causal rule)."""
+        return max(0, (position - self.compress_block + 1) // self.compress_stride + 1)
+
+    def _compressed_probs(self, q: Tensor, k_cmp: Tensor, pos: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+        """Softmax p (B, Hkv, G, rows, Ncmp) of queries at positions ``pos`` over the
+        compressed keys complete at each (eq. 7-8), and its lse (B, Hkv, G, rows, 1); a row
+        that sees no block gets p = 0 and lse = -inf. In place on one scores buffer."""
+        B, Hq, rows, D = q.shape
+        Hkv, seen = k_cmp.shape[1], k_cmp.shape[2]
+        G = Hq // Hkv
+        s = torch.matmul(q.reshape(B, Hkv, G * rows, D), k_cmp.transpose(-1, -2)).view(B, Hkv, G, rows, seen).mul_(scale)
+        first = self._complete(int(pos[0]))  # blocks before it are complete for every row
+        if first < seen:
+            hidden = torch.arange(first, seen) * self.compress_stride + self.compress_block - 1 > pos[:, None]
+            s[..., first:].masked_fill_(hidden, -math.inf)
+        top = s.amax(-1, keepdim=True)
+        top = top.masked_fill_(torch.isneginf(top), 0.0)
+        s.sub_(top).exp_()
+        den = s.sum(-1, keepdim=True)
+        # A live row's den is >= 1 (its top term is exp(0)); a dead row's is 0 and its p stays 0.
+        return s.div_(den.clamp(min=1.0)), top + torch.log(den)
 
     def gates(self, gates: Tensor | None, B: int, Hq: int, Nq: int, dtype) -> Tensor:
         """Gates (B|1, Hq, Nq|1, 3) in [0, 1] for the compression, selection, window branches."""
@@ -490,7 +541,7 @@ class NativeSparseAttention(Mechanism):
                                            scale=req.scale, return_lse=True, check_finite=False)
             o_slc, lse_slc = self._selected(qc, kc, vc, selection, req)
             o_win, lse_win = _window_attention(qc, kc, vc, self.window, req.scale)
-            out = (g[..., 0:1] * o_cmp + g[..., 1:2] * o_slc + g[..., 2:3] * o_win).to(q.dtype)
+            out = (g[..., 0:1] * o_cmp).addcmul_(g[..., 1:2], o_slc).addcmul_(g[..., 2:3], o_win).to(q.dtype)  # one buffer
             if observers:
                 call = CallInfo(req.batch, req.heads, req.q_len, req.k_len, req.q_start, layer, self.name)
                 branches = (g.detach(), k_cmp.detach(), lse_cmp.detach(), selection, lse_slc, lse_win.detach())

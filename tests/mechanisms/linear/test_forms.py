@@ -85,6 +85,34 @@ def test_gradients_match_reference(label, kwargs, gate, causal):
             assert_close(got, want, msg=form)
 
 
+DELTA_CONFIGS = [c for c in CONFIGS if c[1].get("rule") == "delta"]
+
+
+@pytest.mark.parametrize("label,kwargs,gate", DELTA_CONFIGS, ids=[c[0] for c in DELTA_CONFIGS])
+def test_delta_rule_in_chunks_beyond_one_inverse_block(label, kwargs, gate):
+    """Chunks of 37 and 64 tokens build the UT transform by halves (odd sizes padded),
+    unlike the small chunks above: outputs, state and gradients against the reference."""
+    B, H, N, D, Dv = 1, 2, 150, 4, 3
+    q, k, v = qkv(B, H, H, N, N, D, Dv, requires_grad=True)
+    g = gates(gate, B, H, N, D, requires_grad=True)
+    beta = betas("delta", B, H, N, requires_grad=True)
+    state = random_state(build(kwargs), B, H, D, Dv)
+    leaves = [t for t in (q, k, v, g, beta) if t is not None]
+    upstream = torch.randn(B, H, N, Dv, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+
+    def run_and_grads(chunk, form):
+        out, st = run(build(kwargs, chunk_size=chunk), q, k, v, form, ak.causal(), g, beta, state)
+        return out, st.memory, torch.autograd.grad((out * upstream).sum() + st.memory.square().sum(), leaves)
+
+    want = run_and_grads(4, "reference")
+    for chunk in (37, 64):
+        out, memory, grads = run_and_grads(chunk, "chunked")
+        assert_close(out, want[0], msg=f"chunk {chunk} output")
+        assert_close(memory, want[1], msg=f"chunk {chunk} memory")
+        for a, b in zip(grads, want[2]):
+            assert_close(a, b, msg=f"chunk {chunk} gradient")
+
+
 GRADCHECK = [CONFIGS[4], CONFIGS[7], CONFIGS[8], CONFIGS[9]]
 
 
@@ -144,17 +172,46 @@ def _call(mech, q, k, v, g, beta):
     return mech._prepare(q, k, v, ak.causal(), None, None, None, False, None, False, g, beta)[0]
 
 
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 33, 64])
+def test_unit_lower_inverse(m):
+    """The delta rule's UT transform (I + N)^{-1}: one leaf block, halves of even and odd
+    sizes, against a general inverse; entries of N as large as DeltaNet's (β·k_i·k_j,
+    |N_ij| < 1)."""
+    gen = torch.Generator().manual_seed(m)
+    n = (2 * torch.rand(3, m, m, generator=gen, dtype=torch.float64) - 1).tril(-1)
+    eye = torch.eye(m, dtype=torch.float64)
+    torch.testing.assert_close(core.unit_lower_inverse(n), torch.linalg.inv(eye + n), rtol=1e-10, atol=1e-10)
+
+
+def chunk_path(g, chunk):
+    """How the chunked form factors these gates' decays (``core.ChunkDecay``): from the
+    chunk "start", about its "midpoint", or "pairwise"."""
+    g = g.detach().float()
+    g = g.unsqueeze(-1) if g.dim() == 3 else g
+    g = torch.nn.functional.pad(g, (0, 0, 0, (-g.shape[2]) % chunk))
+    decay = core.ChunkDecay(g.reshape(*g.shape[:2], -1, chunk, g.shape[-1]), torch.float32)
+    return "pairwise" if not decay.factored else "midpoint" if decay.midpoint else "start"
+
+
+# (chunk size, gate strength, path): the strongest chunk decays by about e^-30, e^-60
+# (beyond factoring at the chunk start) and e^-230 (beyond any factoring)
+STRONG = [(16, 6.0, "start"), (32, 8.0, "midpoint"), (32, 30.0, "pairwise")]
+
+
+@pytest.mark.parametrize("chunk,strength,path", STRONG, ids=[s[2] for s in STRONG])
 @pytest.mark.parametrize("gate", ["scalar", "diag"])
 @pytest.mark.parametrize("rule", ["sum", "delta"])
-def test_strong_gates_take_the_exact_path_in_float32(gate, rule):
-    """Cumulative decays beyond e^-FACTOR_LIMIT within a chunk: no factoring, no overflow."""
+def test_strong_gates_in_float32(gate, rule, chunk, strength, path):
+    """Cumulative decays beyond e^-FACTOR_LIMIT: the parallel form and the strongest
+    chunks take the exact (pairwise) path, the others factor; no overflow either way."""
     kwargs = {"feature_map": "silu+l2", "rule": "delta"} if rule == "delta" else {"feature_map": "elu+1", "normalize": True}
-    mech = build(kwargs, chunk_size=32)
-    B, H, N, D = 1, 2, 70, 16
+    mech = build(kwargs, chunk_size=chunk)
+    B, H, N, D = 1, 2, 140, 16
     q, k, v = qkv(B, H, H, N, N, D, 8)
-    g = gates(gate, B, H, N, D, strength=8.0)  # about -1 per token: e^-32 over a chunk
+    g = gates(gate, B, H, N, D, strength=strength)
     beta = betas(rule, B, H, N)
     assert float(g.sum(2).max()) < -core.FACTOR_LIMIT
+    assert chunk_path(g, chunk) == path
     ref = mech(q, k, v, mask=ak.causal(), backend="reference", g=g, beta=beta)
     for form in FORMS:
         out = mech(q.float(), k.float(), v.float(), mask=ak.causal(), backend=form, g=g.float(), beta=None if beta is None else beta.float())
@@ -167,16 +224,22 @@ def test_strong_gates_take_the_exact_path_in_float32(gate, rule):
 WELL_CONDITIONED = [c for c in CONFIGS if c[0] != "delta norm"]
 
 
+# (gate strength, path) over chunks of 8 tokens
+STRONG_GRAD = [(8.0, "start"), (20.0, "midpoint"), (150.0, "pairwise")]
+
+
+@pytest.mark.parametrize("strength,path", STRONG_GRAD, ids=[s[1] for s in STRONG_GRAD])
 @pytest.mark.parametrize("gate", ["scalar", "diag"])
 @pytest.mark.parametrize("rule", ["sum", "delta"])
-def test_strong_gates_gradients_match_reference(gate, rule):
+def test_strong_gates_gradients_match_reference(gate, rule, strength, path):
     kwargs = {"feature_map": "silu+l2", "rule": "delta"} if rule == "delta" else {"feature_map": "elu+1", "normalize": True}
     mech = build(kwargs, chunk_size=8)
     B, H, N, D = 1, 2, 30, 4
     q, k, v = qkv(B, H, H, N, N, D, 3, requires_grad=True)
-    g = gates(gate, B, H, N, D, strength=8.0, requires_grad=True)
+    g = gates(gate, B, H, N, D, strength=strength, requires_grad=True)
     beta = betas(rule, B, H, N, requires_grad=True)
-    assert float(g.detach().sum(2).max()) < -core.FACTOR_LIMIT  # the exact (pairwise) path
+    assert float(g.detach().sum(2).max()) < -core.FACTOR_LIMIT  # the parallel form's exact (pairwise) path
+    assert chunk_path(g, 8) == path
     leaves = [t for t in (q, k, v, g, beta) if t is not None]
     want = torch.autograd.grad(mech(q, k, v, mask=ak.causal(), backend="reference", g=g, beta=beta).square().sum(), leaves)
     for form in FORMS:
@@ -185,10 +248,11 @@ def test_strong_gates_gradients_match_reference(gate, rule):
             assert_close(a, b, msg=form)
 
 
+@pytest.mark.parametrize("chunk", [16, 64])
 @pytest.mark.parametrize("label,kwargs,gate", WELL_CONDITIONED, ids=[c[0] for c in WELL_CONDITIONED])
-def test_float32_chunked_matches_float64_reference(label, kwargs, gate):
-    mech = build(kwargs, chunk_size=16)
-    B, H, N, D = 1, 2, 100, 8
+def test_float32_chunked_matches_float64_reference(label, kwargs, gate, chunk):
+    mech = build(kwargs, chunk_size=chunk)
+    B, H, N, D = 1, 2, 200, 8
     q, k, v = qkv(B, H, H, N, N, D, 8)
     q, k = 0.5 * q, 0.5 * k  # keep unnormalised outputs O(1) so TOL's relative part applies
     g = gates(gate, B, H, N, feature_dim(mech, D))

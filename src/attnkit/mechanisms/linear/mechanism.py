@@ -18,7 +18,7 @@ from ...kernels import make_request
 from ...kernels.request import all_finite
 from ..base import Mechanism, register
 from .call import LinearCall
-from .chunked import CHUNK, chunked_form
+from .chunked import chunked_form, default_chunk
 from .conv import ShortConv
 from .core import Recurrence
 from .feature_maps import feature_map as as_feature_map
@@ -65,7 +65,8 @@ class LinearAttention(Mechanism):
             from k), "mamba2" (scalar gates from k, Gated DeltaNet), or a gate module.
         beta: for the delta rule: None (β = 1), "learned" (σ of a projection of k) or a module.
         short_conv: width of the causal convolution on q, k, v (0: none).
-        chunk_size: tokens per chunk in the chunked form.
+        chunk_size: tokens per chunk in the chunked form (None: 64 for the sum rule, 32 for
+            the delta rule).
         eps: added to the denominator when normalised.
         heads, head_dim, kv_heads, value_dim: create learnable weights now instead of on the
             first call (kv_heads defaults to heads, value_dim to head_dim).
@@ -81,13 +82,15 @@ class LinearAttention(Mechanism):
     paper = "arXiv:2006.16236"
 
     def __init__(self, feature_map="identity", *, rule: str = "sum", normalize: bool = False, decay=None, beta=None,
-                 short_conv: int = 0, chunk_size: int = CHUNK, eps: float = 1e-6,
+                 short_conv: int = 0, chunk_size: int | None = None, eps: float = 1e-6,
                  heads: int | None = None, head_dim: int | None = None, kv_heads: int | None = None, value_dim: int | None = None):
         super().__init__()
         if rule not in ("sum", "delta"):
             raise ValueError(f"rule: expected 'sum' or 'delta', got {rule!r}")
         if beta is not None and rule != "delta":
             raise ValueError("beta: only the delta rule has a β")
+        if chunk_size is None:
+            chunk_size = default_chunk(rule)
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
         if not eps >= 0:
