@@ -52,6 +52,22 @@ def test_topk_keeps_k_and_reports_it():
     assert_close(lse, ref_lse)
 
 
+def test_grouped_selection_is_a_top_k_set():
+    # rows long enough for several rounds of grouping, a tail outside the groups, masked
+    # columns, rows with fewer than k visible, and ties at the k-th value
+    g = torch.Generator().manual_seed(3)
+    s = torch.randn(6, 2051, generator=g).round(decimals=1)
+    s[1, 40:] = -math.inf
+    s[2, :2000] = -math.inf
+    s[3] = 0.0
+    for k in (1, 7, 64):
+        cols = topk_module._top_columns(s, k)
+        assert cols.shape == (6, k)
+        assert (cols.sort(-1).values.diff(dim=-1) > 0).all()  # k distinct columns
+        kept = s.gather(-1, cols).sort(-1, descending=True).values
+        assert torch.equal(kept, s.topk(k, dim=-1).values)
+
+
 def _theta(q, k, keep, mask, per_position):
     return calibrate_top_theta(q.detach(), k.detach(), keep, mask=mask, per_position=per_position)
 

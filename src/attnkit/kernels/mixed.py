@@ -112,13 +112,12 @@ class MixedSoftmaxKernel(TileKernel):
         # Mixing needs every head's final lse: keep this block's logits (block x keys,
         # linear in N) from the first pass rather than computing them twice.
         tiles = [(k0, k1, self._logits(blk, kind, k0, k1)[0]) for kind, k0, k1 in blk.tiles()]
-        lse = _lse([z for _, _, z in tiles])
-        lse_b, dead = safe_lse(lse), _dead(lse)
+        lse = _softmax_tiles_([z for _, _, z in tiles])
+        dead = _dead(lse)
         out = blk.zeros(dv)
         mix = self.mix.detach()
-        for k0, k1, z in tiles:
-            p = _zero_dead(fast_exp_(z.sub_(lse_b)), dead)
-            blk.pv_add_(out, mix_heads(mix, p), k0, k1)
+        for k0, k1, p in tiles:
+            blk.pv_add_(out, mix_heads(mix, _zero_dead(p, dead)), k0, k1)
         return out, {"lse": lse}
 
     def observe_block(self, blk: Block, stats):
@@ -180,12 +179,17 @@ class MixedSoftmaxKernel(TileKernel):
         g.dk[ks] += torch.matmul(dsg.transpose(-1, -2), grouped(prob.q[blk.bs, :, r0 : blk.q1], prob.kv_heads))
 
 
-def _lse(tiles: list[Tensor]) -> Tensor:
-    """Row logsumexp over a block's tiles of logits; -inf for rows that see no key."""
+def _softmax_tiles_(tiles: list[Tensor]) -> Tensor:
+    """Turn a block's tiles of logits into the softmax weights of their rows, in place, and
+    return the row lse (-inf for rows that see no key). One exp per logit: the weights are
+    e^(z - max) scaled by 1 / sum, not recomputed as e^(z - lse) in a second exp pass."""
     m = tiles[0].amax(dim=-1)
     for z in tiles[1:]:
         m = torch.maximum(m, z.amax(dim=-1))
     dead = torch.isneginf(m)  # decided by the max: the fast exp never gives exact zeros
     m_safe = torch.where(dead, torch.zeros_like(m), m).unsqueeze(-1)
-    l = sum(fast_exp(z - m_safe).sum(dim=-1) for z in tiles)
+    l = sum(fast_exp_(z.sub_(m_safe)).sum(dim=-1) for z in tiles)  # >= 1 where a row is live
+    inv = l.reciprocal().unsqueeze(-1)
+    for p in tiles:
+        p.mul_(inv)
     return torch.where(dead, m, m_safe.squeeze(-1) + torch.log(l))

@@ -43,12 +43,60 @@ Tensor = torch.Tensor
 _ROW_TILING = EngineTiling(q_block=64, k_block=128, tile_k=4096)
 
 
-def _row_logits(blk: Block) -> tuple[Tensor, Tensor]:
-    """All visible logits of a block's rows side by side, (Bt, Hq, BQ, keys), and the key
-    positions of the columns."""
-    parts = [blk.logits(kind, k0, k1) for kind, k0, k1 in blk.tiles()]
-    keys = torch.cat([torch.arange(k0, k1) for _, k0, k1 in blk.tiles()])
-    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)), keys
+def _spans(blk: Block) -> list[tuple[int, int, list[tuple[str, int, int]]]]:
+    """The block's key tiles merged into runs of adjacent ones, (k0, k1, tiles): the whole
+    visible row of a causal block is one run, so one matmul, no concatenation."""
+    runs: list[tuple[int, int, list]] = []
+    for kind, k0, k1 in blk.tiles():
+        if runs and runs[-1][1] == k0:
+            runs[-1] = (runs[-1][0], k1, runs[-1][2] + [(kind, k0, k1)])
+        else:
+            runs.append((k0, k1, [(kind, k0, k1)]))
+    return runs
+
+
+def _row_logits(blk: Block) -> tuple[Tensor, Tensor, Tensor]:
+    """All visible logits of a block's rows side by side, (Bt, Hq, BQ, keys), the key
+    positions of the columns, and how many of each row's logits are visible (> -inf)."""
+    parts, visible, spans = [], blk.zeros(), _spans(blk)
+    for r0, r1, tiles in spans:
+        s = blk.raw_logits(r0, r1)
+        for kind, k0, k1 in tiles:
+            part = s[..., k0 - r0 : k1 - r0]
+            modified = blk.modify(part, kind, k0, k1)
+            if modified is not part:  # a score mod returns a new tensor
+                part.copy_(modified)
+            # only tiles the plan marks partial hold masked pairs: count those, never a full row
+            visible += (k1 - k0) if kind == FULL_SEG else (part > -math.inf).sum(dim=-1)
+        parts.append(s)
+    keys = torch.cat([torch.arange(r0, r1) for r0, r1, _ in spans])
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)), keys, visible
+
+
+# top-k by groups: each round shrinks a row GROUP-fold, down to rows of _GROUP_ROWS * k
+_GROUP, _GROUP_ROWS = 4, 8
+
+
+def _top_columns(s: Tensor, k: int) -> Tensor:
+    """Columns of a valid top-k set of every row of s (k <= s.shape[-1]), unsorted.
+
+    torch.topk costs ~10 ns per element on CPU, several times the matmul that made the
+    logits. So the row is cut into groups (columns j, j + g, j + 2g, ...: the group maxima
+    are one vectorised reduction), the k groups with the largest maxima are found the same
+    way, recursively, and topk runs on their k * GROUP columns only. Exact: any column
+    outside those groups is <= its group's maximum <= the k-th largest of the k chosen
+    maxima, which are k distinct columns, so it can only tie with the k-th value.
+    """
+    n = s.shape[-1]
+    g = n // _GROUP
+    if n < _GROUP_ROWS * k or g < k:
+        return s.topk(k, dim=-1, sorted=False).indices
+    body = s[..., : g * _GROUP].unflatten(-1, (_GROUP, g))
+    groups = _top_columns(body.amax(dim=-2), k)
+    cols = (torch.arange(_GROUP).unsqueeze(-1) * g + groups.unsqueeze(-2)).flatten(-2)
+    if g * _GROUP < n:  # the last n mod GROUP columns belong to no group: always candidates
+        cols = torch.cat([cols, torch.arange(g * _GROUP, n).expand(*cols.shape[:-1], -1)], dim=-1)
+    return cols.gather(-1, s.gather(-1, cols).topk(k, dim=-1, sorted=False).indices)
 
 
 def _flat_rows(blk: Block, keys: Tensor) -> Tensor:
@@ -88,23 +136,18 @@ class _TopKAttention(torch.autograd.Function):
         visible = torch.zeros(B, H, Nq)
         for blk in prob.blocks():
             rs = blk.rows_slice
-            s, keys = _row_logits(blk)
-            values, idx = s.topk(min(width, s.shape[-1]), dim=-1, sorted=False)
+            s, keys, visible[rs] = _row_logits(blk)
+            idx = _top_columns(s, min(width, s.shape[-1]))
+            values = s.gather(-1, idx)
             p, lse[rs] = dense_softmax(values)
             pos = keys[idx]
-            # the kept weights back on the row, then W V tile by tile: matmul speed, no gather
-            dense = torch.zeros_like(s).scatter_(-1, idx, p)
-            acc = blk.zeros(Dv)
-            col = 0
-            for _, k0, k1 in blk.tiles():
-                blk.pv_add_(acc, dense[..., col : col + k1 - k0], k0, k1)
-                col += k1 - k0
-            out[rs] = acc
+            # gather the k value rows of every query: k x Dv per row instead of a dense
+            # (row x keys) matmul, 2-10x faster at 2k-8k keys
+            out[rs] = torch.matmul(p.unsqueeze(-2), _gather(prob.v, blk, pos)).squeeze(-2)
             n = idx.shape[-1]
             chosen[rs][..., :n] = pos
             weights[rs][..., :n] = p
             kept[rs] = (values > -math.inf).sum(dim=-1).float()
-            visible[rs] = (s > -math.inf).sum(dim=-1).float()
         ctx.req, ctx.n_score, ctx.score_params = req, n_score, score_params
         ctx.save_for_backward(chosen, weights, out)
         ctx.mark_non_differentiable(chosen, weights, kept, visible)
@@ -244,9 +287,33 @@ class TopThetaKernel(SoftmaxKernel):
         return s.masked_fill(s <= self._threshold(blk), -math.inf)
 
     def forward_block(self, blk: Block):
+        theta = self._threshold(blk)
+        if bool(torch.isfinite(theta).all()):
+            return self._forward_shifted(blk, theta)
+        return self._forward_masked(blk, theta)
+
+    def _forward_shifted(self, blk: Block, theta: Tensor):
+        """The softmax of ``z = s - theta`` with ``z <= 0`` dropped: the same weights (theta is
+        constant along a row), but the pruning is ``threshold_`` with a scalar, several times
+        faster on CPU than a boolean mask broadcast against the per-row thresholds. Exact:
+        ``fl(s - theta) > 0`` if and only if ``s > theta``. The lse is shifted back at the end."""
         acc = OnlineSoftmax(blk, blk.prob.v.shape[-1])
         kept, visible = blk.zeros(), blk.zeros()
-        theta = self._threshold(blk)
+        for kind, k0, k1 in blk.tiles():
+            z = blk.logits(kind, k0, k1).sub_(theta)
+            visible += (k1 - k0) if kind == FULL_SEG else (z > -math.inf).sum(dim=-1)
+            torch.nn.functional.threshold_(z, 0.0, -math.inf)
+            # kept logits are the positive z: sign(max(z, 0)) is 1 there, else 0; a float sum of
+            # those is exact and much faster than reducing a boolean tensor
+            kept += z.clamp(min=0.0).sign_().sum(dim=-1)
+            acc.add(blk, z, k0, k1)
+        out, lse = acc.result()
+        return out, {"lse": lse + theta.squeeze(-1), "kept": kept, "visible": visible}
+
+    def _forward_masked(self, blk: Block, theta: Tensor):
+        """The general path, for blocks with a threshold of -inf (keep every visible logit)."""
+        acc = OnlineSoftmax(blk, blk.prob.v.shape[-1])
+        kept, visible = blk.zeros(), blk.zeros()
         for kind, k0, k1 in blk.tiles():
             s = blk.logits(kind, k0, k1)
             keep = s > theta
@@ -432,7 +499,7 @@ def calibrate_top_theta(q, k, keep: int, *, mask=None, score=None, scale=None, p
     with torch.no_grad():
         prob = Problem(req, _ROW_TILING)
         for blk in prob.blocks():
-            s, _ = _row_logits(blk)
+            s, _, _ = _row_logits(blk)
             if s.shape[-1] <= keep:
                 continue
             values, _ = s.topk(keep + 1, dim=-1)
