@@ -24,6 +24,15 @@ def test_small_tiles(monkeypatch):
             mc.matches_reference(Sigmoid(), dict(B=2, Hq=4, Hkv=2, Nq=21, Nk=37, D=8), mc.MASKS[name](37), ak.alibi(4))
 
 
+def test_small_tiles_without_score_mod(monkeypatch):
+    """No score mod: full tiles take the keys-as-rows backward, causal diagonals the tril gates."""
+    with mc.small_tiles(monkeypatch):
+        for shape in (mc.SHAPES["gqa"], mc.SHAPES["bottom_right"]):
+            for name in ("none", "causal", "window", "document"):
+                mc.matches_reference(Sigmoid(), shape, mc.MASKS[name](shape["Nk"]))
+        mc.gradchecks(Sigmoid(), mask=ak.causal())
+
+
 def test_gradcheck(monkeypatch):
     with mc.small_tiles(monkeypatch):
         mc.gradchecks(Sigmoid(), mask=ak.causal(), score=ak.softcap(2.0))

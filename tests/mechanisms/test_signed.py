@@ -21,6 +21,14 @@ def test_small_tiles(monkeypatch):
             mc.matches_reference(Signed(), dict(B=2, Hq=4, Hkv=2, Nq=21, Nk=37, D=8), mc.MASKS[name](37), ak.softcap(3.0), return_lse=True)
 
 
+def test_small_tiles_without_score_mod(monkeypatch):
+    """No score mod: unmasked tiles take |s| in place."""
+    with mc.small_tiles(monkeypatch):
+        for shape in (mc.SHAPES["gqa"], mc.SHAPES["bottom_right"]):
+            for name in ("none", "causal", "window", "document"):
+                mc.matches_reference(Signed(), shape, mc.MASKS[name](shape["Nk"]), return_lse=True)
+
+
 def test_gradcheck(monkeypatch):
     with mc.small_tiles(monkeypatch):
         mc.gradchecks(Signed(), mask=ak.causal())

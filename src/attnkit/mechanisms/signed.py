@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.engine import Block, SoftmaxKernel, dense_softmax, observe_kernel, run_kernel
+from ..kernels.engine import (
+    Block, GradBlock, OnlineSoftmax, SoftmaxKernel, dense_softmax, fast_exp_, observe_kernel, run_kernel, safe_lse,
+)
 from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish, request
+from ..kernels.plan import FULL_SEG
 from .base import Mechanism, register
 
 Tensor = torch.Tensor
@@ -26,14 +29,45 @@ def _abs_logits(s: Tensor) -> Tensor:
 
 
 class SignedKernel(SoftmaxKernel):
+    """Online softmax over ``|s|`` (FlashAttention-2 bookkeeping), each tile's weights
+    multiplied by ``sign(s)`` before ``W V``; the sign is computed once per tile and
+    reused for ``|s|``, the weights and the backward's ``d|s|/ds``."""
+
     def transform(self, blk: Block, s, kind, k0, k1):
         return _abs_logits(s)
 
     def signs(self, s):
         return torch.sign(s)
 
-    def grad_z(self, blk: Block, s, dz, kind, k0, k1):
-        return dz * torch.sign(s)  # d|s|/ds
+    def abs_logits_(self, blk: Block, s: Tensor, kind: str) -> Tensor:
+        """|s|, in place where that is safe: an unmasked tile with no score mod has no
+        -inf, and its logits are the tile's own tensor (no autograd graph holds them)."""
+        if kind == FULL_SEG and blk.prob.score is None:
+            return s.abs_()
+        return _abs_logits(s)
+
+    def forward_block(self, blk: Block):
+        acc = OnlineSoftmax(blk, blk.prob.v.shape[-1])
+        for kind, k0, k1 in blk.tiles():
+            s = blk.logits(kind, k0, k1)
+            sign = torch.sign(s)  # before abs_logits_ overwrites s
+            acc.add(blk, self.abs_logits_(blk, s, kind), k0, k1, sign)
+        out, lse = acc.result()
+        return out, {"lse": lse}
+
+    def backward_block(self, blk: GradBlock, stats, delta, grad_stats):
+        # w = c p with c = sign(s), p = exp(|s| - lse); dZ = p (c dW - delta) as for any
+        # signed softmax, and dS = c dZ = w (c dW - delta), formed in place in dW.
+        lse = safe_lse(stats["lse"])
+        d = (delta - grad_stats["lse"] if "lse" in grad_stats else delta).unsqueeze(-1)
+        for kind, k0, k1 in blk.tiles():
+            s, tracked = blk.tracked_logits(kind, k0, k1)
+            sd = s.detach()
+            sign = torch.sign(sd)
+            w = fast_exp_(self.abs_logits_(blk, sd, kind).sub_(lse)).mul_(sign)
+            ds = blk.dw(k0, k1).mul_(sign).sub_(d).mul_(w)
+            blk.add(k0, k1, ds, w, (s, tracked))
+        return []
 
 
 @register("signed")
