@@ -2,7 +2,7 @@
 
 Times are medians over repeats after a warm-up, and every ratio is taken against a
 baseline measured in the same run, interleaved with the candidate so that a noisy
-shared machine slows both alike. Peak memory is read in a fresh subprocess (ru_maxrss),
+shared machine slows both alike. Peak memory is read in a fresh subprocess (VmHWM),
 as growth over the process's own state just before the measured call.
 """
 
@@ -68,21 +68,30 @@ def time_one(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> flo
 
 
 _RSS_PROBE = """
-import json, resource, time
+import json, time
 import torch
 torch.manual_seed(0)
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field)) / 1024
+
 {setup}
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+base = status("VmRSS:")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset the high-water mark to the current resident set
 t = time.perf_counter()
 {body}
 elapsed = time.perf_counter() - t
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({{"growth_mb": (peak - base) / 1024, "peak_mb": peak / 1024, "seconds": elapsed}}))
+peak = status("VmHWM:")
+print(json.dumps({{"growth_mb": peak - base, "peak_mb": peak, "seconds": elapsed}}))
 """
 
 
 def peak_rss_growth(setup: str, body: str, timeout: float = 1800) -> dict:
-    """Run ``setup`` then ``body`` in a fresh Python; report peak RSS growth during ``body``.
+    """Run ``setup`` then ``body`` in a fresh Python; report peak RSS growth during ``body``
+    (the high-water mark is reset after ``setup``, so a transient peak of the set-up, or
+    memory the allocator keeps from it, cannot hide the body's own peak; Linux only).
 
     ``setup`` allocates inputs (counted in the baseline); ``body`` is the measured call.
     Returns {"growth_mb", "peak_mb", "seconds"} or {"error": ...}.

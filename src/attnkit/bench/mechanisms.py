@@ -12,10 +12,6 @@ relative error of their output against exact softmax attention.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import textwrap
 
 import torch
 
@@ -23,7 +19,7 @@ from .. import api
 from .. import mods as M
 from ..mechanisms import get_mechanism
 from ..mechanisms.topk import TopTheta, calibrate_top_theta
-from .harness import Row, fwd_bwd, time_pair
+from .harness import Row, fwd_bwd, peak_rss_growth, time_pair
 
 B, H, D = 1, 8, 64
 SUITE = "mechanisms"
@@ -65,37 +61,19 @@ def timing_rows(name: str, n: int, repeats: int) -> list[Row]:
     return rows
 
 
-_PROBE = """
-import json, torch
-import attnkit
-from attnkit.mechanisms import get_mechanism
-from attnkit.mechanisms.topk import TopTheta
-
-def status(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field)) / 1024
-
-mech = {made}
-q, k, v = (torch.randn(1, {H}, {n}, {D}).requires_grad_() for _ in range(3))
-before = status("VmRSS:")
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # reset the high-water mark to the current resident set
-out = mech(q, k, v, mask=attnkit.causal())
-out.backward(torch.ones_like(out))
-print(json.dumps({{"growth_mb": status("VmHWM:") - before}}))
-"""
-
-
 def peak_growth(name: str, n: int) -> float | str:
     """MB the resident set peaks above where it stood before one causal forward+backward,
     in a fresh process (Top-theta with fixed thresholds: calibration has its own peak)."""
     made = f"TopTheta(torch.linspace(1.0, 2.0, {H}))" if name == "top_theta" else f"get_mechanism({name!r}, **{PARAMS.get(name, {})!r})"
-    code = textwrap.dedent(_PROBE.format(made=made, H=H, n=n, D=D))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3600)
-    if proc.returncode != 0:
-        tail = proc.stderr.strip().splitlines()
-        return tail[-1] if tail else f"exit {proc.returncode}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])["growth_mb"]
+    setup = f"""
+import attnkit
+from attnkit.mechanisms import get_mechanism
+from attnkit.mechanisms.topk import TopTheta
+mech = {made}
+q, k, v = (torch.randn(1, {H}, {n}, {D}).requires_grad_() for _ in range(3))
+"""
+    res = peak_rss_growth(setup, "out = mech(q, k, v, mask=attnkit.causal()); out.backward(torch.ones_like(out))", timeout=3600)
+    return res.get("error", res.get("growth_mb"))
 
 
 def memory_rows(name: str, sizes: list[int]) -> list[Row]:
