@@ -1,10 +1,8 @@
 """The chunked backend (both engines) against the reference: values, lse, gradients."""
 
-import math
-
 import pytest
 import torch
-from helpers import TOL, assert_close, qkv
+from helpers import assert_close, qkv
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 

@@ -155,3 +155,14 @@ def fwd_bwd(fn, q, k, v):
         out = fn(q, k, v)
         out.backward(torch.ones_like(out))
     return run
+
+
+def run_steps(steps, progress=None) -> list:
+    """Run a suite's ``(label, step)`` pairs in order, reporting each label to ``progress``
+    before it starts; each step returns a list of rows."""
+    rows = []
+    for label, step in steps:
+        if progress:
+            progress(label)
+        rows += step()
+    return rows

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .harness import Row, peak_rss_growth, time_pair
+from .harness import Row, peak_rss_growth, run_steps, time_pair
 
 STEPS = 3
 
@@ -85,9 +85,4 @@ def run(quick: bool = False, progress=None) -> list[Row]:
         ("long context", lambda: long_case(2048 if quick else 8192, repeats)),
         ("memory", lambda: memory_case(8192 if quick else 32768)),
     ]
-    rows: list[Row] = []
-    for label, step in steps:
-        if progress:
-            progress(label)
-        rows += step()
-    return rows
+    return run_steps(steps, progress)

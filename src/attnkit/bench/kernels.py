@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from .. import api
 from .. import mods as M
 from ..kernels import chunked_attention, make_request
-from .harness import Row, fwd_bwd, peak_rss_growth, time_pair
+from .harness import Row, fwd_bwd, peak_rss_growth, run_steps, time_pair
 
 B, H, D = 1, 8, 64
 STEPS = 5
@@ -120,9 +120,4 @@ def run(quick: bool = False, progress=None) -> list[Row]:
     steps.append((f"sparse N={sizes[-1]}", lambda: sparse_cases(sizes[-1], repeats)))
     steps.append(("tiny", lambda: tiny_cases(repeats)))
     steps.append(("memory", lambda: memory_cases(16384 if quick else 65536, 4096 if quick else 32768)))
-    rows: list[Row] = []
-    for label, step in steps:
-        if progress:
-            progress(label)
-        rows += step()
-    return rows
+    return run_steps(steps, progress)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..mechanisms import get_mechanism
 from ..mods import causal
-from .harness import Row, peak_rss_growth, time_pair
+from .harness import Row, peak_rss_growth, run_steps, time_pair
 
 B, H, D = 1, 8, 64
 STEPS = 4
@@ -104,9 +104,4 @@ def run(quick: bool = False, progress=None) -> list[Row]:
         (f"decoding at {1024 // scale} and {32768 // scale}", lambda: decode_rows(1024 // scale, 32768 // scale, 200)),
         (f"memory N={65536 // scale}", lambda: memory_rows(65536 // scale)),
     ]
-    rows: list[Row] = []
-    for label, step in steps:
-        if progress:
-            progress(label)
-        rows += step()
-    return rows
+    return run_steps(steps, progress)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from .. import api
 from .. import mods as M
 from ..mechanisms import get_mechanism
-from .harness import Row, time_pair
+from .harness import Row, run_steps, time_pair
 
 B, H, D = 1, 8, 64
 STEPS = 4
@@ -144,9 +144,4 @@ def run(quick: bool = False, progress=None) -> list[Row]:
         ("neighborhood", lambda: neighborhood_rows(64 if quick else 128, repeats, target)),
         ("block_sparse", lambda: block_sparse_rows(4096 if quick else 16384, repeats)),
     ]
-    rows: list[Row] = []
-    for label, step in steps:
-        if progress:
-            progress(label)
-        rows += step()
-    return rows
+    return run_steps(steps, progress)

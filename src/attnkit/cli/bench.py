@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 from ..bench import SUITES, format_table, machine_info, run_suite, suite_module, write_json
 from .progress import Progress
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
 _REGISTRY: dict[str, Callable[..., "Mechanism"]] = {}

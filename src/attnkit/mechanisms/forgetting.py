@@ -93,7 +93,6 @@ class Forgetting(Mechanism):
 
     def _augmented(self, req: Request, log_f: Tensor) -> Request:
         """The FoX call as plain softmax attention with two extra head dimensions."""
-        cd = log_f.dtype
         lam = torch.cumsum(log_f, dim=-1)  # (B, Hg, Nk)
         groups = req.heads // req.kv_heads
         k, v = req.k, req.v

@@ -492,7 +492,7 @@ def calibrate_top_theta(q, k, keep: int, *, mask=None, score=None, scale=None, p
     if isinstance(add_sigma, bool) or not isinstance(add_sigma, (int, float)) or not math.isfinite(add_sigma):
         raise ValueError(f"add_sigma: expected a finite number, got {add_sigma!r}")
     req = make_request(q, k, k[..., :1], mask=mask, score=score, scale=scale)
-    B, H, Nq, Nk = req.batch, req.heads, req.q_len, req.k_len
+    H, Nq, Nk = req.heads, req.q_len, req.k_len
     sums = torch.zeros(H, Nq, dtype=torch.float64)
     squares = torch.zeros(H, Nq, dtype=torch.float64)
     counts = torch.zeros(H, Nq, dtype=torch.float64)
