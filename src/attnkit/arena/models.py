@@ -50,14 +50,22 @@ class MechanismSpec:
             raise ValueError(f"mechanisms: unknown mechanism {name!r} in {text!r}; registered: {', '.join(available())}")
         params = {}
         for item in assignments:
-            key, sep, value = item.partition("=")
-            if not sep or not key:
+            pair = parse_assignment(item)
+            if pair is None:
                 raise ValueError(f"mechanisms: expected name:key=value:..., got {text!r}")
-            try:
-                params[key] = json.loads(value)
-            except json.JSONDecodeError:
-                params[key] = value
+            params[pair[0]] = pair[1]
         return cls(text, name, params)
+
+
+def parse_assignment(item: str) -> tuple[str, object] | None:
+    """``key=value`` -> (key, value as JSON, else the string); None when it is not one."""
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        return None
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
 
 
 def parse_mechanisms(mechanisms) -> list[MechanismSpec]:

@@ -60,15 +60,14 @@ def parse_ints(spec: str | None, name: str) -> list[int] | None:
 
 
 def parse_params(items: list[str]) -> dict:
+    from ..arena.models import parse_assignment
+
     params = {}
     for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
+        pair = parse_assignment(item)
+        if pair is None:
             raise ValueError(f"--param: expected KEY=VALUE, got {item!r}")
-        try:
-            params[key] = json.loads(value)
-        except json.JSONDecodeError:
-            params[key] = value
+        params[pair[0]] = pair[1]
     return params
 
 

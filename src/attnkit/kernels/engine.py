@@ -454,12 +454,12 @@ def dense_index(req: Request):
 
 
 class SoftmaxKernel(TileKernel):
-    """Online softmax over logits ``z = transform(s)`` chosen by the mechanism, with the
-    values optionally weighted by ``signs(s)`` (signed attention). Saves the lse of z.
+    """Online softmax over logits ``z = transform(s)`` chosen by the mechanism. Saves the
+    lse of z.
 
-    Backward: with weights ``w = c * p`` (c = the sign or 1), ``dz = p * (c * dW - delta)``
-    where ``delta = rowsum(dO * O)`` minus any gradient reaching the lse; ``grad_z``
-    chains dz back to the modified logits s.
+    Backward: ``dz = p * (dW - delta)`` where ``delta = rowsum(dO * O)`` minus any
+    gradient reaching the lse; ``transform`` must pass gradients through unchanged
+    (a shift or a mask), as Top-theta's does.
     """
 
     stats = ("lse",)
@@ -468,17 +468,10 @@ class SoftmaxKernel(TileKernel):
     def transform(self, blk: Block, s: Tensor, kind: str, k0: int, k1: int) -> Tensor:
         return s
 
-    def signs(self, s: Tensor) -> Tensor | None:
-        return None
-
-    def grad_z(self, blk: Block, s: Tensor, dz: Tensor, kind: str, k0: int, k1: int) -> Tensor:
-        return dz
-
     def forward_block(self, blk: Block):
         acc = OnlineSoftmax(blk, blk.prob.v.shape[-1])
         for kind, k0, k1 in blk.tiles():
-            s = blk.logits(kind, k0, k1)
-            acc.add(blk, self.transform(blk, s, kind, k0, k1), k0, k1, self.signs(s))
+            acc.add(blk, self.transform(blk, blk.logits(kind, k0, k1), kind, k0, k1), k0, k1)
         out, lse = acc.result()
         return out, {"lse": lse}
 
@@ -487,21 +480,15 @@ class SoftmaxKernel(TileKernel):
         d = (delta - grad_stats["lse"] if "lse" in grad_stats else delta).unsqueeze(-1)
         for kind, k0, k1 in blk.tiles():
             s, tracked = blk.tracked_logits(kind, k0, k1)
-            sd = s.detach()
-            p = fast_exp_(self.transform(blk, sd, kind, k0, k1) - lse)
-            c = self.signs(sd)
-            dw = blk.dw(k0, k1)
-            dz = p * ((dw if c is None else dw * c) - d)
-            blk.add(k0, k1, self.grad_z(blk, sd, dz, kind, k0, k1), p if c is None else p * c, (s, tracked))
+            p = fast_exp_(self.transform(blk, s.detach(), kind, k0, k1) - lse)
+            blk.add(k0, k1, p * (blk.dw(k0, k1) - d), p, (s, tracked))
         return []
 
     def observe_block(self, blk: Block, stats):
         lse = safe_lse(stats["lse"])
         for kind, k0, k1 in blk.tiles():
             s = blk.logits(kind, k0, k1)
-            p = torch.exp(self.transform(blk, s, kind, k0, k1) - lse)  # exact zeros for observers
-            c = self.signs(s)
-            yield k0, k1, (p if c is None else p * c), s
+            yield k0, k1, torch.exp(self.transform(blk, s, kind, k0, k1) - lse), s  # exact zeros for observers
 
 
 def dense_softmax(z: Tensor) -> tuple[Tensor, Tensor]:

@@ -36,9 +36,6 @@ class SignedKernel(SoftmaxKernel):
     def transform(self, blk: Block, s, kind, k0, k1):
         return _abs_logits(s)
 
-    def signs(self, s):
-        return torch.sign(s)
-
     def abs_logits_(self, blk: Block, s: Tensor, kind: str) -> Tensor:
         """|s|, in place where that is safe: an unmasked tile with no score mod has no
         -inf, and its logits are the tile's own tensor (no autograd graph holds them)."""
@@ -69,6 +66,10 @@ class SignedKernel(SoftmaxKernel):
             blk.add(k0, k1, ds, w, (s, tracked))
         return []
 
+    def observe_block(self, blk: Block, stats):
+        for k0, k1, p, s in super().observe_block(blk, stats):
+            yield k0, k1, p * torch.sign(s), s
+
 
 @register("signed")
 class Signed(Mechanism):
@@ -98,4 +99,3 @@ class Signed(Mechanism):
         weights = torch.sign(s.masked_fill(torch.isneginf(s), 0.0)) * p
         out = torch.matmul(weights, dense_values(req)).to(q.dtype)
         return (out, lse) if return_lse else out
-
