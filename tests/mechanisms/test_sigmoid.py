@@ -94,3 +94,63 @@ def test_rejects_bad_parameters():
     q, k, v = qkv(B=1, Hq=2, Hkv=2, Nq=4, Nk=4, D=4)
     with pytest.raises(ValueError, match="return_lse"):
         Sigmoid()(q, k, v, return_lse=True)
+
+
+# ---------------------------------------------------------------- the fused C kernels
+
+FUSED_MASKS = {
+    "none": None, "causal": ak.causal(), "window": ak.window(37), "two-sided window": ak.window(20, 15),
+    "causal & window": ak.causal() & ak.window(50),
+}
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Records which fused C kernels ran; skips where torch exposes no sgemm to call."""
+    from attnkit.kernels import native
+
+    if not native.fused_usable(*(torch.zeros(1),) * 3):
+        pytest.skip("no C compiler or no sgemm exported by this torch build: the tile loop runs instead")
+    calls = []
+    for name in ("sigmoid_attention", "sigmoid_attention_backward"):
+        real = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    return calls
+
+
+def _float32_against_float64(mask, shape, sigmoid=Sigmoid()):
+    q, k, v = qkv(**shape, dtype=torch.float32, requires_grad=True, seed=7)
+    go = torch.randn(q.shape[:-1] + (v.shape[-1],), dtype=torch.float64)
+    out = ak.attention(q, k, v, mask=mask, mechanism=sigmoid)
+    grads = torch.autograd.grad(out, (q, k, v), go.float())
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = ak.attention(*ref_inputs, mask=mask, mechanism=sigmoid, backend="reference")
+    ref_grads = torch.autograd.grad(ref, ref_inputs, go)
+    assert_close(out, ref, torch.float32)
+    for g, r in zip(grads, ref_grads):
+        assert_close(g, r, torch.float32)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("mask", list(FUSED_MASKS))
+def test_fused_kernel_matches_reference(mask, threads, fused_calls):
+    """Band masks without a score mod run forward and backward in C (kernels/native_tile.c),
+    one thread or head ranges over several; GQA, Nq != Nk (bottom-right), Dv != D."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _float32_against_float64(FUSED_MASKS[mask], dict(B=2, Hq=4, Hkv=2, Nq=150, Nk=333, D=16, Dv=24))
+        _float32_against_float64(FUSED_MASKS[mask], dict(B=1, Hq=2, Hkv=1, Nq=300, Nk=300, D=8), Sigmoid(bias=-1.0))
+    finally:
+        torch.set_num_threads(before)
+    assert fused_calls == ["sigmoid_attention", "sigmoid_attention_backward"] * 2
+
+
+def test_fused_kernel_not_used_for_other_masks_or_mods(fused_calls):
+    shape = dict(B=1, Hq=2, Hkv=1, Nq=200, Nk=200, D=8)
+    _float32_against_float64(ak.document(torch.arange(200) // 70), shape)
+    q, k, v = qkv(**shape, dtype=torch.float32, seed=1)
+    got = ak.attention(q, k, v, mask=ak.causal(), score=ak.softcap(3.0), mechanism="sigmoid")
+    want = ak.attention(q.double(), k.double(), v.double(), mask=ak.causal(), score=ak.softcap(3.0), mechanism="sigmoid", backend="reference")
+    assert_close(got, want, torch.float32)
+    assert fused_calls == []

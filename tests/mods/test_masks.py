@@ -192,3 +192,25 @@ def test_masks_check_call_sizes(mask, fragment):
     q = torch.randn(2, 2, 12, 4)
     with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         ak.attention(q, q, q, mask=mask)
+
+
+BANDS = [
+    (ak.causal(), (None, 0)), (ak.window(5), (-5, 0)), (ak.window(3, 2), (-3, 2)), (ak.window(None, 4), (None, 4)),
+    (ak.window(6, None), (-6, None)), (ak.causal() & ak.window(4, 3), (-4, 0)), (ak.window(2, 9) & ak.window(7, 1), (-2, 1)),
+]
+
+
+@pytest.mark.parametrize("mask,band", BANDS, ids=[repr(m) for m, _ in BANDS])
+def test_band_is_the_exact_diagonal_band(mask, band):
+    """band() feeds fused kernels a key range per query: it must equal the mask everywhere."""
+    assert mask.band() == band
+    lo, hi = band
+    Nq, Nk = 9, 13  # bottom-right aligned: query i sits at position Nk - Nq + i
+    want = literal(lambda b, h, qp, kp: (lo is None or kp - qp >= lo) and (hi is None or kp - qp <= hi), Nq, Nk)
+    assert torch.equal(dense(mask, Nq, Nk), want)
+
+
+@pytest.mark.parametrize("mask", [ak.document(torch.tensor([0, 0, 1, 1])), ak.causal() | ak.window(None, 2), ~ak.causal(),
+                                  ak.causal() & ak.prefix_lm(2), ak.dilated(4, 2)], ids=repr)
+def test_band_is_none_for_other_masks(mask):
+    assert mask.band() is None

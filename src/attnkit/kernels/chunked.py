@@ -40,7 +40,7 @@ class Tiling:
 
     fused_q_block: int = 256
     fused_q_block_large: int = 1024
-    fused_q_block_bias: int = 512
+    fused_q_block_bias: int = 256
     fused_k_block: int = 128
     fused_max_masked_span: int = 2048
     tiled_q_block: int = 128

@@ -26,6 +26,7 @@ import torch
 
 from ..mods import index_tensors
 from ..observe import AttentionTile, CallInfo, feed
+from . import native
 from .plan import FULL_SEG, Plan, QueryBlock, make_plan, single_tile_plan
 from .request import Request
 from .tiles import Tile, visible
@@ -166,7 +167,7 @@ class Block:
         tile = None
         if prob.score is not None:
             tile = self.tile(k0, k1)
-            s = prob.score(s, tile.b, tile.h, tile.q, tile.k).to(prob.cd)
+            s = prob.score.apply_(s, tile.b, tile.h, tile.q, tile.k).to(prob.cd)  # s is the tile's own tensor
         if kind != FULL_SEG:
             tile = tile or self.tile(k0, k1)
             s.masked_fill_(~visible(prob.mask, tile), -math.inf)  # s is this tile's own tensor
@@ -289,6 +290,16 @@ class TileKernel:
     def begin(self, prob: Problem, phase: str) -> None:
         """Called before the blocks of each pass; ``phase`` is "forward", "backward" or "observe"."""
 
+    def forward_fused(self, prob: Problem) -> tuple[Tensor, dict[str, Tensor]] | None:
+        """The whole forward in one fused kernel, where the kernel has one for this call
+        (the backward still runs block by block); None: run ``forward_block`` per block."""
+        return None
+
+    def backward_fused(self, prob: Problem, grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+        """(dq, dk, dv) of the whole call from one fused kernel, where the kernel has one
+        (only asked when nothing else needs a gradient); None: run ``backward_block``."""
+        return None
+
     def forward_block(self, blk: Block) -> tuple[Tensor, dict[str, Tensor]]:
         raise NotImplementedError
 
@@ -301,6 +312,9 @@ class TileKernel:
 
 
 def forward_pass(prob: Problem, kernel: TileKernel) -> tuple[Tensor, dict[str, Tensor]]:
+    fused = kernel.forward_fused(prob)
+    if fused is not None:
+        return fused
     B, H, Nq, Dv = prob.shape
     out = torch.zeros(B, H, Nq, Dv, dtype=prob.cd, device=prob.q.device)
     stats = {name: torch.full((B, H, Nq), kernel.stat_fill, dtype=prob.cd, device=prob.q.device) for name in kernel.stats}
@@ -336,6 +350,11 @@ class _EngineFunction(torch.autograd.Function):
         cd = prob.cd
         go = torch.zeros_like(out) if grad_out is None else grad_out.to(cd)
         gstats = {n: g.to(cd) for n, g in zip(ctx.stat_names, grad_stats) if g is not None and bool(g.any())}
+        if not tensors and not gstats:
+            fused = kernel.backward_fused(prob, go)
+            if fused is not None:
+                dq, dk, dv = fused
+                return (None, None, None, dq.to(req.q.dtype), dk.to(req.k.dtype), dv.to(req.v.dtype))
         delta = (go * out).sum(dim=-1)
         grads = Grads(prob, ctx.n_score)
         kernel.begin(prob, "backward")
@@ -425,6 +444,11 @@ class OnlineSoftmax:
 
     def add(self, blk: Block, z: Tensor, k0: int, k1: int, sign: Tensor | None = None) -> None:
         """Fold in a tile of logits z (consumed); the values are weighted by exp(z - m), times ``sign``."""
+        if native.usable(z, self.m, self.l):
+            alpha = native.online_softmax_step_(z, self.m, self.l)  # z becomes p; m, l updated in place
+            self.acc *= alpha.unsqueeze(-1)
+            blk.pv_add_(self.acc, z if sign is None else z.mul_(sign), k0, k1)
+            return
         m_new = torch.maximum(self.m, z.amax(dim=-1))
         m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
         alpha = fast_exp_(self.m - m_safe)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .engine import Block, EngineTiling, GradBlock, OnlineSoftmax, TileKernel, fast_exp, fast_exp_, grouped, safe_lse, ungrouped
 from .plan import FULL_SEG
 from .tiles import Tile, visible
@@ -41,8 +42,11 @@ def _zero_dead(p: Tensor, dead: Tensor | None) -> Tensor:
 
 def mix_heads(m: Tensor, x: Tensor) -> Tensor:
     """``out[:, g] = sum_h m[g, h] x[:, h]`` for x (Bt, H, ...)."""
+    m = m.to(x.dtype)
+    if native.usable(m, x):
+        return native.mix_heads(m.contiguous(), x)
     bt, h = x.shape[:2]
-    return torch.matmul(m.to(x.dtype), x.reshape(bt, h, -1)).reshape(x.shape)
+    return torch.matmul(m, x.reshape(bt, h, -1)).reshape(x.shape)
 
 
 class MixedSoftmaxKernel(TileKernel):
@@ -188,7 +192,14 @@ def _softmax_tiles_(tiles: list[Tensor]) -> Tensor:
         m = torch.maximum(m, z.amax(dim=-1))
     dead = torch.isneginf(m)  # decided by the max: the fast exp never gives exact zeros
     m_safe = torch.where(dead, torch.zeros_like(m), m).unsqueeze(-1)
-    l = sum(fast_exp_(z.sub_(m_safe)).sum(dim=-1) for z in tiles)  # >= 1 where a row is live
+    if native.usable(m, *tiles):
+        # an online-softmax step whose running max is already the row's final max
+        l = torch.zeros_like(m)
+        for z in tiles:
+            native.online_softmax_step_(z, m, l)
+        l.masked_fill_(dead, 1.0)  # dead rows: exact zeros, keep them finite
+    else:
+        l = sum(fast_exp_(z.sub_(m_safe)).sum(dim=-1) for z in tiles)  # >= 1 where a row is live
     inv = l.reciprocal().unsqueeze(-1)
     for p in tiles:
         p.mul_(inv)

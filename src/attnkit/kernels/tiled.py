@@ -18,6 +18,7 @@ import math
 import torch
 
 from ..mods import Mask, ScoreMod
+from . import native
 from .plan import FULL_SEG, Plan
 from .tiles import Tile, neg_inf_to_pos_inf, visible
 
@@ -35,6 +36,15 @@ def _ungrouped(x: Tensor, heads: int) -> Tensor:
     return x.reshape(bt, heads, gl * hkv // heads, d)
 
 
+def _add_pv_(acc: Tensor, pg: Tensor, vt: Tensor, heads: int) -> None:
+    """acc += P V for grouped P, (Bt, Hkv, G*BQ, span), into the accumulator's memory."""
+    ag = _grouped(acc, vt.shape[1])
+    if pg.dtype == acc.dtype and acc.is_contiguous():
+        ag.view(-1, *ag.shape[-2:]).baddbmm_(pg.reshape(-1, *pg.shape[-2:]), vt.reshape(-1, *vt.shape[-2:]))
+    else:
+        acc += _ungrouped(torch.matmul(pg, vt), heads).to(acc.dtype)
+
+
 def _tiles(block, tile_k: int):
     for seg in block.segments:
         for t0 in range(seg.k0, seg.k1, tile_k):
@@ -43,7 +53,7 @@ def _tiles(block, tile_k: int):
 
 def _modify(s: Tensor, score: ScoreMod | None, mask: Mask | None, seg_kind: str, tile: Tile, compute_dtype) -> Tensor:
     if score is not None:
-        s = score(s, tile.b, tile.h, tile.q, tile.k).to(compute_dtype)
+        s = score.apply_(s, tile.b, tile.h, tile.q, tile.k).to(compute_dtype)  # s is the tile's own tensor
     if seg_kind != FULL_SEG:
         s = s.masked_fill(~visible(mask, tile), -math.inf)
     return s
@@ -63,7 +73,8 @@ def tiled_forward(
             if not block.segments:
                 continue
             bq = block.q1 - block.q0
-            qg = _grouped(q[bs, :, block.q0 : block.q1].to(matmul_dtype), Hkv)
+            # scale folded into q: one multiply per block instead of one per tile
+            qg = _grouped((q[bs, :, block.q0 : block.q1].to(cd) * scale).to(matmul_dtype), Hkv)
             bt = qg.shape[0]
             m = torch.full((bt, H, bq), -math.inf, dtype=cd, device=q.device)
             l = torch.zeros((bt, H, bq), dtype=cd, device=q.device)
@@ -71,16 +82,19 @@ def tiled_forward(
             for seg, t0, t1 in _tiles(block, tile_k):
                 tile = Tile.make(rows, H, q_start + block.q0, bq, t0, t1)
                 kt = k[bs, :, t0:t1].to(matmul_dtype)
-                s = _ungrouped(torch.matmul(qg, kt.transpose(-1, -2)), H).to(cd) * scale
+                s = _ungrouped(torch.matmul(qg, kt.transpose(-1, -2)), H).to(cd)
                 s = _modify(s, score, mask, seg.kind, tile, cd)
-                m_new = torch.maximum(m, s.amax(dim=-1))
-                m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
-                alpha = torch.exp(m - m_safe)
-                p = torch.exp(s - m_safe.unsqueeze(-1))
-                l = l * alpha + p.sum(dim=-1)
-                pv = torch.matmul(_grouped(p.to(matmul_dtype), Hkv), v[bs, :, t0:t1].to(matmul_dtype))
-                acc = acc * alpha.unsqueeze(-1) + _ungrouped(pv, H).to(cd)
-                m = m_new
+                if native.usable(s, m, l):
+                    p, alpha = s, native.online_softmax_step_(s, m, l)  # m, l updated in place
+                else:
+                    m_new = torch.maximum(m, s.amax(dim=-1))
+                    m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+                    alpha = torch.exp(m - m_safe)
+                    p = torch.exp(s - m_safe.unsqueeze(-1))
+                    l = l * alpha + p.sum(dim=-1)
+                    m = m_new
+                acc.mul_(alpha.unsqueeze(-1))
+                _add_pv_(acc, _grouped(p.to(matmul_dtype), Hkv), v[bs, :, t0:t1].to(matmul_dtype), H)
             m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
             lse[bs, :, block.q0 : block.q1] = m_safe + torch.log(l)
             o = torch.where(l.unsqueeze(-1) > 0, acc / l.clamp(min=torch.finfo(cd).tiny).unsqueeze(-1), torch.zeros_like(acc))

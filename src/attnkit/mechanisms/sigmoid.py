@@ -22,7 +22,8 @@ import weakref
 
 import torch
 
-from ..kernels.engine import Block, GradBlock, TileKernel, observe_kernel, run_kernel
+from ..kernels import native
+from ..kernels.engine import Block, GradBlock, Problem, TileKernel, observe_kernel, run_kernel
 from ..kernels.flex import flex_attention_call, flex_unsupported
 from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish, request
 from ..kernels.plan import CAUSAL_SEG, FULL_SEG
@@ -41,7 +42,10 @@ def sigmoid_(s: Tensor, bias: float) -> Tensor:
 
     Same value as ``(s + bias).sigmoid_()`` to float rounding, but torch's CPU ``exp2``
     is about twice as fast as the ``exp`` inside ``sigmoid``, and the gate is the only
-    non-matmul work of the kernel. Masked logits (-inf) give exactly 0."""
+    non-matmul work of the kernel. Masked logits (-inf) give exactly 0. Where the C tile
+    loops are available (kernels/native.py) it is one pass instead of four."""
+    if native.usable(s):
+        return native.sigmoid_(s, bias)
     torch.add(s.new_tensor(-bias * LOG2E), s, alpha=-LOG2E, out=s)
     return s.exp2_().add_(1.0).reciprocal_()
 
@@ -75,6 +79,27 @@ class SigmoidKernel(TileKernel):
         dQ^T = K^T dS^T) takes contiguous operands."""
         k = blk.prob.k[blk.bs, :, k0:k1]
         return sigmoid_(torch.matmul(k, blk.qg.transpose(-1, -2)), self.bias)
+
+    def _fused_band(self, prob: Problem) -> tuple[int | None, int | None] | None:
+        """The band of keys for the C kernels (kernels/native_tile.c), or None when this
+        call needs the tile loop: a score mod, a mask that is not a band, no fused C path."""
+        band = (None, None) if prob.mask is None else prob.mask.band()
+        if prob.score is not None or band is None or not native.fused_usable(prob.q, prob.k, prob.v):
+            return None
+        return band
+
+    def forward_fused(self, prob: Problem):
+        """FlashSigmoid's loop in C: per head and tile two sgemm calls and one pass of gates,
+        no Python in between (q already holds the scale)."""
+        band = self._fused_band(prob)
+        return None if band is None else (native.sigmoid_attention(prob.q, prob.k, prob.v, 1.0, self.bias, prob.q_start, band), {})
+
+    def backward_fused(self, prob: Problem, grad_out: Tensor):
+        band = self._fused_band(prob)
+        if band is None:
+            return None
+        dq, dk, dv = native.sigmoid_attention_backward(grad_out.contiguous(), prob.q, prob.k, prob.v, 1.0, self.bias, prob.q_start, band)
+        return dq.mul_(prob.scale), dk, dv  # gradients w.r.t. the unscaled q
 
     def forward_block(self, blk: Block):
         acc = blk.zeros(blk.prob.v.shape[-1])

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels import native
 from ..kernels.engine import Block, GradBlock, TileKernel, observe_kernel, run_kernel
 from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish, request
 from ..mods import Mask, causal
@@ -70,7 +71,11 @@ class StickBreakingKernel(TileKernel):
         acc = blk.zeros(blk.prob.v.shape[-1])
         carry = torch.ones_like(blk.zeros())
         for kind, k0, k1 in blk.tiles(reverse=True):
-            a, _, carry = _stick(blk.logits(kind, k0, k1), carry)
+            s = blk.logits(kind, k0, k1)
+            if native.usable(s, carry):
+                a = native.stick_breaking_(s, carry)  # one pass in C; carry updated in place
+            else:
+                a, _, carry = _stick(s, carry)
             blk.pv_add_(acc, a, k0, k1)
         return acc, {}
 

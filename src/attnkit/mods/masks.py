@@ -47,6 +47,11 @@ class Mask:
     def children(self) -> tuple[Mask, ...]:
         return ()
 
+    def band(self) -> tuple[int | None, int | None] | None:
+        """(lo, hi) when the mask is exactly ``lo <= kv - q <= hi`` (None: unbounded side),
+        so fused kernels can take it as a key range per query; None for any other mask."""
+        return None
+
     def walk(self):
         """This mask and every mask it is built from."""
         yield self
@@ -131,6 +136,14 @@ class And(Mask):
     def children(self):
         return self.parts
 
+    def band(self):
+        bands = [p.band() for p in self.parts]
+        if any(b is None for b in bands):
+            return None
+        los = [lo for lo, _ in bands if lo is not None]
+        his = [hi for _, hi in bands if hi is not None]
+        return (max(los) if los else None, min(his) if his else None)
+
     def __repr__(self):
         return " & ".join(_paren(p) for p in self.parts)
 
@@ -212,6 +225,9 @@ class Causal(Mask):
     def classify(self, grid):
         return classify_interval(grid, None, 0)
 
+    def band(self):
+        return (None, 0)
+
     def __repr__(self):
         return "causal()"
 
@@ -241,6 +257,9 @@ class Window(Mask):
         return classify_interval(
             grid, None if self.left is None else -self.left, self.right
         )
+
+    def band(self):
+        return (None if self.left is None else -self.left, self.right)
 
     def __repr__(self):
         return f"window(left={self.left}, right={self.right})"

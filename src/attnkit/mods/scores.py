@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import native
+
 Tensor = torch.Tensor
 
 
@@ -29,6 +31,10 @@ class ScoreMod:
 
     def __call__(self, s: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         raise NotImplementedError
+
+    def apply_(self, s: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        """The mod's value, free to overwrite ``s``: for tile loops that own their logits."""
+        return self(s, b, h, q_idx, kv_idx)
 
     def parameters(self) -> list[Tensor]:
         """Tensors this mod reads that may carry gradients (learnable tables, slopes...)."""
@@ -94,6 +100,11 @@ class Chain(ScoreMod):
     def __call__(self, s, b, h, q_idx, kv_idx):
         for m in self.mods:
             s = m(s, b, h, q_idx, kv_idx)
+        return s
+
+    def apply_(self, s, b, h, q_idx, kv_idx):
+        for m in self.mods:
+            s = m.apply_(s, b, h, q_idx, kv_idx)
         return s
 
     def parameters(self):
@@ -246,6 +257,12 @@ class Softcap(ScoreMod):
 
     def __call__(self, s, b, h, q_idx, kv_idx):
         return self.cap * torch.tanh(s / self.cap)
+
+    def apply_(self, s, b, h, q_idx, kv_idx):
+        # One pass in C instead of three PyTorch kernels (tanh alone is ~3 ns per logit).
+        if native.usable(s):
+            return native.softcap_(s, self.cap)
+        return self(s, b, h, q_idx, kv_idx)
 
     def __repr__(self):
         return f"softcap({self.cap:g})"

@@ -1,0 +1,247 @@
+"""One-pass pointwise tile math in C (kernels/native_tile.c), loaded through ctypes.
+
+The tile loops spend as much time in chains of pointwise PyTorch kernels (sigmoid gates,
+softcap's tanh, the online-softmax update) as in their matmuls; the C loops do each in
+one pass (see the C file for the numerics). The library is compiled once per source
+version with the host C compiler into ``$XDG_CACHE_HOME/attnkit`` (``~/.cache``); without a
+compiler, or with ``ATTNKIT_NATIVE=0``, every caller keeps its PyTorch path, which
+computes the same values.
+
+Only float32, contiguous CPU tensors that autograd does not track qualify (``usable``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+Tensor = torch.Tensor
+
+SOURCE = Path(__file__).with_name("native_tile.c")
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "attnkit"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name.split()[0]):
+            return name.split()[0]
+    return None
+
+
+def _build(target: Path) -> None:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Compile beside the target and rename: concurrent first uses never see half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [cc, "-O3", "-march=native", "-fPIC", "-shared", "-o", tmp, str(SOURCE), "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[:500]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded library, or None where it is disabled or cannot be built."""
+    if os.environ.get("ATTNKIT_NATIVE", "1") == "0":
+        return None
+    source = SOURCE.read_bytes()
+    # -march=native code is only valid on the CPU it was built for: key by CPU model too.
+    digest = hashlib.sha256(source + torch.backends.cpu.get_cpu_capability().encode() + _cpu_model()).hexdigest()[:16]
+    target = _cache_dir() / f"native_tile-{digest}.so"
+    try:
+        if not target.exists():
+            _build(target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError, subprocess.SubprocessError):
+        return None
+    f32p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    lib.ak_sigmoid.argtypes = [f32p, i64, f32]
+    lib.ak_softcap.argtypes = [f32p, f32p, i64, f32]
+    lib.ak_online_softmax.argtypes = [f32p, i64, i64, f32p, f32p, f32p]
+    lib.ak_mix_heads.argtypes = [f32p, f32p, f32p, i64, i64, i64, i64]
+    lib.ak_stick_breaking.argtypes = [f32p, i64, i64, f32p]
+    for fn in (lib.ak_sigmoid, lib.ak_softcap, lib.ak_online_softmax, lib.ak_mix_heads):
+        fn.restype = None
+    lib.ak_stick_breaking.restype = ctypes.c_int
+    lib.ak_sigmoid_attention.argtypes = [f32p, f32p, f32p, f32p, i64, i64, i64, i64, i64, i64, i64, i64, f32, f32, i64,
+                                         ctypes.c_int, i64, ctypes.c_int, i64, i64, i64, ctypes.c_void_p]
+    lib.ak_sigmoid_attention.restype = ctypes.c_int
+    lib.ak_sigmoid_attention_backward.argtypes = [f32p] * 7 + [i64] * 8 + [f32, f32, i64, ctypes.c_int, i64, ctypes.c_int,
+                                                                          i64, i64, i64, ctypes.c_void_p]
+    lib.ak_sigmoid_attention_backward.restype = ctypes.c_int
+    return lib
+
+
+@functools.cache
+def _torch_cpu() -> ctypes.CDLL | None:
+    lib_dir = Path(torch.__file__).parent / "lib"
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        if (lib_dir / name).exists():
+            try:
+                return ctypes.CDLL(str(lib_dir / name))
+            except OSError:
+                return None
+    return None
+
+
+@functools.cache
+def sgemm() -> int | None:
+    """Address of the Fortran ``sgemm_`` of the BLAS inside PyTorch (MKL in the x86 wheels),
+    so the fused C kernels multiply as fast as torch does; None where it is not exported."""
+    lib = _torch_cpu()
+    fn = getattr(lib, "sgemm_", None) if lib is not None else None
+    return None if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _one_blas_thread() -> None:
+    """Keep MKL to the calling thread: the fused kernels run one thread per head range, and
+    MKL splitting each small tile product across all cores again is many times slower."""
+    lib = _torch_cpu()
+    fn = getattr(lib, "MKL_Set_Num_Threads_Local", None) if lib is not None else None  # MKL's C interface (by value)
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+        fn(1)
+
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+
+
+def _over_heads(run, total: int, granule: int) -> None:
+    """``run(bh0, bh1)`` over [0, total) query-head rows, split across torch's intra-op
+    thread count in ranges aligned to ``granule`` (ctypes releases the GIL). ``run``
+    returns the C status; non-zero means out of memory."""
+    threads = torch.get_num_threads()
+    units = total // granule
+    if threads <= 1 or units <= 1:
+        _one_blas_thread()
+        codes = [run(0, total)]
+    else:
+        parts = min(threads, units)
+        bounds = [granule * (units * i // parts) for i in range(parts + 1)]
+        pool = _pools.get(parts) or _pools.setdefault(parts, ThreadPoolExecutor(parts, initializer=_one_blas_thread))
+        codes = list(pool.map(lambda i: run(bounds[i], bounds[i + 1]), range(parts)))
+    if any(codes):
+        raise MemoryError("fused attention kernel: out of memory for a tile buffer")
+
+
+def _cpu_model() -> bytes:
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            return next((line for line in f if line.startswith(b"model name") or line.startswith(b"flags")), b"")
+    except OSError:
+        return b""
+
+
+def usable(*tensors: Tensor) -> bool:
+    """True when the C loops can run on these tensors in place of PyTorch's."""
+    if library() is None:
+        return False
+    grad = torch.is_grad_enabled()
+    return all(
+        t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() and not (grad and t.requires_grad)
+        for t in tensors
+    )
+
+
+def sigmoid_(x: Tensor, bias: float) -> Tensor:
+    """``x <- sigmoid(x + bias)`` in place (-inf gives 0)."""
+    library().ak_sigmoid(x.data_ptr(), x.numel(), bias)
+    return x
+
+
+def softcap_(x: Tensor, cap: float) -> Tensor:
+    """``x <- cap * tanh(x / cap)`` in place."""
+    library().ak_softcap(x.data_ptr(), x.data_ptr(), x.numel(), cap)
+    return x
+
+
+def online_softmax_step_(s: Tensor, m: Tensor, l: Tensor) -> Tensor:
+    """One online-softmax tile update, rows being all leading dims of ``s``: ``s`` becomes
+    exp(s - m'), ``m`` and ``l`` are updated in place; returns alpha = exp(m - m')."""
+    cols = s.shape[-1]
+    rows = s.numel() // cols if cols else 0
+    alpha = torch.empty_like(m)
+    library().ak_online_softmax(s.data_ptr(), rows, cols, m.data_ptr(), l.data_ptr(), alpha.data_ptr())
+    return alpha
+
+
+def stick_breaking_(s: Tensor, carry: Tensor) -> Tensor:
+    """One tile of stick-breaking weights, keys right to left: ``s`` (rows in all leading
+    dims) becomes A, ``carry`` (one per row) the stick left for the tile on the left."""
+    cols = s.shape[-1]
+    rows = s.numel() // cols if cols else 0
+    if library().ak_stick_breaking(s.data_ptr(), rows, cols, carry.data_ptr()) != 0:
+        raise MemoryError("stick_breaking: out of memory for a tile buffer")
+    return s
+
+
+def mix_heads(mix: Tensor, x: Tensor) -> Tensor:
+    """``out[:, g] = sum_h mix[g, h] x[:, h]`` for x (Bt, H, ...) and mix (G, H)."""
+    bt, h = x.shape[:2]
+    g = mix.shape[0]
+    out = torch.empty((bt, g, *x.shape[2:]), dtype=x.dtype)
+    library().ak_mix_heads(mix.data_ptr(), x.data_ptr(), out.data_ptr(), bt, g, h, x[0, 0].numel() if x.numel() else 0)
+    return out
+
+
+def fused_usable(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """True when a fused C attention kernel (C tile loops plus torch's own sgemm) can run."""
+    return usable(q, k, v) and sgemm() is not None
+
+
+#: (query rows, keys) of the fused kernels' tiles: one head's logits stay in L2
+FUSED_TILE = (128, 256)
+
+
+def _band_args(band: tuple[int | None, int | None]) -> tuple[int, int, int, int]:
+    lo, hi = band
+    return int(lo is not None), lo or 0, int(hi is not None), hi or 0
+
+
+def sigmoid_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: float, q_start: int,
+                      band: tuple[int | None, int | None]) -> Tensor:
+    """sigmoid(scale Q K^T + bias) V over the keys ``lo <= key - (q_start + query) <= hi``
+    of ``band``; q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) contiguous float32."""
+    B, H, Nq, D = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    out = torch.empty(B, H, Nq, Dv)
+    fn = library().ak_sigmoid_attention
+    _over_heads(lambda bh0, bh1: fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), bh0, bh1, H, Hkv, Nq, Nk, D, Dv,
+                                    scale, bias, q_start, *_band_args(band), *FUSED_TILE, sgemm()), B * H, 1)
+    return out
+
+
+def sigmoid_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, bias: float, q_start: int,
+                               band: tuple[int | None, int | None]) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of ``sigmoid_attention`` for ``grad_out`` (contiguous float32). Threads
+    take whole GQA groups: the query heads of a group add into the same dk, dv."""
+    B, H, Nq, D = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    fn = library().ak_sigmoid_attention_backward
+    ptrs = [t.data_ptr() for t in (q, k, v, grad_out, dq, dk, dv)]
+    _over_heads(lambda bh0, bh1: fn(*ptrs, bh0, bh1, H, Hkv, Nq, Nk, D, Dv, scale, bias, q_start, *_band_args(band),
+                                    *FUSED_TILE, sgemm()), B * H, H // Hkv)
+    return dq, dk, dv

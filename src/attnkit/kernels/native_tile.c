@@ -1,0 +1,344 @@
+/* Pointwise tile math in one pass over memory, for the chunked tile loops.
+ *
+ * PyTorch evaluates `sigmoid(s + b)`, `cap * tanh(s / cap)` or an online-softmax update
+ * as a chain of separate kernels, each a full pass over the tile with its own dispatch;
+ * on CPU those passes cost as much as the two matmuls of the tile (measured: 1-3 ns per
+ * logit against ~0.2 ns here). These loops read a tile once and write it once.
+ *
+ * float32 only. exp is 2^n times a polynomial for 2^f (see exp_avx2); arguments below the smallest normal result give exactly 0, so -inf
+ * (a masked logit) has weight 0. NaN inputs propagate. Built by kernels/native.py with the
+ * host compiler; every function has a scalar path for CPUs without AVX2/FMA.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define AK_AVX2 1
+#endif
+
+static const float EXP_HI = 88.3762626647949f;
+static const float EXP_LO = -87.3365447505531f;
+
+static inline float exp_scalar(float x) {
+    if (x < EXP_LO) return 0.0f;  /* also -inf; NaN compares false and falls through */
+    return expf(x > EXP_HI ? EXP_HI : x);  /* NaN compares false again: expf(NaN) is NaN */
+}
+
+#ifdef AK_AVX2
+static inline __m256 exp_avx2(__m256 x) {
+    /* e^x = 2^n * 2^f with n = round(x log2 e), |f| <= 1/2; 2^f by a degree-6 Taylor
+     * polynomial in f ln 2 (relative error < 2e-7 ~ 1.5 ulp). Operand order of max/min
+     * keeps NaN: they return their second operand when either is NaN. */
+    const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LO), _CMP_LT_OQ);
+    __m256 t = _mm256_mul_ps(_mm256_min_ps(_mm256_set1_ps(EXP_HI), _mm256_max_ps(_mm256_set1_ps(EXP_LO), x)),
+                             _mm256_set1_ps(1.44269504088896341f));
+    __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(1.5403530393381606e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+static inline float hmax_avx2(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+static inline float hsum_avx2(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* y <- sigmoid(sign * x + bias) = 1 / (1 + exp(-(sign * x + bias))); y may be x.
+ * exp is capped at e^88: gates below 1 / (1 + e^88) (denormal) become 0, so a -inf
+ * argument gives exactly 0 and +inf exactly 1. */
+static void sigmoid_into(const float *x, float *y, int64_t n, float sign, float bias) {
+    int64_t i = 0;
+#ifdef AK_AVX2
+    const __m256 sg = _mm256_set1_ps(-sign), b = _mm256_set1_ps(-bias), one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= n; i += 8) {
+        __m256 z = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), sg, b);  /* -(sign x + bias) */
+        __m256 tiny = _mm256_cmp_ps(z, _mm256_set1_ps(EXP_HI), _CMP_GT_OQ);
+        __m256 w = _mm256_div_ps(one, _mm256_add_ps(one, exp_avx2(z)));
+        _mm256_storeu_ps(y + i, _mm256_andnot_ps(tiny, w));
+    }
+#endif
+    for (; i < n; i++) {
+        float z = -(sign * x[i] + bias);
+        y[i] = z > EXP_HI ? 0.0f : 1.0f / (1.0f + exp_scalar(z));
+    }
+}
+
+/* x <- sigmoid(x + bias), in place. */
+void ak_sigmoid(float *x, int64_t n, float bias) { sigmoid_into(x, x, n, 1.0f, bias); }
+
+/* Stick-breaking weights of one tile (Tan et al. 2024, arXiv 2410.17980), keys right to
+ * left: per row, A_j = beta_j * c and c <- c * (1 - beta_j) with beta = sigmoid(z), starting
+ * from the stick ``carry`` that the keys right of the tile left over. s (rows, cols) is
+ * replaced by A, carry by the stick left for the tile on the left. 1 - beta is computed
+ * as sigmoid(-z), exact where beta rounds to 1; a hidden key (z = -inf) has beta = 0
+ * and 1 - beta = 1 exactly. Four rows at a time: their running products are independent
+ * chains, so the multiplier latency overlaps. */
+int ak_stick_breaking(float *s, int64_t rows, int64_t cols, float *carry) {
+    enum { R = 4 };
+    float *buf = (float *)malloc(sizeof(float) * 2 * R * (cols > 0 ? cols : 1));
+    if (!buf) return 1;
+    for (int64_t r0 = 0; r0 < rows; r0 += R) {
+        int64_t nr = rows - r0 < R ? rows - r0 : R;
+        float c[R];
+        for (int64_t t = 0; t < nr; t++) {
+            sigmoid_into(s + (r0 + t) * cols, buf + t * cols, cols, 1.0f, 0.0f);
+            sigmoid_into(s + (r0 + t) * cols, buf + (R + t) * cols, cols, -1.0f, 0.0f);
+            c[t] = carry[r0 + t];
+        }
+        for (int64_t j = cols - 1; j >= 0; j--)
+            for (int64_t t = 0; t < nr; t++) {
+                s[(r0 + t) * cols + j] = buf[t * cols + j] * c[t];
+                c[t] *= buf[(R + t) * cols + j];
+            }
+        for (int64_t t = 0; t < nr; t++) carry[r0 + t] = c[t];
+    }
+    free(buf);
+    return 0;
+}
+
+/* y <- cap * tanh(x / cap), with tanh(t) = 1 - 2 / (exp(2t) + 1). */
+void ak_softcap(const float *x, float *y, int64_t n, float cap) {
+    const float two_over_cap = 2.0f / cap;
+    int64_t i = 0;
+#ifdef AK_AVX2
+    const __m256 k = _mm256_set1_ps(two_over_cap), c = _mm256_set1_ps(cap);
+    const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f);
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp_avx2(_mm256_mul_ps(_mm256_loadu_ps(x + i), k));
+        __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one)));
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(c, t));
+    }
+#endif
+    for (; i < n; i++) {
+        float t = x[i] * two_over_cap;
+        y[i] = cap * (1.0f - 2.0f / (exp_scalar(t) + 1.0f));
+    }
+}
+
+/* One tile of the online softmax (FlashAttention-2, arXiv 2307.08691), row by row:
+ *   m' = max(m, max_j s_j);  s_j <- exp(s_j - m');  alpha = exp(m - m');  l <- l * alpha + sum_j s_j;  m <- m'
+ * s is (rows, cols) contiguous. A row that has seen no visible key yet keeps m = -inf,
+ * gets zero weights and alpha = 1 (its accumulator is zero anyway). */
+void ak_online_softmax(float *s, int64_t rows, int64_t cols, float *m, float *l, float *alpha) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = s + r * cols;
+        float mx = m[r];
+        int64_t j = 0;
+#ifdef AK_AVX2
+        __m256 vmax = _mm256_set1_ps(mx);
+        for (; j + 8 <= cols; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(row + j));
+        mx = hmax_avx2(vmax);
+#endif
+        for (; j < cols; j++) mx = row[j] > mx ? row[j] : mx;
+        if (mx == -INFINITY) {
+            for (j = 0; j < cols; j++) row[j] = 0.0f;
+            alpha[r] = 1.0f;
+            continue;
+        }
+        float sum = 0.0f;
+        j = 0;
+#ifdef AK_AVX2
+        const __m256 vm = _mm256_set1_ps(mx);
+        __m256 vsum = _mm256_setzero_ps();
+        for (; j + 8 <= cols; j += 8) {
+            __m256 p = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(row + j), vm));
+            _mm256_storeu_ps(row + j, p);
+            vsum = _mm256_add_ps(vsum, p);
+        }
+        sum = hsum_avx2(vsum);
+#endif
+        for (; j < cols; j++) {
+            row[j] = exp_scalar(row[j] - mx);
+            sum += row[j];
+        }
+        alpha[r] = exp_scalar(m[r] - mx);
+        l[r] = l[r] * alpha[r] + sum;
+        m[r] = mx;
+    }
+}
+
+/* out[b, g, :] = sum_h mix[g, h] * x[b, h, :] for x (B, H, L) and out (B, G, L), both
+ * contiguous: a head-mixing matmul with an inner dimension of a few heads, which BLAS
+ * runs far below its memory bound. Chunks of positions stay in L1 across the G outputs. */
+void ak_mix_heads(const float *mix, const float *x, float *out, int64_t B, int64_t G, int64_t H, int64_t L) {
+    enum { CHUNK = 512 };
+    for (int64_t b = 0; b < B; b++) {
+        const float *xb = x + b * H * L;
+        float *ob = out + b * G * L;
+        for (int64_t c0 = 0; c0 < L; c0 += CHUNK) {
+            int64_t c1 = c0 + CHUNK < L ? c0 + CHUNK : L;
+            for (int64_t g = 0; g < G; g++) {
+                const float *mg = mix + g * H;
+                float *o = ob + g * L;
+                int64_t i = c0;
+#ifdef AK_AVX2
+                for (; i + 8 <= c1; i += 8) {
+                    __m256 acc = _mm256_setzero_ps();
+                    for (int64_t h = 0; h < H; h++)
+                        acc = _mm256_fmadd_ps(_mm256_set1_ps(mg[h]), _mm256_loadu_ps(xb + h * L + i), acc);
+                    _mm256_storeu_ps(o + i, acc);
+                }
+#endif
+                for (; i < c1; i++) {
+                    float acc = 0.0f;
+                    for (int64_t h = 0; h < H; h++) acc += mg[h] * xb[h * L + i];
+                    o[i] = acc;
+                }
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ fused sigmoid attention */
+
+/* Fortran BLAS sgemm (column-major), as exported by the BLAS that PyTorch links. */
+typedef void (*sgemm_fn)(const char *ta, const char *tb, const int *m, const int *n, const int *k,
+                         const float *alpha, const float *a, const int *lda, const float *b, const int *ldb,
+                         const float *beta, float *c, const int *ldc);
+
+/* C (m x n, row-major, ldc) = alpha * A (m x k, row-major, lda) * B^T (B: n x k, row-major, ldb) + beta * C */
+static void gemm_abt(sgemm_fn gemm, int m, int n, int k, float alpha, const float *a, int lda,
+                     const float *b, int ldb, float beta, float *c, int ldc) {
+    /* row-major C is column-major C^T = B A^T */
+    gemm("T", "N", &n, &m, &k, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
+}
+
+/* C (m x n, row-major) += A (m x k, row-major) * B (k x n, row-major) */
+static void gemm_ab_acc(sgemm_fn gemm, int m, int n, int k, const float *a, int lda, const float *b, int ldb,
+                        float *c, int ldc) {
+    const float one = 1.0f;
+    gemm("N", "N", &n, &m, &k, &one, b, &ldb, a, &lda, &one, c, &ldc);
+}
+
+/* C (m x n, row-major) += A^T B for A (k x m, row-major) and B (k x n, row-major) */
+static void gemm_atb_acc(sgemm_fn gemm, int m, int n, int k, const float *a, int lda, const float *b, int ldb,
+                         float *c, int ldc) {
+    const float one = 1.0f;
+    gemm("N", "T", &n, &m, &k, &one, b, &ldb, a, &lda, &one, c, &ldc);
+}
+
+/* The key columns [c0, c1) of a tile row that lie in the band of query position pos. */
+static void band_columns(int64_t pos, int64_t j0, int64_t n, int has_lo, int64_t lo, int has_hi, int64_t hi,
+                         int64_t *c0, int64_t *c1) {
+    int64_t a = has_lo ? pos + lo - j0 : 0, b = has_hi ? pos + hi + 1 - j0 : n;
+    if (a < 0) a = 0;
+    if (b > n) b = n;
+    *c0 = a;
+    *c1 = b > a ? b : a;
+}
+
+/* Gates of one tile: w = sigmoid(Q K^T + bias), 0 outside each row's band. */
+static void sigmoid_tile(sgemm_fn gemm, float *w, const float *qb, const float *kt, int64_t m, int64_t n, int64_t D,
+                         float scale, float bias, int64_t first, int64_t j0, int has_lo, int64_t lo, int has_hi,
+                         int64_t hi) {
+    gemm_abt(gemm, (int)m, (int)n, (int)D, scale, qb, (int)D, kt, (int)D, 0.0f, w, (int)n);
+    sigmoid_into(w, w, m * n, 1.0f, bias);
+    for (int64_t r = 0; r < m; r++) {
+        int64_t c0, c1;
+        band_columns(first + r, j0, n, has_lo, lo, has_hi, hi, &c0, &c1);
+        float *row = w + r * n;
+        for (int64_t c = 0; c < c0; c++) row[c] = 0.0f;
+        for (int64_t c = c1; c < n; c++) row[c] = 0.0f;
+    }
+}
+
+/* The key range [*jlo, *jhi) that the queries [first, last] reach. */
+static void band_keys(int64_t first, int64_t last, int64_t Nk, int has_lo, int64_t lo, int has_hi, int64_t hi,
+                      int64_t *jlo, int64_t *jhi) {
+    int64_t a = has_lo ? first + lo : 0, b = has_hi ? last + hi + 1 : Nk;
+    *jlo = a < 0 ? 0 : a;
+    *jhi = b > Nk ? Nk : b;
+}
+
+/* FlashSigmoid's forward (Ramapuram et al. 2024, arXiv 2409.04431) for the query-head rows
+ * [bh0, bh1) of B*H: out = sigmoid(scale * Q K^T + bias) V over the keys of a diagonal band
+ * lo <= key - (q_start + query) <= hi (has_lo / has_hi = 0: unbounded), with no row
+ * statistics at all: each key tile adds sigmoid(S) V to the output and is done. q (B, H, Nq, D),
+ * k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) and out (B, H, Nq, Dv) contiguous. Tiles of
+ * BQ x BK logits of one head stay in L2 between the two matmuls. Returns 0, or 1 when
+ * out of memory. */
+int ak_sigmoid_attention(const float *q, const float *k, const float *v, float *out, int64_t bh0, int64_t bh1,
+                         int64_t H, int64_t Hkv, int64_t Nq, int64_t Nk, int64_t D, int64_t Dv, float scale, float bias,
+                         int64_t q_start, int has_lo, int64_t lo, int has_hi, int64_t hi, int64_t BQ, int64_t BK,
+                         void *sgemm) {
+    sgemm_fn gemm = (sgemm_fn)sgemm;
+    float *s = (float *)malloc(sizeof(float) * BQ * BK);
+    if (!s) return 1;
+    const int64_t group = H / Hkv;
+    for (int64_t bh = bh0; bh < bh1; bh++) {
+        const int64_t b = bh / H, kvh = b * Hkv + (bh % H) / group;
+        const float *qh = q + bh * Nq * D, *kh = k + kvh * Nk * D, *vh = v + kvh * Nk * Dv;
+        float *oh = out + bh * Nq * Dv;
+        for (int64_t i = 0; i < Nq * Dv; i++) oh[i] = 0.0f;
+        for (int64_t i0 = 0; i0 < Nq; i0 += BQ) {
+            const int64_t m = Nq - i0 < BQ ? Nq - i0 : BQ, first = q_start + i0;  /* query positions */
+            int64_t jlo, jhi;
+            band_keys(first, first + m - 1, Nk, has_lo, lo, has_hi, hi, &jlo, &jhi);
+            for (int64_t j0 = jlo; j0 < jhi; j0 += BK) {
+                const int64_t n = jhi - j0 < BK ? jhi - j0 : BK;
+                sigmoid_tile(gemm, s, qh + i0 * D, kh + j0 * D, m, n, D, scale, bias, first, j0, has_lo, lo, has_hi, hi);
+                gemm_ab_acc(gemm, (int)m, (int)Dv, (int)n, s, (int)n, vh + j0 * Dv, (int)Dv, oh + i0 * Dv, (int)Dv);
+            }
+        }
+    }
+    free(s);
+    return 0;
+}
+
+/* Its backward, recomputing each tile's gates: with W = sigmoid(S) and dW = dO V^T,
+ * dS = dW * W * (1 - W);  dV += W^T dO,  dQ += scale * dS K,  dK += dS^T Q (Q as given,
+ * times ``scale`` inside S). dq, dk, dv are accumulated into (callers zero them); query
+ * heads of one GQA group add into the same dk, dv, so [bh0, bh1) ranges run one at a time. */
+int ak_sigmoid_attention_backward(const float *q, const float *k, const float *v, const float *dout, float *dq,
+                                  float *dk, float *dv, int64_t bh0, int64_t bh1, int64_t H, int64_t Hkv, int64_t Nq,
+                                  int64_t Nk, int64_t D, int64_t Dv, float scale, float bias, int64_t q_start,
+                                  int has_lo, int64_t lo, int has_hi, int64_t hi, int64_t BQ, int64_t BK, void *sgemm) {
+    sgemm_fn gemm = (sgemm_fn)sgemm;
+    float *w = (float *)malloc(sizeof(float) * 2 * BQ * BK);
+    if (!w) return 1;
+    float *ds = w + BQ * BK;
+    const int64_t group = H / Hkv;
+    for (int64_t bh = bh0; bh < bh1; bh++) {
+        const int64_t b = bh / H, kvh = b * Hkv + (bh % H) / group;
+        const float *qh = q + bh * Nq * D, *kh = k + kvh * Nk * D, *vh = v + kvh * Nk * Dv, *doh = dout + bh * Nq * Dv;
+        float *dqh = dq + bh * Nq * D, *dkh = dk + kvh * Nk * D, *dvh = dv + kvh * Nk * Dv;
+        for (int64_t i0 = 0; i0 < Nq; i0 += BQ) {
+            const int64_t m = Nq - i0 < BQ ? Nq - i0 : BQ, first = q_start + i0;
+            const float *qb = qh + i0 * D, *dob = doh + i0 * Dv;
+            float *dqb = dqh + i0 * D;
+            int64_t jlo, jhi;
+            band_keys(first, first + m - 1, Nk, has_lo, lo, has_hi, hi, &jlo, &jhi);
+            for (int64_t j0 = jlo; j0 < jhi; j0 += BK) {
+                const int64_t n = jhi - j0 < BK ? jhi - j0 : BK;
+                sigmoid_tile(gemm, w, qb, kh + j0 * D, m, n, D, scale, bias, first, j0, has_lo, lo, has_hi, hi);
+                gemm_atb_acc(gemm, (int)n, (int)Dv, (int)m, w, (int)n, dob, (int)Dv, dvh + j0 * Dv, (int)Dv);
+                gemm_abt(gemm, (int)m, (int)n, (int)Dv, 1.0f, dob, (int)Dv, vh + j0 * Dv, (int)Dv, 0.0f, ds, (int)n);
+                for (int64_t i = 0; i < m * n; i++) ds[i] *= w[i] * (1.0f - w[i]);  /* vectorised by the compiler */
+                gemm_ab_acc(gemm, (int)m, (int)D, (int)n, ds, (int)n, kh + j0 * D, (int)D, dqb, (int)D);
+                gemm_atb_acc(gemm, (int)n, (int)D, (int)m, ds, (int)n, qb, (int)D, dkh + j0 * D, (int)D);
+            }
+            for (int64_t i = 0; i < m * D; i++) dqb[i] *= scale;  /* dS K was accumulated unscaled */
+        }
+    }
+    free(w);
+    return 0;
+}

@@ -1,0 +1,158 @@
+"""The C tile loops (kernels/native.py) against float64 PyTorch, and the tile loops that use
+them against their own PyTorch path (native disabled)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import mods as M
+from attnkit.kernels import chunked_attention, make_request, native
+from attnkit.mechanisms import get_mechanism
+from tests.helpers import assert_close, qkv
+
+# exp(x) in float32 carries the rounding of its argument, |x| * 2^-24 relative, plus a few
+# ulps of the polynomial: inputs below stay within |x| <= 40, so 40 * 6e-8 + 1e-6 < 4e-6.
+EXP_RTOL = 4e-6
+
+
+@pytest.fixture(autouse=True, scope="module")
+def built():
+    if native._compiler() is None:
+        pytest.skip("no C compiler on this machine: the PyTorch paths run instead")
+    assert native.library() is not None, "a C compiler is present but the tile library did not build"
+
+
+def logits(seed=0, shape=(3, 5, 67)):
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(shape, generator=g) * 8
+    s[0, 0, :5] = -math.inf  # masked logits
+    s[1, 2, :] = -math.inf  # a row with no visible key in this tile
+    return s
+
+
+def test_sigmoid_matches_float64():
+    s = logits()
+    got = native.sigmoid_(s.clone(), -3.0)
+    want = torch.sigmoid(s.double() - 3.0)
+    torch.testing.assert_close(got.double(), want, rtol=EXP_RTOL, atol=0)
+    assert bool((got[1, 2] == 0).all()) and bool((got[0, 0, :5] == 0).all())
+
+
+def test_sigmoid_extremes_and_nan():
+    s = torch.tensor([1e4, -1e4, 88.0, -88.0, 0.0, math.nan, math.inf, -math.inf, 1.0])
+    got = native.sigmoid_(s.clone(), 0.0)
+    assert got[0] == 1.0 and got[6] == 1.0 and got[1] == 0.0 and got[7] == 0.0 and got[4] == 0.5
+    assert math.isnan(got[5])
+    torch.testing.assert_close(got[[2, 3, 8]].double(), torch.sigmoid(s[[2, 3, 8]].double()), rtol=EXP_RTOL, atol=1e-38)
+
+
+def test_softcap_matches_float64():
+    s = logits().clamp(min=-60)
+    got = native.softcap_(s.clone(), 30.0)
+    want = 30.0 * torch.tanh(s.double() / 30.0)
+    # |cap * tanh| <= 30: absolute error of a few float32 ulps of 30
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=30 * EXP_RTOL)
+    big = native.softcap_(torch.tensor([1e6, -1e6, -math.inf, math.nan]), 5.0)
+    assert big[0] == 5.0 and big[1] == -5.0 and big[2] == -5.0 and math.isnan(big[3])
+
+
+def test_online_softmax_step_matches_float64():
+    s = logits(1)
+    m = torch.full(s.shape[:-1], -math.inf)
+    m[0] = 4.0  # rows with a running max from earlier tiles
+    l = torch.zeros(s.shape[:-1])
+    l[0] = 2.5
+    m0, l0 = m.double().clone(), l.double().clone()
+    p = s.clone()
+    alpha = native.online_softmax_step_(p, m, l)
+
+    m_new = torch.maximum(m0, s.double().amax(-1))
+    live = ~torch.isneginf(m_new)
+    m_safe = torch.where(live, m_new, 0.0)
+    p_want = torch.exp(s.double() - m_safe[..., None])
+    assert torch.equal(m.double(), m_new)
+    torch.testing.assert_close(p.double(), p_want, rtol=EXP_RTOL, atol=0)
+    torch.testing.assert_close(alpha[live].double(), torch.exp(m0 - m_safe)[live], rtol=EXP_RTOL, atol=0)
+    torch.testing.assert_close(l.double(), l0 * torch.exp(m0 - m_safe) + p_want.sum(-1), rtol=1e-5, atol=0)
+    # the row that has seen no key keeps m = -inf, l = 0 and contributes nothing
+    assert torch.isneginf(m[1, 2]) and l[1, 2] == 0 and bool((p[1, 2] == 0).all())
+
+
+def test_stick_breaking_matches_float64():
+    z = logits(2)
+    z[2, 1, 40:] = 30.0  # beta rounds to 1 in float32: 1 - beta must still be sigmoid(-z)
+    carry = torch.rand(z.shape[:-1], generator=torch.Generator().manual_seed(4))
+    c0 = carry.double().clone()
+    a = native.stick_breaking_(z.clone(), carry)
+    zd = z.double()
+    # literal, in float64: A_j = sigmoid(z_j) * c0 * prod_{k > j} sigmoid(-z_k)
+    rest = torch.sigmoid(-zd)
+    after = torch.cat([rest.flip(-1).cumprod(-1).flip(-1)[..., 1:], torch.ones_like(rest[..., :1])], dim=-1)
+    want = torch.sigmoid(zd) * after * c0[..., None]
+    # products of up to 67 factors, each within ~2 ulp (2.4e-7): about 1e-5 relative at most
+    torch.testing.assert_close(a.double(), want, rtol=1e-5, atol=1e-30)
+    torch.testing.assert_close(carry.double(), c0 * rest.prod(-1), rtol=1e-5, atol=1e-30)
+    assert bool((a[0, 0, :5] == 0).all()) and bool((a[1, 2] == 0).all())  # hidden keys take nothing
+
+
+def test_usable_only_for_untracked_contiguous_float32():
+    x = torch.zeros(4, 8)
+    assert native.usable(x)
+    assert not native.usable(x.double())
+    assert not native.usable(x.t())
+    assert not native.usable(x.requires_grad_())
+    with torch.no_grad():
+        assert native.usable(x)
+
+
+# ---------------------------------------------------------------- callers, with and without
+
+
+def _mixed(name):
+    mech = get_mechanism(name, num_heads=4)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in mech.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))  # away from the identity
+    return mech
+
+
+CASES = {  # name: (mechanism, mask, score, engine or None)
+    "tiled softcap": ("softmax", M.causal() & M.window(200), M.softcap(5.0), "tiled"),
+    "sigmoid": ("sigmoid", M.causal(), None, None),
+    "signed (engine online softmax)": ("signed", M.causal(), M.softcap(5.0), None),
+    "talking heads (head mixing)": ("talking_heads", M.causal(), None, None),
+    "multi-token (two-pass softmax)": ("multi_token", M.causal(), None, None),
+    "stick-breaking": ("stick_breaking", M.window(150), None, None),
+}
+
+
+def _run(name, dtype=torch.float32, backend="auto"):
+    mech, mask, score, engine = CASES[name]
+    q, k, v = qkv(B=1, Hq=4, Hkv=2, Nq=300, Nk=300, D=16, dtype=dtype, seed=3)
+    if engine is not None and backend != "reference":
+        return chunked_attention(make_request(q, k, v, mask=mask, score=score), engine=engine)[0]
+    if mech in ("talking_heads", "multi_token"):
+        mech = _mixed(mech)
+    return attnkit.attention(q, k, v, mask=mask, score=score, mechanism=mech, backend=backend)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_callers_agree_with_their_pytorch_path(name, monkeypatch):
+    with torch.no_grad():
+        fast = _run(name)
+        monkeypatch.setattr(native, "usable", lambda *tensors: False)
+        slow = _run(name)
+    assert_close(fast, slow, torch.float32)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_callers_match_reference(name):
+    with torch.no_grad():
+        got = _run(name)
+        want = _run(name, torch.float64, backend="reference")
+    assert_close(got, want, torch.float32)
