@@ -82,7 +82,8 @@ def library() -> ctypes.CDLL | None:
     lib.ak_online_softmax.argtypes = [f32p, i64, i64, f32p, f32p, f32p]
     lib.ak_mix_heads.argtypes = [f32p, f32p, f32p, i64, i64, i64, i64]
     lib.ak_stick_breaking.argtypes = [f32p, i64, i64, f32p]
-    for fn in (lib.ak_sigmoid, lib.ak_softcap, lib.ak_online_softmax, lib.ak_mix_heads):
+    lib.ak_depthwise_conv2d.argtypes = [f32p, f32p, f32p, i64, i64, i64, i64, i64, i64]
+    for fn in (lib.ak_sigmoid, lib.ak_softcap, lib.ak_online_softmax, lib.ak_mix_heads, lib.ak_depthwise_conv2d):
         fn.restype = None
     lib.ak_stick_breaking.restype = ctypes.c_int
     lib.ak_sigmoid_attention.argtypes = [f32p, f32p, f32p, f32p, i64, i64, i64, i64, i64, i64, i64, i64, f32, f32, i64,
@@ -195,6 +196,15 @@ def stick_breaking_(s: Tensor, carry: Tensor) -> Tensor:
     if library().ak_stick_breaking(s.data_ptr(), rows, cols, carry.data_ptr()) != 0:
         raise MemoryError("stick_breaking: out of memory for a tile buffer")
     return s
+
+
+def depthwise_conv2d(x: Tensor, weight: Tensor) -> Tensor:
+    """Valid depthwise 2-D correlation: x (N, H, R, C), weight (H, cq, ck) -> (N, H, R-cq+1, C-ck+1)."""
+    N, H, R, C = x.shape
+    cq, ck = weight.shape[-2:]
+    y = torch.empty(N, H, max(R - cq + 1, 0), max(C - ck + 1, 0))
+    library().ak_depthwise_conv2d(x.data_ptr(), weight.data_ptr(), y.data_ptr(), N, H, R, C, cq, ck)
+    return y
 
 
 def mix_heads(mix: Tensor, x: Tensor) -> Tensor:

@@ -342,3 +342,43 @@ int ak_sigmoid_attention_backward(const float *q, const float *k, const float *v
     free(w);
     return 0;
 }
+
+/* y = depthwise "valid" 2-D correlation of x with one (cq x ck) kernel per head:
+ *   y[n, h, r, c] = sum_{a < cq, b < ck} w[h, a, b] * x[n, h, r + a, c + b]
+ * for x (N, H, R, C) and y (N, H, R - cq + 1, C - ck + 1), contiguous. Multi-token
+ * attention's key-query convolution (arXiv 2504.00927); oneDNN's depthwise path runs it
+ * below FMA throughput. 64 outputs of a row share each broadcast weight; their 8
+ * independent accumulators cover the FMA latency. */
+void ak_depthwise_conv2d(const float *x, const float *w, float *y, int64_t N, int64_t H, int64_t R, int64_t C,
+                         int64_t cq, int64_t ck) {
+    const int64_t Ro = R - cq + 1, Co = C - ck + 1;
+    if (Ro <= 0 || Co <= 0) return;
+    for (int64_t nh = 0; nh < N * H; nh++) {
+        const float *xp = x + nh * R * C, *wh = w + (nh % H) * cq * ck;
+        float *yp = y + nh * Ro * Co;
+        for (int64_t r = 0; r < Ro; r++) {
+            float *yr = yp + r * Co;
+            int64_t c = 0;
+#ifdef AK_AVX2
+            for (; c + 64 <= Co; c += 64) {
+                __m256 acc[8];
+                for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
+                for (int64_t a = 0; a < cq; a++) {
+                    const float *xr = xp + (r + a) * C + c;
+                    for (int64_t b = 0; b < ck; b++) {
+                        const __m256 wv = _mm256_set1_ps(wh[a * ck + b]);
+                        for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xr + b + 8 * u), acc[u]);
+                    }
+                }
+                for (int u = 0; u < 8; u++) _mm256_storeu_ps(yr + c + 8 * u, acc[u]);
+            }
+#endif
+            for (; c < Co; c++) {
+                float acc = 0.0f;
+                for (int64_t a = 0; a < cq; a++)
+                    for (int64_t b = 0; b < ck; b++) acc += wh[a * ck + b] * xp[(r + a) * C + c + b];
+                yr[c] = acc;
+            }
+        }
+    }
+}

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import native
 from ..kernels.engine import dense_softmax
 from ..kernels.mechanism_call import dense_logits, dense_values
 from ..kernels.mixed import MixedSoftmaxKernel, mix_heads
@@ -45,6 +46,9 @@ class KeyQueryConv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, s: Tensor, kernel: Tensor) -> Tensor:  # s (B, H, R, C), kernel (H, 1, cq, ck)
         ctx.save_for_backward(s, kernel)
+        flat = kernel.squeeze(1)
+        if native.usable(s, flat):  # several times faster than oneDNN's depthwise path here
+            return native.depthwise_conv2d(s, flat.contiguous())
         return F.conv2d(s, kernel, groups=kernel.shape[0])
 
     @staticmethod
