@@ -99,6 +99,16 @@ def test_stick_breaking_matches_float64():
     assert bool((a[0, 0, :5] == 0).all()) and bool((a[1, 2] == 0).all())  # hidden keys take nothing
 
 
+@pytest.mark.parametrize("shape,kernel", [((1, 3, 20, 150), (6, 11)), ((2, 2, 7, 64), (1, 1)), ((1, 1, 5, 9), (5, 9))])
+def test_depthwise_conv2d_matches_float64(shape, kernel):
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(shape, generator=g)
+    w = torch.randn(shape[1], *kernel, generator=g)
+    want = torch.nn.functional.conv2d(x.double(), w.double().unsqueeze(1), groups=shape[1])
+    # sums of cq * ck <= 66 products of unit-scale terms: float32 rounding ~ 66 * 6e-8 * |term|
+    torch.testing.assert_close(native.depthwise_conv2d(x, w).double(), want, rtol=1e-5, atol=2e-5)
+
+
 def test_usable_only_for_untracked_contiguous_float32():
     x = torch.zeros(4, 8)
     assert native.usable(x)

@@ -40,11 +40,14 @@ def _zero_dead(p: Tensor, dead: Tensor | None) -> Tensor:
     return p if dead is None else p.masked_fill_(dead, 0.0)
 
 
-def mix_heads(m: Tensor, x: Tensor) -> Tensor:
-    """``out[:, g] = sum_h m[g, h] x[:, h]`` for x (Bt, H, ...)."""
+def mix_heads(m: Tensor, x: Tensor, row_scale: Tensor | None = None) -> Tensor:
+    """``out[:, g] = sum_h m[g, h] x[:, h]`` for x (Bt, H, ...); with ``row_scale`` (Bt, H, R)
+    for x (Bt, H, R, C), each row of x is scaled first (fused in one pass where possible)."""
     m = m.to(x.dtype)
-    if native.usable(m, x):
-        return native.mix_heads(m.contiguous(), x)
+    if x.dim() == 4 and x.shape[1] <= native.MAX_MIX_HEADS and native.usable(m, x, *(() if row_scale is None else (row_scale,))):
+        return native.mix_heads(m.contiguous(), x, row_scale)
+    if row_scale is not None:
+        x = x * row_scale.unsqueeze(-1)
     bt, h = x.shape[:2]
     return torch.matmul(m, x.reshape(bt, h, -1)).reshape(x.shape)
 
@@ -116,12 +119,11 @@ class MixedSoftmaxKernel(TileKernel):
         # Mixing needs every head's final lse: keep this block's logits (block x keys,
         # linear in N) from the first pass rather than computing them twice.
         tiles = [(k0, k1, self._logits(blk, kind, k0, k1)[0]) for kind, k0, k1 in blk.tiles()]
-        lse = _softmax_tiles_([z for _, _, z in tiles])
-        dead = _dead(lse)
+        lse, inv = _softmax_tiles_([z for _, _, z in tiles])
         out = blk.zeros(dv)
         mix = self.mix.detach()
-        for k0, k1, p in tiles:
-            blk.pv_add_(out, mix_heads(mix, _zero_dead(p, dead)), k0, k1)
+        for k0, k1, e in tiles:
+            blk.pv_add_(out, mix_heads(mix, e, inv), k0, k1)  # normalise and mix in one pass
         return out, {"lse": lse}
 
     def observe_block(self, blk: Block, stats):
@@ -183,10 +185,10 @@ class MixedSoftmaxKernel(TileKernel):
         g.dk[ks] += torch.matmul(dsg.transpose(-1, -2), grouped(prob.q[blk.bs, :, r0 : blk.q1], prob.kv_heads))
 
 
-def _softmax_tiles_(tiles: list[Tensor]) -> Tensor:
-    """Turn a block's tiles of logits into the softmax weights of their rows, in place, and
-    return the row lse (-inf for rows that see no key). One exp per logit: the weights are
-    e^(z - max) scaled by 1 / sum, not recomputed as e^(z - lse) in a second exp pass."""
+def _softmax_tiles_(tiles: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Turn a block's tiles of logits into e^(z - max) in place and return each row's lse
+    and 1 / sum (lse = -inf and 0 for rows that see no key): one exp per logit, and the
+    normalisation is left to the pass that mixes the heads."""
     m = tiles[0].amax(dim=-1)
     for z in tiles[1:]:
         m = torch.maximum(m, z.amax(dim=-1))
@@ -197,10 +199,8 @@ def _softmax_tiles_(tiles: list[Tensor]) -> Tensor:
         l = torch.zeros_like(m)
         for z in tiles:
             native.online_softmax_step_(z, m, l)
-        l.masked_fill_(dead, 1.0)  # dead rows: exact zeros, keep them finite
+        l.masked_fill_(dead, 1.0)  # dead rows: keep the normaliser finite
     else:
         l = sum(fast_exp_(z.sub_(m_safe)).sum(dim=-1) for z in tiles)  # >= 1 where a row is live
-    inv = l.reciprocal().unsqueeze(-1)
-    for p in tiles:
-        p.mul_(inv)
-    return torch.where(dead, m, m_safe.squeeze(-1) + torch.log(l))
+    lse = torch.where(dead, m, m_safe.squeeze(-1) + torch.log(l))
+    return lse, l.reciprocal().masked_fill_(dead, 0.0)

@@ -1,12 +1,14 @@
-"""One-pass pointwise tile math in C (kernels/native_tile.c), loaded through ctypes.
+"""C tile loops (kernels/native_tile.c), loaded through ctypes.
 
 The tile loops spend as much time in chains of pointwise PyTorch kernels (sigmoid gates,
-softcap's tanh, the online-softmax update) as in their matmuls; the C loops do each in
-one pass (see the C file for the numerics). The library is compiled once per source
-version with the host C compiler into ``$XDG_CACHE_HOME/attnkit`` (``~/.cache``); without a
-compiler, or with ``ATTNKIT_NATIVE=0``, every caller keeps its PyTorch path, which
-computes the same values.
+softcap's tanh, the online-softmax update, head mixing) as in their matmuls; the C loops
+do each in one pass (see the C file for the numerics). Sigmoid attention goes further:
+its whole forward and backward run in C around the sgemm of the BLAS inside PyTorch
+(``fused_usable``), split over torch's intra-op threads by head.
 
+The library is compiled once per source version and CPU with the host C compiler into
+``$XDG_CACHE_HOME/attnkit`` (``~/.cache``); without a compiler, or with
+``ATTNKIT_NATIVE=0``, every caller keeps its PyTorch path, which computes the same values.
 Only float32, contiguous CPU tensors that autograd does not track qualify (``usable``).
 """
 
@@ -67,7 +69,7 @@ def library() -> ctypes.CDLL | None:
     if os.environ.get("ATTNKIT_NATIVE", "1") == "0":
         return None
     source = SOURCE.read_bytes()
-    # -march=native code is only valid on the CPU it was built for: key by CPU model too.
+    # -march=native code is only valid on the CPU it was built for: key by the CPU too.
     digest = hashlib.sha256(source + torch.backends.cpu.get_cpu_capability().encode() + _cpu_model()).hexdigest()[:16]
     target = _cache_dir() / f"native_tile-{digest}.so"
     try:
@@ -80,10 +82,10 @@ def library() -> ctypes.CDLL | None:
     lib.ak_sigmoid.argtypes = [f32p, i64, f32]
     lib.ak_softcap.argtypes = [f32p, f32p, i64, f32]
     lib.ak_online_softmax.argtypes = [f32p, i64, i64, f32p, f32p, f32p]
-    lib.ak_mix_heads.argtypes = [f32p, f32p, f32p, i64, i64, i64, i64]
+    lib.ak_mix_heads_scaled.argtypes = [f32p, f32p, f32p, f32p, i64, i64, i64, i64, i64]
     lib.ak_stick_breaking.argtypes = [f32p, i64, i64, f32p]
     lib.ak_depthwise_conv2d.argtypes = [f32p, f32p, f32p, i64, i64, i64, i64, i64, i64]
-    for fn in (lib.ak_sigmoid, lib.ak_softcap, lib.ak_online_softmax, lib.ak_mix_heads, lib.ak_depthwise_conv2d):
+    for fn in (lib.ak_sigmoid, lib.ak_softcap, lib.ak_online_softmax, lib.ak_mix_heads_scaled, lib.ak_depthwise_conv2d):
         fn.restype = None
     lib.ak_stick_breaking.restype = ctypes.c_int
     lib.ak_sigmoid_attention.argtypes = [f32p, f32p, f32p, f32p, i64, i64, i64, i64, i64, i64, i64, i64, f32, f32, i64,
@@ -116,14 +118,16 @@ def sgemm() -> int | None:
     return None if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
 
 
-def _one_blas_thread() -> None:
-    """Keep MKL to the calling thread: the fused kernels run one thread per head range, and
-    MKL splitting each small tile product across all cores again is many times slower."""
+def _set_blas_threads(n: int) -> int:
+    """Set MKL's thread count for the calling thread only; returns the previous setting
+    (0: none). The fused kernels run one thread per head range, and MKL splitting each
+    small tile product across all cores again is many times slower."""
     lib = _torch_cpu()
     fn = getattr(lib, "MKL_Set_Num_Threads_Local", None) if lib is not None else None  # MKL's C interface (by value)
-    if fn is not None:
-        fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-        fn(1)
+    if fn is None:
+        return 0
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return fn(n)
 
 
 _pools: dict[int, ThreadPoolExecutor] = {}
@@ -136,23 +140,33 @@ def _over_heads(run, total: int, granule: int) -> None:
     threads = torch.get_num_threads()
     units = total // granule
     if threads <= 1 or units <= 1:
-        _one_blas_thread()
-        codes = [run(0, total)]
+        previous = _set_blas_threads(1)
+        try:
+            codes = [run(0, total)]
+        finally:
+            _set_blas_threads(previous)  # the caller's thread goes back to torch's setting
     else:
         parts = min(threads, units)
         bounds = [granule * (units * i // parts) for i in range(parts + 1)]
-        pool = _pools.get(parts) or _pools.setdefault(parts, ThreadPoolExecutor(parts, initializer=_one_blas_thread))
+        pool = _pools.get(parts) or _pools.setdefault(parts, ThreadPoolExecutor(parts, initializer=_set_blas_threads, initargs=(1,)))
         codes = list(pool.map(lambda i: run(bounds[i], bounds[i + 1]), range(parts)))
     if any(codes):
         raise MemoryError("fused attention kernel: out of memory for a tile buffer")
 
 
 def _cpu_model() -> bytes:
+    """The CPU's model name and flags: a -march=native build is valid on that CPU only."""
     try:
         with open("/proc/cpuinfo", "rb") as f:
-            return next((line for line in f if line.startswith(b"model name") or line.startswith(b"flags")), b"")
+            lines = f.read().splitlines()
     except OSError:
         return b""
+    first = {}
+    for line in lines:
+        key = line.split(b":")[0].strip()
+        if key in (b"model name", b"flags", b"Features") and key not in first:
+            first[key] = line
+    return b"".join(first.values())
 
 
 def usable(*tensors: Tensor) -> bool:
@@ -207,12 +221,18 @@ def depthwise_conv2d(x: Tensor, weight: Tensor) -> Tensor:
     return y
 
 
-def mix_heads(mix: Tensor, x: Tensor) -> Tensor:
-    """``out[:, g] = sum_h mix[g, h] x[:, h]`` for x (Bt, H, ...) and mix (G, H)."""
-    bt, h = x.shape[:2]
+#: the C head mixing keeps one row of coefficients on the stack
+MAX_MIX_HEADS = 64
+
+
+def mix_heads(mix: Tensor, x: Tensor, row_scale: Tensor | None = None) -> Tensor:
+    """``out[:, g] = sum_h mix[g, h] * row_scale[:, h, :, None] * x[:, h]`` for x (Bt, H, R, C),
+    mix (G, H) and row_scale (Bt, H, R) or None."""
+    bt, h, r, c = x.shape
     g = mix.shape[0]
-    out = torch.empty((bt, g, *x.shape[2:]), dtype=x.dtype)
-    library().ak_mix_heads(mix.data_ptr(), x.data_ptr(), out.data_ptr(), bt, g, h, x[0, 0].numel() if x.numel() else 0)
+    out = torch.empty((bt, g, r, c), dtype=x.dtype)
+    scale = 0 if row_scale is None else row_scale.data_ptr()
+    library().ak_mix_heads_scaled(mix.data_ptr(), x.data_ptr(), scale, out.data_ptr(), bt, g, h, r, c)
     return out
 
 

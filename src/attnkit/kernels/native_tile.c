@@ -176,36 +176,42 @@ void ak_online_softmax(float *s, int64_t rows, int64_t cols, float *m, float *l,
     }
 }
 
-/* out[b, g, :] = sum_h mix[g, h] * x[b, h, :] for x (B, H, L) and out (B, G, L), both
- * contiguous: a head-mixing matmul with an inner dimension of a few heads, which BLAS
- * runs far below its memory bound. Chunks of positions stay in L1 across the G outputs. */
-void ak_mix_heads(const float *mix, const float *x, float *out, int64_t B, int64_t G, int64_t H, int64_t L) {
-    enum { CHUNK = 512 };
-    for (int64_t b = 0; b < B; b++) {
-        const float *xb = x + b * H * L;
-        float *ob = out + b * G * L;
-        for (int64_t c0 = 0; c0 < L; c0 += CHUNK) {
-            int64_t c1 = c0 + CHUNK < L ? c0 + CHUNK : L;
-            for (int64_t g = 0; g < G; g++) {
-                const float *mg = mix + g * H;
-                float *o = ob + g * L;
-                int64_t i = c0;
-#ifdef AK_AVX2
-                for (; i + 8 <= c1; i += 8) {
-                    __m256 acc = _mm256_setzero_ps();
+/* out[b, g, r, :] = sum_h mix[g, h] * scale[b, h, r] * x[b, h, r, :] for x (B, H, R, C),
+ * out (B, G, R, C) and scale (B, H, R) or NULL (all ones), contiguous: a head-mixing
+ * matmul with an inner dimension of a few heads, which BLAS runs far below its memory
+ * bound, fused with a per-row scale (the softmax normaliser). Chunks of a row stay in L1
+ * across the G outputs. */
+void ak_mix_heads_scaled(const float *mix, const float *x, const float *scale, float *out, int64_t B, int64_t G,
+                         int64_t H, int64_t R, int64_t C) {
+    enum { CHUNK = 512, MAXH = 64 };
+    float coef[MAXH];
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t r = 0; r < R; r++) {
+            const float *xr = x + (b * H * R + r) * C;
+            float *orow = out + (b * G * R + r) * C;
+            for (int64_t c0 = 0; c0 < C; c0 += CHUNK) {
+                int64_t c1 = c0 + CHUNK < C ? c0 + CHUNK : C;
+                for (int64_t g = 0; g < G; g++) {
                     for (int64_t h = 0; h < H; h++)
-                        acc = _mm256_fmadd_ps(_mm256_set1_ps(mg[h]), _mm256_loadu_ps(xb + h * L + i), acc);
-                    _mm256_storeu_ps(o + i, acc);
-                }
+                        coef[h] = mix[g * H + h] * (scale ? scale[(b * H + h) * R + r] : 1.0f);
+                    float *o = orow + g * R * C;
+                    int64_t i = c0;
+#ifdef AK_AVX2
+                    for (; i + 8 <= c1; i += 8) {
+                        __m256 acc = _mm256_setzero_ps();
+                        for (int64_t h = 0; h < H; h++)
+                            acc = _mm256_fmadd_ps(_mm256_set1_ps(coef[h]), _mm256_loadu_ps(xr + h * R * C + i), acc);
+                        _mm256_storeu_ps(o + i, acc);
+                    }
 #endif
-                for (; i < c1; i++) {
-                    float acc = 0.0f;
-                    for (int64_t h = 0; h < H; h++) acc += mg[h] * xb[h * L + i];
-                    o[i] = acc;
+                    for (; i < c1; i++) {
+                        float acc = 0.0f;
+                        for (int64_t h = 0; h < H; h++) acc += coef[h] * xr[h * R * C + i];
+                        o[i] = acc;
+                    }
                 }
             }
         }
-    }
 }
 
 /* ------------------------------------------------------------------ fused sigmoid attention */
