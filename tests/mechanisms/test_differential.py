@@ -60,3 +60,23 @@ def test_rejects_bad_input():
     q, k, v = qkv(B=1, Hq=2, Hkv=2, Nq=4, Nk=4, D=4)
     with pytest.raises(ValueError, match="return_lse"):
         Differential()(q, k, v, return_lse=True)
+
+
+def test_maps_share_one_grouped_call_only_when_heads_look_alike():
+    # a mask that reads h: renumbering the heads for the grouped call would change it, so
+    # each map gets its own call
+    def by_head(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & ((h % 2 == 0) | (kv_idx >= q_idx - 3))
+
+    mc.matches_reference(Differential(lambda_dim=2).double(), dict(B=2, Hq=4, Hkv=2, Nq=13, Nk=13, D=8), by_head)
+    for backend in ("auto", "chunked"):
+        mc.matches_reference(Differential(lambda_dim=2).double(), dict(B=2, Hq=4, Hkv=2, Nq=13, Nk=13, D=8), ak.causal(), backend=backend)
+
+
+def test_float32_without_grad_matches_reference():
+    # plain causal float32 inference: the dispatcher's SDPA path
+    q, k, v = qkv(B=1, Hq=4, Hkv=2, Nq=300, Nk=300, D=16, dtype=torch.float32)
+    mech = Differential(lambda_init=0.5)
+    with torch.no_grad():
+        out = mech(q, k, v, mask=ak.causal())
+    assert_close(out, mech.reference(q.double(), k.double(), v.double(), mask=ak.causal()), dtype=torch.float32)

@@ -187,6 +187,10 @@ def chunked_attention(req: Request, engine: str | None = None, tiling: Tiling = 
     q, k, v = req.q, req.k, req.v
     D, Dv = req.head_dim, req.v_dim
     if engine == "fused":
+        if q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16):
+            # Without native bf16/fp16 dot products the op widens every tile to float32
+            # anyway; widening q, k, v once (O(N D)) is faster, and the result is the same.
+            q, k, v = q.float(), k.float(), v.float()
         affine = affine_form(req.score)
         b, h, qi, _ = index_tensors(req.batch, req.heads, req.q_start, req.q_len, 0, 1)
         factor = affine.factor(b, h, qi)
@@ -212,4 +216,4 @@ def chunked_attention(req: Request, engine: str | None = None, tiling: Tiling = 
     out, lse = _ChunkedAttention.apply(run, q, k, v, req.sinks, *params)
     if out.shape[-1] != Dv:
         out = out[..., :Dv]
-    return out, lse
+    return out.to(req.q.dtype), lse

@@ -13,8 +13,11 @@ a constant, or (``lambda_dim=``) re-parameterised as in the paper,
 The paper's per-head GroupNorm and ``(1 - lambda_init)`` output scale act on the heads'
 outputs and belong to the layer, not to the attention operator.
 
-Both maps run on the chunked backend (fused flash tiles, any mask and score mod, forward
-and backward in O(N) memory); the output is their difference.
+Map 1 is ``softmax([Q1 | 0] K^T s)``, map 2 ``softmax([0 | Q2] K^T s)``: the full keys
+against queries with the other half zeroed. So both maps are one attention call with two
+query heads per head sharing its key/value head (grouped-query attention), which the
+dispatcher sends to torch's SDPA when the mask allows (plain causal), else to the chunked
+backend; masks and score mods that tell heads apart get one call per map instead.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ import math
 import torch
 from torch import nn
 
-from ..kernels import chunked_attention, empty_result, make_request
+from ..kernels import choose_backend, chunked_attention, empty_result, make_request
 from ..kernels.engine import dense_softmax
 from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish
 from ..kernels.observe_pass import call_info, softmax_tiles
 from ..kernels.request import Request
+from ..mods.masks import FnMask, Mask
 from ..observe import AttentionTile, feed
 from ..observe.base import interested
 from .base import Mechanism, register
@@ -88,18 +92,21 @@ class Differential(Mechanism):
         if backend == "reference":
             out = self.reference(q, k, v, mask=mask, score=score, scale=scale)
         else:
-            run = empty_result if first.q_len == 0 or first.k_len == 0 else chunked_attention
-            o1, lse1 = run(first)
-            o2, lse2 = run(second)
-            lam = self.lam().to(o1.dtype)
-            out = o1 - lam * o2
+            (o1, lse1), (o2, lse2) = _maps(q, k, first, second, backend, need_lse=bool(observers))
+            out = self._combine(o1, o2)
             if observers:
-                lam_value = float(lam)
+                lam_value = float(self.lam())
                 call = call_info(first, layer, self.name)
                 _, union = interested(observers, call)
                 with torch.no_grad():  # both tile streams restore this mode, whatever their order
                     feed(observers, call, _difference(softmax_tiles(first, lse1, call, union), softmax_tiles(second, lse2, call, union), lam_value))
         return finish(first, out, check_finite)
+
+    def _combine(self, o1: Tensor, o2: Tensor) -> Tensor:
+        """``o1 - lambda o2``; a constant lambda is one fused pass."""
+        if self.lambda_q1 is not None:
+            return o1 - self.lam().to(o1.dtype) * o2
+        return torch.sub(o1, o2, alpha=float(self.lam()))  # the float32 value the reference uses
 
     def reference(self, q, k, v, *, mask=None, score=None, scale=None, **_):
         """The paper's Eq. (1): ``(softmax(Q1 K1^T s) - lambda softmax(Q2 K2^T s)) V``."""
@@ -109,6 +116,37 @@ class Differential(Mechanism):
         weights = p1 - self.lam().to(p1.dtype) * p2
         return torch.matmul(weights, dense_values(first)).to(q.dtype)
 
+
+def _maps(q: Tensor, k: Tensor, first: Request, second: Request, backend: str, need_lse: bool) -> tuple[tuple, tuple]:
+    """(out, lse) of both maps (lse None where SDPA ran without it); ``backend`` is "auto"
+    or "chunked"."""
+    if first.q_len == 0 or first.k_len == 0:
+        return empty_result(first), empty_result(second)
+    if not _heads_blind(first):
+        return chunked_attention(first), chunked_attention(second)
+    both = make_request(_paired_queries(q), k, first.v, mask=first.mask, scale=first.scale, return_lse=need_lse)
+    out, lse = choose_backend(both, backend)[0].run(both)
+    out = out.unflatten(1, (first.heads, 2))
+    lse = None if lse is None else lse.unflatten(1, (first.heads, 2))
+    return tuple((out[:, :, i], None if lse is None else lse[:, :, i]) for i in (0, 1))
+
+
+def _heads_blind(req: Request) -> bool:
+    """True when the call cannot tell query heads apart, so heads may be renumbered: no
+    score mod, and a mask built from attnkit's own masks (a user callable may read h)."""
+    if req.score is not None:
+        return False
+    return req.mask is None or all(type(m).__module__ == Mask.__module__ and not isinstance(m, FnMask) for m in req.mask.walk())
+
+
+def _paired_queries(q: Tensor) -> Tensor:
+    """(B, 2 Hq, N, D): head 2h is [Q1 | 0] of head h, head 2h + 1 is [0 | Q2], so that
+    with grouped-query attention both read the key/value head of head h."""
+    D = q.shape[-1]
+    keep = torch.zeros(2, 1, D, dtype=q.dtype, device=q.device)
+    keep[0, :, : D // 2] = 1
+    keep[1, :, D // 2 :] = 1
+    return (q.unsqueeze(2) * keep).flatten(1, 2)  # one pass over the output, nothing padded first
 
 
 def _difference(first, second, lam: float):
