@@ -109,6 +109,38 @@ def test_depthwise_conv2d_matches_float64(shape, kernel):
     torch.testing.assert_close(native.depthwise_conv2d(x, w).double(), want, rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("mask", [None, M.causal(), M.window(37), M.window(20, 15)], ids=repr)
+@pytest.mark.parametrize("cap", [0.0, 5.0])
+def test_softmax_attention_matches_reference(mask, cap):
+    """The C softmax forward: GQA, Nq != Nk (bottom-right), Dv != D, band masks, softcap."""
+    if native.sgemm() is None:
+        pytest.skip("this torch build exports no sgemm")
+    q, k, v = qkv(B=2, Hq=4, Hkv=2, Nq=150, Nk=333, D=8, Dv=24, dtype=torch.float32, seed=2)
+    out, lse = native.softmax_attention(q, k, v, 0.3, 333 - 150, (None, None) if mask is None else mask.band(), cap)
+    score = M.softcap(cap) if cap else None
+    want, want_lse = attnkit.attention(q.double(), k.double(), v.double(), mask=mask, score=score, scale=0.3,
+                                       backend="reference", return_lse=True)
+    assert_close(out, want, torch.float32)
+    assert_close(lse, want_lse, torch.float32)
+
+
+def test_softmax_attention_head_maps_and_dead_rows():
+    """Explicit query -> key / value head maps; queries whose band holds no key get zeros
+    and lse = -inf."""
+    if native.sgemm() is None:
+        pytest.skip("this torch build exports no sgemm")
+    q, k, v = qkv(B=1, Hq=3, Hkv=2, Nq=40, Nk=40, D=8, dtype=torch.float32, seed=4)
+    kmap, vmap = torch.tensor([1, 0, 1]), torch.tensor([0, 0, 1])
+    out, lse = native.softmax_attention(q, k, v, 0.5, 0, (-30, -10), k_heads=kmap, v_heads=vmap)
+    for j in range(3):
+        want, want_lse = attnkit.attention(q[:, j : j + 1].double(), k[:, kmap[j] : kmap[j] + 1].double(),
+                                           v[:, vmap[j] : vmap[j] + 1].double(), mask=lambda b, h, qi, ki: (ki - qi >= -30) & (ki - qi <= -10),
+                                           scale=0.5, backend="reference", return_lse=True)
+        assert_close(out[:, j : j + 1], want, torch.float32)
+        assert_close(lse[:, j : j + 1, 10:], want_lse[..., 10:], torch.float32)
+    assert bool((out[:, :, :10] == 0).all()) and bool(torch.isneginf(lse[:, :, :10]).all())
+
+
 def test_usable_only_for_untracked_contiguous_float32():
     x = torch.zeros(4, 8)
     assert native.usable(x)

@@ -73,10 +73,20 @@ def test_maps_share_one_grouped_call_only_when_heads_look_alike():
         mc.matches_reference(Differential(lambda_dim=2).double(), dict(B=2, Hq=4, Hkv=2, Nq=13, Nk=13, D=8), ak.causal(), backend=backend)
 
 
-def test_float32_without_grad_matches_reference():
-    # plain causal float32 inference: the dispatcher's SDPA path
-    q, k, v = qkv(B=1, Hq=4, Hkv=2, Nq=300, Nk=300, D=16, dtype=torch.float32)
+@pytest.mark.parametrize("mask", [None, ak.causal(), ak.window(40), ak.window(20, 15), ak.document(torch.arange(330) // 100)],
+                         ids=["none", "causal", "window", "two-sided", "document"])
+def test_float32_inference_matches_reference(mask, monkeypatch):
+    """float32 without gradients: band masks take the C kernel with D/2-wide query and key
+    heads against Dv-wide values, other masks the grouped call; GQA, Nq != Nk, Dv != D."""
+    from attnkit.kernels import native
+
+    calls = []
+    real = native.softmax_attention
+    monkeypatch.setattr(native, "softmax_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = qkv(B=2, Hq=4, Hkv=2, Nq=300, Nk=330, D=16, Dv=24, dtype=torch.float32)
     mech = Differential(lambda_init=0.5)
     with torch.no_grad():
-        out = mech(q, k, v, mask=ak.causal())
-    assert_close(out, mech.reference(q.double(), k.double(), v.double(), mask=ak.causal()), dtype=torch.float32)
+        out = mech(q, k, v, mask=mask)
+    assert_close(out, mech.reference(q.double(), k.double(), v.double(), mask=mask), dtype=torch.float32)
+    band = mask is None or mask.band() is not None
+    assert calls == ([1] if band and native.fused_usable(q, k, v) else [])

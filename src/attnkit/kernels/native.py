@@ -94,6 +94,9 @@ def library() -> ctypes.CDLL | None:
     lib.ak_sigmoid_attention_backward.argtypes = [f32p] * 7 + [i64] * 8 + [f32, f32, i64, ctypes.c_int, i64, ctypes.c_int,
                                                                           i64, i64, i64, ctypes.c_void_p]
     lib.ak_sigmoid_attention_backward.restype = ctypes.c_int
+    lib.ak_softmax_attention.argtypes = [f32p] * 5 + [i64] * 5 + [f32p, f32p] + [i64] * 4 + [f32, f32, i64, ctypes.c_int, i64,
+                                                                                      ctypes.c_int, i64, i64, i64, ctypes.c_void_p]
+    lib.ak_softmax_attention.restype = ctypes.c_int
     return lib
 
 
@@ -275,3 +278,22 @@ def sigmoid_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor
     _over_heads(lambda bh0, bh1: fn(*ptrs, bh0, bh1, H, Hkv, Nq, Nk, D, Dv, scale, bias, q_start, *_band_args(band),
                                     *FUSED_TILE, sgemm()), B * H, H // Hkv)
     return dq, dk, dv
+
+
+def softmax_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, q_start: int, band: tuple[int | None, int | None],
+                      softcap: float = 0.0, k_heads: Tensor | None = None, v_heads: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(out, lse) of softmax(softcap(scale Q K^T)) V over the keys of ``band``, forward only.
+    q (B, H, Nq, D), k (B, Hk, Nk, D), v (B, Hv, Nk, Dv) contiguous float32, D and Dv free;
+    query head j reads key head ``k_heads[j]`` and value head ``v_heads[j]`` (default:
+    grouped-query attention); ``softcap`` 0 means none."""
+    B, H, Nq, D = q.shape
+    Hk, Nk, Hv, Dv = k.shape[1], k.shape[2], v.shape[1], v.shape[-1]
+    heads = torch.arange(H)
+    kidx = (heads // (H // Hk) if k_heads is None else k_heads).to(torch.int64).contiguous()
+    vidx = (heads // (H // Hv) if v_heads is None else v_heads).to(torch.int64).contiguous()
+    out, lse = torch.empty(B, H, Nq, Dv), torch.empty(B, H, Nq)
+    fn = library().ak_softmax_attention
+    ptrs = [t.data_ptr() for t in (q, k, v, out, lse)]
+    _over_heads(lambda bh0, bh1: fn(*ptrs, bh0, bh1, H, Hk, Hv, kidx.data_ptr(), vidx.data_ptr(), Nq, Nk, D, Dv, scale, softcap,
+                                    q_start, *_band_args(band), *FUSED_TILE, sgemm()), B * H, 1)
+    return out, lse

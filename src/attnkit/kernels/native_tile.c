@@ -388,3 +388,59 @@ void ak_depthwise_conv2d(const float *x, const float *w, float *y, int64_t N, in
         }
     }
 }
+
+/* ------------------------------------------------------------------ fused softmax attention */
+
+/* Softmax attention forward (FlashAttention-2's loop, arXiv 2307.08691) for the query-head
+ * rows [bh0, bh1) of B*H, with what torch's fused CPU op lacks: query/key head size D
+ * different from the value head size Dv, any query-head -> key-head and -> value-head
+ * map (kidx, vidx: per query head, into Hk and Hv heads of each batch row), and an
+ * optional softcap (cap * tanh(s / cap), Gemma 2) on s = scale * q.k. Keys outside the
+ * diagonal band lo <= key - (q_start + query) <= hi are hidden. Writes out (B, H, Nq, Dv)
+ * and lse (B, H, Nq); a query that sees no key gets zeros and lse = -inf. */
+int ak_softmax_attention(const float *q, const float *k, const float *v, float *out, float *lse, int64_t bh0,
+                         int64_t bh1, int64_t H, int64_t Hk, int64_t Hv, const int64_t *kidx, const int64_t *vidx,
+                         int64_t Nq, int64_t Nk, int64_t D, int64_t Dv, float scale, float softcap, int64_t q_start,
+                         int has_lo, int64_t lo, int has_hi, int64_t hi, int64_t BQ, int64_t BK, void *sgemm) {
+    sgemm_fn gemm = (sgemm_fn)sgemm;
+    float *s = (float *)malloc(sizeof(float) * (BQ * BK + 3 * BQ));
+    if (!s) return 1;
+    float *m = s + BQ * BK, *l = m + BQ, *alpha = l + BQ;
+    for (int64_t bh = bh0; bh < bh1; bh++) {
+        const int64_t b = bh / H, j = bh % H;
+        const float *qh = q + bh * Nq * D, *kh = k + (b * Hk + kidx[j]) * Nk * D, *vh = v + (b * Hv + vidx[j]) * Nk * Dv;
+        float *oh = out + bh * Nq * Dv, *lh = lse + bh * Nq;
+        for (int64_t i0 = 0; i0 < Nq; i0 += BQ) {
+            const int64_t rows = Nq - i0 < BQ ? Nq - i0 : BQ, first = q_start + i0;
+            float *ob = oh + i0 * Dv;
+            for (int64_t i = 0; i < rows * Dv; i++) ob[i] = 0.0f;
+            for (int64_t r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.0f;
+            int64_t jlo, jhi;
+            band_keys(first, first + rows - 1, Nk, has_lo, lo, has_hi, hi, &jlo, &jhi);
+            for (int64_t j0 = jlo; j0 < jhi; j0 += BK) {
+                const int64_t n = jhi - j0 < BK ? jhi - j0 : BK;
+                gemm_abt(gemm, (int)rows, (int)n, (int)D, scale, qh + i0 * D, (int)D, kh + j0 * D, (int)D, 0.0f, s, (int)n);
+                if (softcap > 0.0f) ak_softcap(s, s, rows * n, softcap);
+                for (int64_t r = 0; r < rows; r++) {
+                    int64_t c0, c1;
+                    band_columns(first + r, j0, n, has_lo, lo, has_hi, hi, &c0, &c1);
+                    float *row = s + r * n;
+                    for (int64_t c = 0; c < c0; c++) row[c] = -INFINITY;
+                    for (int64_t c = c1; c < n; c++) row[c] = -INFINITY;
+                }
+                ak_online_softmax(s, rows, n, m, l, alpha);
+                for (int64_t r = 0; r < rows; r++)
+                    if (alpha[r] != 1.0f)
+                        for (int64_t d = 0; d < Dv; d++) ob[r * Dv + d] *= alpha[r];
+                gemm_ab_acc(gemm, (int)rows, (int)Dv, (int)n, s, (int)n, vh + j0 * Dv, (int)Dv, ob, (int)Dv);
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+                for (int64_t d = 0; d < Dv; d++) ob[r * Dv + d] *= inv;
+                lh[i0 + r] = l[r] > 0.0f ? m[r] + logf(l[r]) : -INFINITY;
+            }
+        }
+    }
+    free(s);
+    return 0;
+}

@@ -27,7 +27,7 @@ import math
 import torch
 from torch import nn
 
-from ..kernels import choose_backend, chunked_attention, empty_result, make_request
+from ..kernels import choose_backend, chunked_attention, empty_result, make_request, native
 from ..kernels.engine import dense_softmax
 from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish
 from ..kernels.observe_pass import call_info, softmax_tiles
@@ -122,6 +122,9 @@ def _maps(q: Tensor, k: Tensor, first: Request, second: Request, backend: str, n
     or "chunked"."""
     if first.q_len == 0 or first.k_len == 0:
         return empty_result(first), empty_result(second)
+    fused = _maps_in_c(first, second)
+    if fused is not None:
+        return fused
     if not _heads_blind(first):
         return chunked_attention(first), chunked_attention(second)
     both = make_request(_paired_queries(q), k, first.v, mask=first.mask, scale=first.scale, return_lse=need_lse)
@@ -129,6 +132,26 @@ def _maps(q: Tensor, k: Tensor, first: Request, second: Request, backend: str, n
     out = out.unflatten(1, (first.heads, 2))
     lse = None if lse is None else lse.unflatten(1, (first.heads, 2))
     return tuple((out[:, :, i], None if lse is None else lse[:, :, i]) for i in (0, 1))
+
+
+def _maps_in_c(first: Request, second: Request) -> tuple[tuple, tuple] | None:
+    """Both maps in one call of the C softmax kernel (kernels/native.py), which takes query
+    and key heads of D / 2 against values of Dv — torch's fused op wants one head size, so
+    elsewhere each map pays for a full-width head. Inference only (the backward is the
+    fused op's), band masks, no score mod, float32 on CPU; None otherwise."""
+    band = (None, None) if first.mask is None else first.mask.band()
+    if first.needs_grad or first.score is not None or band is None:
+        return None
+    q = torch.cat([first.q, second.q], dim=1).contiguous()  # (B, 2H, N, D/2): map 1's heads, then map 2's
+    k = torch.cat([first.k, second.k], dim=1).contiguous()
+    v = first.v.contiguous()
+    if not native.fused_usable(q, k, v):
+        return None
+    H, Hkv = first.heads, first.kv_heads
+    j = torch.arange(2 * H)
+    kv = (j % H) // (H // Hkv)
+    out, lse = native.softmax_attention(q, k, v, first.scale, first.q_start, band, k_heads=(j // H) * Hkv + kv, v_heads=kv)
+    return (out[:, :H], lse[:, :H]), (out[:, H:], lse[:, H:])
 
 
 def _heads_blind(req: Request) -> bool:
