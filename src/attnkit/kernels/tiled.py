@@ -18,6 +18,7 @@ import math
 import torch
 
 from ..mods import Mask, ScoreMod
+from ..mods.scores import Softcap
 from . import native
 from .plan import FULL_SEG, Plan
 from .tiles import Tile, neg_inf_to_pos_inf, visible
@@ -59,10 +60,22 @@ def _modify(s: Tensor, score: ScoreMod | None, mask: Mask | None, seg_kind: str,
     return s
 
 
+def _softcap_or_none(score: ScoreMod | None) -> float | None:
+    """The cap of a plain softcap (0.0 for no mod), None for any other mod."""
+    if score is None:
+        return 0.0
+    return score.cap if type(score) is Softcap else None
+
+
 def tiled_forward(
     q: Tensor, k: Tensor, v: Tensor, scale: float, plan: Plan, mask: Mask | None, score: ScoreMod | None,
     q_start: int, tile_k: int, matmul_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
+    # Band masks with softcap (or no mod) in float32: the whole loop runs in C around torch's sgemm.
+    band = (None, None) if mask is None else mask.band()
+    cap = _softcap_or_none(score)
+    if band is not None and cap is not None and matmul_dtype == torch.float32 and native.fused_usable(q, k, v):
+        return native.softmax_attention(q, k, v, scale, q_start, band, cap)
     B, H, Nq, _ = q.shape
     Hkv = k.shape[1]
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
