@@ -110,19 +110,39 @@ def test_fast_path_matches_reference_values_and_gradients(Nq, Nk, Hq, Hkv, Dv, k
 def test_fast_path_in_many_chunks_and_window_blocks(monkeypatch, Nq, Nk, Hq, Hkv, Dv, kwargs):
     """Block scoring in query chunks of 16 and the window in query blocks of 8 with a
     window of 20: chunk edges, windows starting before key 0 (masked one by one) and the
-    shared band mask of the later blocks all meet the reference."""
+    shared band mask of the later blocks all meet the reference. The selection branch
+    runs full entries of 4 rows and tail entries of 3, a few entries per call."""
     monkeypatch.setattr(native_sparse, "SELECT_Q_CHUNK", 16)
     monkeypatch.setattr(native_sparse, "WINDOW_BLOCK", 8)
+    monkeypatch.setattr(native_sparse, "WINDOW_BLOCK_GRAD", 8)
+    monkeypatch.setattr(native_sparse._Entries, "ROWS", 4)
+    monkeypatch.setattr(native_sparse._Entries, "TAIL_ROWS", 3)
+    monkeypatch.setattr(native_sparse, "CALL_ELEMENTS", 200)
     check_against_reference(Nq, Nk, Hq, Hkv, Dv, {**kwargs, "window": 20})
 
 
-def check_against_reference(Nq, Nk, Hq, Hkv, Dv, kwargs):
-    q, k, v = qkv(B=2, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=8, Dv=Dv, requires_grad=True)
+@pytest.mark.parametrize("rescale_above", [native_sparse.RESCALE_ABOVE, -math.inf])
+def test_selection_merge_when_a_far_block_dominates(monkeypatch, rescale_above):
+    """Key 0 scores ~1000 above the rest (past exp's overflow even in float64): the first
+    block's partial result outweighs the own block's by far more than RESCALE_ABOVE, so
+    the reference must rise (with -inf it rises on every call: the running-max merge)."""
+    monkeypatch.setattr(native_sparse, "RESCALE_ABOVE", rescale_above)
+    monkeypatch.setattr(native_sparse, "CALL_ELEMENTS", 200)
+    q, k, v = qkv(B=1, Hq=4, Hkv=2, Nq=70, Nk=70, D=8, requires_grad=True)
+    with torch.no_grad():
+        q.abs_()
+        k[:, :, 0] = 400.0
+    check_against_reference(70, 70, 4, 2, 8, {}, (q, k, v))
+
+
+def check_against_reference(Nq, Nk, Hq, Hkv, Dv, kwargs, inputs=None):
+    q, k, v = inputs or qkv(B=2, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=8, Dv=Dv, requires_grad=True)
+    B = q.shape[0]
     torch.manual_seed(0)
     mech = get_mechanism("nsa", **{**SMALL, **kwargs}).double()
     gates = None
     if mech.gate_logits is None:
-        gates = torch.rand(2, Hq, Nq, 3, dtype=torch.float64).requires_grad_()
+        gates = torch.rand(B, Hq, Nq, 3, dtype=torch.float64).requires_grad_()
     out = mech(q, k, v, mask=ak.causal(), gates=gates)
     ref = mech.reference(q, k, v, mask=ak.causal(), gates=gates)
     assert_close(out, ref)
@@ -132,6 +152,33 @@ def check_against_reference(Nq, Nk, Hq, Hkv, Dv, kwargs):
     wrt = [q, k, v] + ([gates] if gates is not None else []) + list(mech.parameters())
     for got, want in zip(torch.autograd.grad((out * go).sum(), wrt), torch.autograd.grad((ref * go).sum(), wrt)):
         assert_close(got, want)
+
+
+def test_selection_entries_hold_every_pair_once(monkeypatch):
+    """Entries of 5 rows, then tails of 2: every (row, block) pair of the selection except
+    own blocks and empty slots sits in exactly one entry of its block, in query order, and
+    a block pads fewer than 2 dummy rows."""
+    monkeypatch.setattr(native_sparse._Entries, "ROWS", 5)
+    monkeypatch.setattr(native_sparse._Entries, "TAIL_ROWS", 2)
+    B, Hkv, Nq, n, n_blocks = 2, 3, 40, 4, 9
+    g = torch.Generator().manual_seed(0)
+    own = torch.arange(Nq) // 5
+    score = torch.rand(B, Hkv, Nq, n_blocks, generator=g).masked_fill(torch.arange(n_blocks) > own.view(-1, 1), -math.inf)
+    top = torch.topk(score, n, dim=-1)  # distinct blocks up to the own one, -1 past the last
+    selection = top.indices.masked_fill(torch.isneginf(top.values), -1)
+    entries = native_sparse._Entries(selection, own, n_blocks)
+    dummy = B * Hkv * Nq
+    want = sorted(((b * Hkv + h) * Nq + t, (b * Hkv + h) * n_blocks + j) for b in range(B) for h in range(Hkv)
+                  for t in range(Nq) for j in set(selection[b, h, t].tolist()) - {-1, int(own[t])})
+    got, pads = [], {}
+    for rows, blocks in entries.chunks(1):
+        for entry, block in zip(rows.tolist(), blocks.tolist()):
+            real = [r for r in entry if r != dummy]
+            assert real == sorted(real) and real == entry[: len(real)]
+            got += [(r, block) for r in real]
+            pads[block] = pads.get(block, 0) + len(entry) - len(real)
+    assert sorted(got) == want
+    assert max(pads.values()) < 2
 
 
 def test_gradcheck():

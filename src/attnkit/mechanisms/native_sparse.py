@@ -58,12 +58,21 @@ Tensor = torch.Tensor
 _op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _op_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
-SELECT_Q_CHUNK = 512  # query rows per chunk when scoring blocks: little causal waste, scores under 32 MiB at N=16384
-WINDOW_BLOCK = 128  # queries per block of the sliding-window call
+# Query rows per chunk when scoring blocks: little causal waste, and the scores of a chunk
+# (4 MiB at N=16384, H=8) stay in cache through the softmax and the block sums.
+SELECT_Q_CHUNK = 128
+# Queries per block of the sliding-window call, without and with gradients: each block
+# computes window - 1 + block keys per query, so smaller blocks waste less (32 measured 5-10%
+# faster than 64 or 128 at N=16384, window 512), but the op's backward runs short query
+# blocks slowly (128 measured ~2x faster than 32 at N=4096).
+WINDOW_BLOCK, WINDOW_BLOCK_GRAD = 32, 128
 # Elements of one fused-op call's gathered queries or output (8 MB in float32). Kept under
 # glibc's mmap threshold (32 MiB at most) on purpose: a larger buffer is a fresh mapping on
 # every call, and its page faults cost more than the copy that fills it.
 CALL_ELEMENTS = 1 << 21
+# A partial result of the selection branch may outweigh its row's reference by up to
+# exp(RESCALE_ABOVE) before the reference moves: 16 such terms stay far below float32's max.
+RESCALE_ABOVE = 30.0
 OBSERVE_Q_BLOCK = 128
 OBSERVE_K_BLOCK = 512
 
@@ -113,10 +122,14 @@ class _SelectedAttention(torch.autograd.Function):
     block is always among them. The own blocks of all queries are one batched causal call
     (block-diagonal attention). Every other selected block lies wholly before its query,
     so queries are grouped by key block instead of keys by query: the rows (a query with
-    the G heads of its group) that chose a block are cut into entries of ``ROWS`` rows,
-    and each fused-op call runs many entries at once, each against its block's keys.
-    Partial results merge by lse with a running max (scatter_reduce); only rows whose
-    max rose are rescaled, so no (row, slot) array is held and no call pays for all rows."""
+    the G heads of its group) that chose a block are cut into entries (``_Entries``), and
+    each fused-op call runs many entries at once, each against its block's keys.
+    Partial results merge by lse against a per-row reference, at first the own block's
+    lse: each adds its output times exp(lse - reference). Weights up to exp(RESCALE_ABOVE)
+    are harmless (16 of them stay far from overflow), so the reference rises, and the rows
+    whose reference rose are rescaled, only when a call brings a block above that margin,
+    which ordinary inputs never do: no running max is kept per call, and no (row, slot)
+    array is held."""
 
     @staticmethod
     def forward(ctx, q, k, v, selection, scale, block, q_start):
@@ -129,26 +142,27 @@ class _SelectedAttention(torch.autograd.Function):
         entries = _Entries(selection, diagonal.own, -(-Nk // block))
         # Rows r = (b, kv head, query) hold the G heads of a group; row R is a zero dummy.
         acc = _rows(o_own.to(cd), Hkv)
-        top = _rows(l_own.to(cd).unsqueeze(-1), Hkv).squeeze(-1)  # running max of the partial lses
+        top = _rows(l_own.to(cd).unsqueeze(-1), Hkv).squeeze(-1)  # each row's reference, first its own block's lse
         den = torch.ones_like(top)
         q_rows, k_blocks, v_blocks = _rows(q, Hkv), _blocks(k, block), _blocks(v, block)
         for rows, blocks in entries.chunks(G * W):
             o, l = _op(_take(q_rows, rows), k_blocks.index_select(0, blocks).unsqueeze(1), v_blocks.index_select(0, blocks).unsqueeze(1),
                        0.0, False, scale=scale)
             flat = rows.reshape(-1)
-            o = o.transpose(1, 2).reshape(-1, G, W).to(cd)
-            l = l.transpose(1, 2).reshape(-1, G).to(cd)
-            new_top = top.scatter_reduce(0, flat.unsqueeze(1).expand(-1, G), l, "amax")
-            # Only rows whose running max rose need rescaling: a call touches a small share
-            # of the rows, and a pass over all of acc per call would cost more than the call.
-            risen = (new_top > top).any(-1).nonzero().squeeze(1)
-            alpha = torch.exp(top.index_select(0, risen) - new_top.index_select(0, risen))
-            acc.index_copy_(0, risen, acc.index_select(0, risen).mul_(alpha.unsqueeze(-1)))
-            den.index_copy_(0, risen, den.index_select(0, risen).mul_(alpha))
-            w = torch.exp(l - new_top.index_select(0, flat))
+            o = o.reshape(-1, G, W).to(cd)
+            l = l.reshape(-1, G).to(cd)
+            shift = l - top.index_select(0, flat)
+            if float(shift.max()) > RESCALE_ABOVE:  # rare: a block far above the row's reference
+                new_top = top.scatter_reduce(0, flat.unsqueeze(1).expand(-1, G), l, "amax")
+                risen = (new_top > top).any(-1).nonzero().squeeze(1)
+                alpha = torch.exp(top.index_select(0, risen) - new_top.index_select(0, risen))
+                acc.index_copy_(0, risen, acc.index_select(0, risen).mul_(alpha.unsqueeze(-1)))
+                den.index_copy_(0, risen, den.index_select(0, risen).mul_(alpha))
+                top = new_top
+                shift = l - top.index_select(0, flat)
+            w = torch.exp(shift)
             acc.index_add_(0, flat, o.mul_(w.unsqueeze(-1)))
             den.index_add_(0, flat, w)
-            top = new_top
         out = _unrows(acc.div_(den.unsqueeze(-1)), B, Hkv).to(q.dtype)
         lse = _unrows((top + torch.log(den)).unsqueeze(-1), B, Hkv).squeeze(-1)
         ctx.scale, ctx.entries, ctx.diagonal = scale, entries, diagonal
@@ -177,7 +191,7 @@ class _SelectedAttention(torch.autograd.Function):
             kb, vb = k_blocks.index_select(0, blocks).unsqueeze(1), v_blocks.index_select(0, blocks).unsqueeze(1)
             gq, gk, gv = _op_backward(_take(g_rows, rows), _take(q_rows, rows), kb, vb, _take(o_rows, rows),
                                       _take(l_rows.unsqueeze(-1), rows).squeeze(-1), 0.0, False, scale=ctx.scale)
-            dq_rows.index_add_(0, rows.reshape(-1), gq.transpose(1, 2).reshape(-1, G, W).to(dq_rows.dtype))
+            dq_rows.index_add_(0, rows.reshape(-1), gq.reshape(-1, G, W).to(dq_rows.dtype))
             dk_blocks.index_add_(0, blocks, gk.squeeze(1).to(dk_blocks.dtype))
             dv_blocks.index_add_(0, blocks, gv.squeeze(1).to(dv_blocks.dtype))
         dq = _unrows(dq_rows, B, Hkv)
@@ -201,9 +215,12 @@ def _unrows(rows: Tensor, B: int, kv_heads: int) -> Tensor:
 
 
 def _take(rows: Tensor, index: Tensor) -> Tensor:
-    """Rows (R + 1, G, W) picked by index (E, C) -> (E, G, C, W), the op's layout."""
+    """Rows (R + 1, G, W) picked by index (E, C) -> (E, 1, C * G, W): the G heads of a
+    group share the entry's keys, so they run as one head of C * G queries (row-major, no
+    transpose either way), and the op takes its large query tiles from 768 queries on."""
     E, C = index.shape
-    return rows.index_select(0, index.reshape(-1)).view(E, C, *rows.shape[1:]).transpose(1, 2)
+    G, W = rows.shape[1:]
+    return rows.index_select(0, index.reshape(-1)).view(E, 1, C * G, W)
 
 
 def _blocks(x: Tensor, block: int) -> Tensor:
@@ -220,31 +237,53 @@ def _pad_rows(x: Tensor, before: int, after: int) -> Tensor:
 
 
 class _Entries:
-    """The (row, block) pairs of a selection other than each query's own block, sorted by
-    (batch, kv head, block) and cut into entries of at most ``ROWS`` rows of one block."""
+    """The (row, block) pairs of a selection other than each query's own block, grouped by
+    (batch, kv head, block) and cut into entries of rows of one block: ``ROWS`` rows while
+    a block has that many left, then entries of ``TAIL_ROWS`` for the rest, so a block's
+    last entry pads at most TAIL_ROWS - 1 dummy rows (one size for all would pad ~14% of
+    the work at N=16384, and small entries alone run slower in the fused op)."""
 
-    ROWS = 256
+    ROWS, TAIL_ROWS = 256, 64
 
     def __init__(self, selection: Tensor, own: Tensor, n_blocks: int):
         B, Hkv, Nq, n = selection.shape
-        keep = (selection >= 0) & (selection != own.view(1, 1, Nq, 1))
-        pair = keep.reshape(-1).nonzero().squeeze(1)  # flat (row, slot) index of every kept pair
-        row = pair // n  # row (batch, kv head, query), as _rows numbers them
-        key = selection.reshape(-1)[pair] + row // Nq * n_blocks  # block id among B * Hkv * n_blocks
+        n_keys = B * Hkv * n_blocks
+        # Every (row, slot) pair gets its block's id among the B * Hkv * n_blocks; own blocks
+        # and empty slots get n_keys and sort last. One stable sort of int32 keys groups the
+        # rows by block in query order (cheaper than nonzero, gathers and an int64 sort).
+        skip = (selection < 0) | (selection == own.view(1, 1, Nq, 1))
+        base = torch.arange(B * Hkv, dtype=torch.int32).view(B, Hkv, 1, 1) * n_blocks
+        key = (selection.to(torch.int32) + base).masked_fill_(skip, n_keys).reshape(-1)
         key, order = torch.sort(key, stable=True)
-        row = row[order]
-        counts = torch.bincount(key, minlength=B * Hkv * n_blocks)
-        per_key = -(-counts // self.ROWS)
-        first_entry = torch.cumsum(per_key, 0) - per_key
-        at = torch.arange(key.numel()) - (torch.cumsum(counts, 0) - counts)[key]  # rank among its block's rows
-        self.rows = torch.full((int(per_key.sum()), self.ROWS), B * Hkv * Nq, dtype=torch.long)  # dummy row
-        self.rows[first_entry[key] + at // self.ROWS, at % self.ROWS] = row
-        self.blocks = torch.arange(B * Hkv * n_blocks).repeat_interleave(per_key)
+        kept = key.numel() - int(skip.sum())
+        row = order[:kept] // n  # row (batch, kv head, query), as _rows numbers them
+        counts = torch.bincount(key[:kept], minlength=n_keys)
+        full = counts // self.ROWS  # whole entries of ROWS rows per block, then tail entries
+        tail = -(-(counts - full * self.ROWS) // self.TAIL_ROWS)
+        in_full = int(full.sum()) * self.ROWS
+        # Pair i (the i-th in block order) goes to place i + shift in one flat table of full
+        # entries, then tail entries. The shift is constant along a block's full rows and along
+        # its tail rows: a cumulative sum of its jumps at those runs' first pairs (cheaper than
+        # spreading per-block values over the 2M pairs with gathers).
+        start = torch.cumsum(counts, 0) - counts
+        full_shift = (torch.cumsum(full, 0) - full) * self.ROWS - start
+        tail_shift = in_full + (torch.cumsum(tail, 0) - tail) * self.TAIL_ROWS - start - full * self.ROWS
+        runs = torch.stack([start, start + full * self.ROWS], 1).reshape(-1)  # run starts, in order
+        shift = torch.stack([full_shift, tail_shift], 1).reshape(-1)
+        jumps = torch.zeros(kept + 1, dtype=torch.long).index_add_(0, runs, torch.diff(shift, prepend=shift.new_zeros(1)))
+        place = torch.arange(kept) + torch.cumsum(jumps[:kept], 0)
+        table = torch.full((in_full + int(tail.sum()) * self.TAIL_ROWS,), B * Hkv * Nq, dtype=torch.long)  # dummy row
+        table[place] = row
+        blocks = torch.arange(n_keys)
+        self.parts = [(table[:in_full].view(-1, self.ROWS), blocks.repeat_interleave(full)),
+                      (table[in_full:].view(-1, self.TAIL_ROWS), blocks.repeat_interleave(tail))]
 
     def chunks(self, row_width: int):
-        step = max(1, CALL_ELEMENTS // (self.ROWS * row_width))
-        for e0 in range(0, self.blocks.numel(), step):
-            yield self.rows[e0 : e0 + step], self.blocks[e0 : e0 + step]
+        """(rows (E, C), blocks (E,)) of at most ``CALL_ELEMENTS`` query elements each."""
+        for rows, blocks in self.parts:
+            step = max(1, CALL_ELEMENTS // (rows.shape[1] * row_width))
+            for e0 in range(0, blocks.numel(), step):
+                yield rows[e0 : e0 + step], blocks[e0 : e0 + step]
 
 
 class _Diagonal:
@@ -293,42 +332,50 @@ class _Diagonal:
         return self._uncut(gq, True).to(acc), dk, dv
 
 
-def _window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float) -> tuple[Tensor, Tensor]:
+def _window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float, bw: int) -> tuple[Tensor, Tensor]:
     """Every query against its ``window`` most recent keys, itself included (the paper's
-    sliding-window branch): queries in blocks of ``WINDOW_BLOCK``, each against the
-    ``window - 1 + WINDOW_BLOCK`` keys ending at its last query. Those key windows are
-    overlapping strided views of one padded copy of k and v (no gather), and the band
-    rule is the same mask for every block: only the first blocks, whose window starts
-    before key 0, need a mask each. Later blocks go in calls of ``CALL_ELEMENTS`` outputs."""
+    sliding-window branch): queries in blocks of ``bw``, each against the ``window - 1 +
+    bw`` keys ending at its last query. Those key windows are overlapping strided views of
+    k and v (no gather), and the band rule is the same mask for every block: only the
+    first blocks, whose window starts before key 0, need a mask each, and a zero-padded
+    copy of their keys. Later blocks go in calls of ``CALL_ELEMENTS`` outputs."""
     B, Hq, Nq, D = q.shape
     Nk, Dv = k.shape[2], v.shape[-1]
     width = max(D, Dv)  # the op wants one head size: pad the smaller with zero columns
     q, k, v = (t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
-    bw, q_start = WINDOW_BLOCK, Nk - Nq
+    q_start = Nk - Nq
     first = q_start // bw
     m = (Nk - 1) // bw - first + 1
     offset = q_start - first * bw
     span = window - 1 + bw
     qb = _pad_rows(q, offset, m * bw - offset - Nq).reshape(B, Hq, m, bw, width).transpose(1, 2)
-    # Row i of the padded keys is position first * bw - (window - 1) + i: block j's window
-    # is rows [j * bw, j * bw + span). Zero keys past Nk are seen by padded queries only.
-    windows = lambda x: F.pad(x, (0, 0, window - 1, (first + m) * bw - Nk))[:, :, first * bw :].unfold(2, span, bw) \
-        .permute(0, 2, 1, 4, 3)  # (B, m, Hkv, span, width), views
-    kw, vw = windows(k), windows(v)
+
+    def windows(x: Tensor, j0: int, j1: int) -> Tensor:
+        """Key windows (B, j1 - j0, Hkv, span, width) of blocks [j0, j1): views of x, or of a
+        copy of their positions zero-padded before key 0 and past Nk (a full copy of k per
+        call costs more in page faults than the blocks that need it)."""
+        lo, hi = (first + j0) * bw - (window - 1), (first + j1) * bw  # row i is position lo + i
+        part = _pad_rows(x[:, :, max(lo, 0) : min(hi, Nk)], max(0, -lo), max(0, hi - Nk))
+        return part.unfold(2, span, bw).permute(0, 2, 1, 4, 3)
+
     r, s = torch.arange(bw).view(-1, 1), torch.arange(span).view(1, -1)
     band = (s >= r) & (s <= r + window - 1)  # key_pos in (q_pos - window, q_pos]
     head = max(0, min(m, -(-(window - 1) // bw) - first))  # blocks whose window starts before key 0
-    key_pos = (first + torch.arange(head)).view(-1, 1, 1) * bw - (window - 1) + s
     step = max(1, CALL_ELEMENTS // (Hq * bw * width))  # later blocks per call
-    runs = [(slice(0, head), _additive(band & (key_pos >= 0), q.dtype))]
-    runs += [(slice(j, min(j + step, m)), _additive(band.unsqueeze(0), q.dtype)) for j in range(head, m, step)]
+    runs = []  # (query blocks, their key windows, value windows, additive mask)
+    if head:
+        key_pos = (first + torch.arange(head)).view(-1, 1, 1) * bw - (window - 1) + s
+        runs.append((slice(0, head), windows(k, 0, head), windows(v, 0, head), _additive(band & (key_pos >= 0), q.dtype)))
+    if head < m:
+        kw, vw, mask = windows(k, head, m), windows(v, head, m), _additive(band.unsqueeze(0), q.dtype)
+        runs += [(slice(j, min(j + step, m)), kw[:, j - head : j - head + step], vw[:, j - head : j - head + step], mask)
+                 for j in range(head, m, step)]
     outs, lses = [], []
     for b in range(B):
-        for blocks, mask in runs:
-            if blocks.start < blocks.stop:
-                o, lse = FlashWithLse.apply(qb[b, blocks], kw[b, blocks], vw[b, blocks], mask, scale)
-                outs.append(o.transpose(0, 1))  # (Hq, blocks, bw, width)
-                lses.append(lse.transpose(0, 1))
+        for blocks, kw, vw, mask in runs:
+            o, lse = FlashWithLse.apply(qb[b, blocks], kw[b], vw[b], mask, scale)
+            outs.append(o.transpose(0, 1))  # (Hq, blocks, bw, width)
+            lses.append(lse.transpose(0, 1))
     # One concatenation in (Hq, batch and block) order: the result is (B, Hq, m * bw) as a view.
     o = torch.cat(outs, 1).view(Hq, B, m * bw, width).transpose(0, 1)[:, :, offset : offset + Nq, :Dv]
     lse = torch.cat(lses, 1).view(Hq, B, m * bw).transpose(0, 1)[:, :, offset : offset + Nq]
@@ -407,28 +454,29 @@ class NativeSparseAttention(Mechanism):
         probabilities p (B, Hkv, G, rows, Ncmp): block j sums, over the G heads of the group
         (eq. 10), the compressed blocks that share a token with it (eq. 9). With
         a = select_block / d and c = compress_block / d those are the a + c - 1 consecutive
-        blocks from j * a - c + 1, so G * (a + c - 1) strided slice-adds replace a dense
-        (Ncmp, n_blocks) matmul."""
+        blocks from j * a - c + 1, so the group's summed p and a + c - 1 strided slice-adds
+        replace a dense (Ncmp, n_blocks) matmul (the head sum first: one pass over p, not
+        a + c - 1)."""
         a, c = self.select_block // self.compress_stride, self.compress_block // self.compress_stride
         B, Hkv, G, rows, n_cmp = p.shape
+        p = p.sum(2) if G > 1 else p.squeeze(2)
         out = p.new_zeros(B, Hkv, rows, n_blocks)
         for t in range(1 - c, a):  # compressed block j * a + t, for every block j that has one
             lo = -(t // a)  # first j with j * a + t >= 0
             hi = min(n_blocks, (n_cmp - 1 - t) // a + 1)
             if lo < hi:
-                for g in range(G):
-                    out[..., lo:hi] += p[:, :, g, :, lo * a + t : (hi - 1) * a + t + 1 : a]
+                out[..., lo:hi] += p[..., lo * a + t : (hi - 1) * a + t + 1 : a]
         return out
 
     def choose(self, importance: Tensor, own: Tensor, width: int) -> Tensor:
-        """Block ids (..., width) from block importance (..., blocks): forced blocks first,
-        then the top-scoring earlier ones; -1 where fewer blocks exist."""
+        """Block ids (..., width) from block importance (..., blocks), which is overwritten:
+        forced blocks first, then the top-scoring earlier ones; -1 where fewer blocks exist."""
         j = torch.arange(importance.shape[-1])
         own = own.unsqueeze(-1)
         forced = ((j < self.initial_blocks) | (j > own - self.local_blocks)) & (j <= own)
-        score = importance.masked_fill(j >= own, -math.inf).masked_fill(forced, math.inf)
+        score = importance.masked_fill_(j >= own, -math.inf).masked_fill_(forced, math.inf)
         top = torch.topk(score, min(width, score.shape[-1]), dim=-1, sorted=False)  # a set: order unused
-        chosen = top.indices.masked_fill(torch.isneginf(top.values), -1)
+        chosen = top.indices.masked_fill_(torch.isneginf(top.values), -1)
         return F.pad(chosen, (0, width - chosen.shape[-1]), value=-1)
 
     def select(self, q: Tensor, k_cmp: Tensor, v_cmp: Tensor | None, scale: float, Nk: int):
@@ -443,40 +491,45 @@ class NativeSparseAttention(Mechanism):
         width = min(self.num_selected, -(-Nk // self.select_block))
         pos = torch.arange(Nq) + Nk - Nq
         own = pos // self.select_block
-        parts, outs, lses = [], [], []
+        Dv = 0 if v_cmp is None else v_cmp.shape[-1]
+        chosen = torch.empty(B, Hkv, Nq, width, dtype=torch.long)
+        o_cmp = torch.zeros(B, Hq, Nq, Dv, dtype=cd)
+        lse_cmp = torch.full((B, Hq, Nq), -math.inf, dtype=cd)
         with torch.no_grad():
-            qc, kc = q.detach().to(cd), k_cmp.detach().to(cd)
+            qc = q.detach().to(cd)  # scaled chunk by chunk: a scaled copy of all q is a fresh 32 MiB at N=16384
+            # (B, Hkv, D, Ncmp) in memory: matmul reads a column slice of it faster than a
+            # transposed view of k_cmp.
+            kt = k_cmp.detach().to(cd).transpose(-1, -2).contiguous()
             vc = None if v_cmp is None else v_cmp.detach().to(cd)
             for r0 in range(0, Nq, SELECT_Q_CHUNK):
                 r1 = min(r0 + SELECT_Q_CHUNK, Nq)
                 cols = int(own[r1 - 1]) + 1  # no block after the chunk's last own block matters
                 seen = min(n_cmp, self._complete(int(pos[r1 - 1])))
                 if seen:
-                    p, lse = self._compressed_probs(qc[:, :, r0:r1], kc[:, :, :seen], pos[r0:r1], scale)
+                    p, lse = self._compressed_probs(qc[:, :, r0:r1] * scale, kt[..., :seen], pos[r0:r1])
                     importance = self.block_mass(p, cols)
-                    o = p.new_zeros(B, Hq, r1 - r0, 0) if vc is None else \
-                        torch.matmul(p.view(B, Hkv, G * (r1 - r0), seen), vc[:, :, :seen]).view(B, Hq, r1 - r0, -1)
+                    lse_cmp[:, :, r0:r1] = lse.view(B, Hq, r1 - r0)
+                    if vc is not None:
+                        o = torch.matmul(p.view(B, Hkv, G * (r1 - r0), seen), vc[:, :, :seen])
+                        o_cmp[:, :, r0:r1] = o.view(B, Hq, r1 - r0, Dv)
                 else:  # no compressed block is complete yet: nothing to score, p = 0
                     importance = torch.zeros(B, Hkv, r1 - r0, cols, dtype=cd)
-                    o = torch.zeros(B, Hq, r1 - r0, 0 if vc is None else vc.shape[-1], dtype=cd)
-                    lse = torch.full((B, Hq, r1 - r0), -math.inf, dtype=cd)
-                parts.append(self.choose(importance, own[r0:r1].view(1, 1, -1), width))
-                outs.append(o)
-                lses.append(lse.view(B, Hq, r1 - r0))
-        return torch.cat(parts, dim=2), (torch.cat(outs, dim=2), torch.cat(lses, dim=2))
+                chosen[:, :, r0:r1] = self.choose(importance, own[r0:r1].view(1, 1, -1), width)
+        return chosen, (o_cmp, lse_cmp)
 
     def _complete(self, position: int) -> int:
         """How many compressed blocks are complete at a token position (eq. 7's causal rule)."""
         return max(0, (position - self.compress_block + 1) // self.compress_stride + 1)
 
-    def _compressed_probs(self, q: Tensor, k_cmp: Tensor, pos: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-        """Softmax p (B, Hkv, G, rows, Ncmp) of queries at positions ``pos`` over the
-        compressed keys complete at each (eq. 7-8), and its lse (B, Hkv, G, rows, 1); a row
-        that sees no block gets p = 0 and lse = -inf. In place on one scores buffer."""
+    def _compressed_probs(self, q: Tensor, k_t: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """Softmax p (B, Hkv, G, rows, Ncmp) of the scaled queries at positions ``pos`` over
+        the compressed keys k_t (B, Hkv, D, Ncmp) complete at each (eq. 7-8), and its lse
+        (B, Hkv, G, rows, 1); a row that sees no block gets p = 0 and lse = -inf. In place on
+        one scores buffer."""
         B, Hq, rows, D = q.shape
-        Hkv, seen = k_cmp.shape[1], k_cmp.shape[2]
+        Hkv, seen = k_t.shape[1], k_t.shape[3]
         G = Hq // Hkv
-        s = torch.matmul(q.reshape(B, Hkv, G * rows, D), k_cmp.transpose(-1, -2)).view(B, Hkv, G, rows, seen).mul_(scale)
+        s = torch.matmul(q.reshape(B, Hkv, G * rows, D), k_t).view(B, Hkv, G, rows, seen)
         first = self._complete(int(pos[0]))  # blocks before it are complete for every row
         if first < seen:
             hidden = torch.arange(first, seen) * self.compress_stride + self.compress_block - 1 > pos[:, None]
@@ -540,8 +593,12 @@ class NativeSparseAttention(Mechanism):
                 o_cmp, lse_cmp = attention(qc, k_cmp, v_cmp, mask=CompressedCausal(self.compress_block, self.compress_stride, shift),
                                            scale=req.scale, return_lse=True, check_finite=False)
             o_slc, lse_slc = self._selected(qc, kc, vc, selection, req)
-            o_win, lse_win = _window_attention(qc, kc, vc, self.window, req.scale)
-            out = (g[..., 0:1] * o_cmp).addcmul_(g[..., 1:2], o_slc).addcmul_(g[..., 2:3], o_win).to(q.dtype)  # one buffer
+            bw = WINDOW_BLOCK_GRAD if differentiable else WINDOW_BLOCK
+            o_win, lse_win = _window_attention(qc, kc, vc, self.window, req.scale, bw)
+            # One buffer; without autograd, the scoring pass's fresh o_cmp itself (gates may
+            # want gradients even where q, k, v do not).
+            out = g[..., 0:1] * o_cmp if torch.is_grad_enabled() else o_cmp.mul_(g[..., 0:1])
+            out = out.addcmul_(g[..., 1:2], o_slc).addcmul_(g[..., 2:3], o_win).to(q.dtype)
             if observers:
                 call = CallInfo(req.batch, req.heads, req.q_len, req.k_len, req.q_start, layer, self.name)
                 branches = (g.detach(), k_cmp.detach(), lse_cmp.detach(), selection, lse_slc, lse_win.detach())
