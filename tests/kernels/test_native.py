@@ -141,6 +141,22 @@ def test_softmax_attention_head_maps_and_dead_rows():
     assert bool((out[:, :, :10] == 0).all()) and bool(torch.isneginf(lse[:, :, :10]).all())
 
 
+@pytest.mark.parametrize("cols,k", [(4096, 64), (300, 7), (70, 64), (64, 64), (100, 1), (1000, 250)])
+def test_topk_rows_matches_torch(cols, k):
+    """The k largest of every row, as a set: same values as torch.topk, distinct columns that
+    hold them; rows with masked tails (the causal diagonal), fully masked groups, ties."""
+    g = torch.Generator().manual_seed(cols + k)
+    s = torch.randn(6, 5, cols, generator=g)
+    s[0, :, cols // 3 :] = -math.inf  # most of the row masked: fewer visible than k in some rows
+    s[1, 0] = 1.0  # every entry tied
+    s[2, :, -min(cols - k, 127) :] = -math.inf
+    values, columns = native.topk_rows(s, k)
+    want = s.topk(k, dim=-1).values
+    assert torch.equal(values.sort(dim=-1, descending=True).values, want)
+    assert torch.equal(s.gather(-1, columns), values)
+    assert all(len(set(row.tolist())) == k for row in columns.reshape(-1, k))
+
+
 def test_usable_only_for_untracked_contiguous_float32():
     x = torch.zeros(4, 8)
     assert native.usable(x)

@@ -97,6 +97,8 @@ def library() -> ctypes.CDLL | None:
     lib.ak_softmax_attention.argtypes = [f32p] * 5 + [i64] * 5 + [f32p, f32p] + [i64] * 4 + [f32, f32, i64, ctypes.c_int, i64,
                                                                                       ctypes.c_int, i64, i64, i64, ctypes.c_void_p]
     lib.ak_softmax_attention.restype = ctypes.c_int
+    lib.ak_topk_rows.argtypes = [f32p, i64, i64, i64, f32p, f32p]
+    lib.ak_topk_rows.restype = ctypes.c_int
     return lib
 
 
@@ -226,6 +228,18 @@ def depthwise_conv2d(x: Tensor, weight: Tensor) -> Tensor:
 
 #: the C head mixing keeps one row of coefficients on the stack
 MAX_MIX_HEADS = 64
+
+
+def topk_rows(s: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """(values, columns) of the k largest entries of every row of s (1 <= k <= s.shape[-1]),
+    unsorted; which of tied entries is kept is unspecified."""
+    cols = s.shape[-1]
+    rows = s.numel() // cols if cols else 0
+    values = torch.empty(*s.shape[:-1], k)
+    columns = torch.empty(*s.shape[:-1], k, dtype=torch.int64)
+    if library().ak_topk_rows(s.data_ptr(), rows, cols, k, values.data_ptr(), columns.data_ptr()) != 0:
+        raise MemoryError("top-k: out of memory for a candidate buffer")
+    return values, columns
 
 
 def mix_heads(mix: Tensor, x: Tensor, row_scale: Tensor | None = None) -> Tensor:
