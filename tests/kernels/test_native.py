@@ -4,6 +4,7 @@ them against their own PyTorch path (native disabled)."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -21,6 +22,8 @@ EXP_RTOL = 4e-6
 
 @pytest.fixture(autouse=True, scope="module")
 def built():
+    if os.environ.get("ATTNKIT_NATIVE") == "0":
+        pytest.skip("ATTNKIT_NATIVE=0: the C loops are switched off, the PyTorch paths run instead")
     if native._compiler() is None:
         pytest.skip("no C compiler on this machine: the PyTorch paths run instead")
     assert native.library() is not None, "a C compiler is present but the tile library did not build"
