@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import make_request
+from ..kernels import make_request, native
 from ..kernels.request import all_finite, nonfinite_error
 from ..mods.grid import states
 from ..mods.masks import Causal, Mask
@@ -475,8 +475,12 @@ class NativeSparseAttention(Mechanism):
         own = own.unsqueeze(-1)
         forced = ((j < self.initial_blocks) | (j > own - self.local_blocks)) & (j <= own)
         score = importance.masked_fill_(j >= own, -math.inf).masked_fill_(forced, math.inf)
-        top = torch.topk(score, min(width, score.shape[-1]), dim=-1, sorted=False)  # a set: order unused
-        chosen = top.indices.masked_fill_(torch.isneginf(top.values), -1)
+        n = min(width, score.shape[-1])
+        if n > 0 and native.usable(score):
+            values, indices = native.topk_rows(score, n)  # a set: order unused; C, ~3x torch.topk
+        else:
+            values, indices = torch.topk(score, n, dim=-1, sorted=False)
+        chosen = indices.masked_fill_(torch.isneginf(values), -1)
         return F.pad(chosen, (0, width - chosen.shape[-1]), value=-1)
 
     def select(self, q: Tensor, k_cmp: Tensor, v_cmp: Tensor | None, scale: float, Nk: int):
