@@ -119,11 +119,11 @@ class MixedSoftmaxKernel(TileKernel):
         # Mixing needs every head's final lse: keep this block's logits (block x keys,
         # linear in N) from the first pass rather than computing them twice.
         tiles = [(k0, k1, self._logits(blk, kind, k0, k1)[0]) for kind, k0, k1 in blk.tiles()]
-        lse, inv = _softmax_tiles_([z for _, _, z in tiles])
+        lse, scales = _softmax_tiles_([z for _, _, z in tiles])
         out = blk.zeros(dv)
         mix = self.mix.detach()
-        for k0, k1, e in tiles:
-            blk.pv_add_(out, mix_heads(mix, e, inv), k0, k1)  # normalise and mix in one pass
+        for (k0, k1, e), scale in zip(tiles, scales):
+            blk.pv_add_(out, mix_heads(mix, e, scale), k0, k1)  # normalise and mix in one pass
         return out, {"lse": lse}
 
     def observe_block(self, blk: Block, stats):
@@ -185,22 +185,29 @@ class MixedSoftmaxKernel(TileKernel):
         g.dk[ks] += torch.matmul(dsg.transpose(-1, -2), grouped(prob.q[blk.bs, :, r0 : blk.q1], prob.kv_heads))
 
 
-def _softmax_tiles_(tiles: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """Turn a block's tiles of logits into e^(z - max) in place and return each row's lse
-    and 1 / sum (lse = -inf and 0 for rows that see no key): one exp per logit, and the
-    normalisation is left to the pass that mixes the heads."""
+def _softmax_tiles_(tiles: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+    """Turn a block's tiles of logits into exponentials in place; return each row's lse
+    (-inf for rows that see no key) and, per tile, the row scales that make them the
+    softmax weights (0 for rows that see no key). One exp per logit; the normalisation is
+    left to the pass that mixes the heads. The C path runs the online softmax tile by tile
+    (e^(z - running max), no separate max pass) and folds e^(running - final max) into the
+    scales."""
+    if native.usable(*tiles):
+        m = torch.full(tiles[0].shape[:-1], -math.inf)
+        l = torch.zeros_like(m)
+        running = []
+        for z in tiles:
+            native.online_softmax_step_(z, m, l)
+            running.append(m.clone())
+        dead = torch.isneginf(m)
+        inv = l.reciprocal().masked_fill_(dead, 0.0)
+        scales = [torch.exp(r - m).mul_(inv).masked_fill_(dead, 0.0) for r in running]
+        return torch.where(dead, m, m + torch.log(l)), scales
     m = tiles[0].amax(dim=-1)
     for z in tiles[1:]:
         m = torch.maximum(m, z.amax(dim=-1))
     dead = torch.isneginf(m)  # decided by the max: the fast exp never gives exact zeros
     m_safe = torch.where(dead, torch.zeros_like(m), m).unsqueeze(-1)
-    if native.usable(m, *tiles):
-        # an online-softmax step whose running max is already the row's final max
-        l = torch.zeros_like(m)
-        for z in tiles:
-            native.online_softmax_step_(z, m, l)
-        l.masked_fill_(dead, 1.0)  # dead rows: keep the normaliser finite
-    else:
-        l = sum(fast_exp_(z.sub_(m_safe)).sum(dim=-1) for z in tiles)  # >= 1 where a row is live
-    lse = torch.where(dead, m, m_safe.squeeze(-1) + torch.log(l))
-    return lse, l.reciprocal().masked_fill_(dead, 0.0)
+    l = sum(fast_exp_(z.sub_(m_safe)).sum(dim=-1) for z in tiles)  # >= 1 where a row is live
+    inv = l.reciprocal().masked_fill_(dead, 0.0)
+    return torch.where(dead, m, m_safe.squeeze(-1) + torch.log(l)), [inv] * len(tiles)
