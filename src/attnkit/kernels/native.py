@@ -259,7 +259,7 @@ def fused_usable(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
 
 #: (query rows, keys) of the fused kernels' tiles: one head's logits stay in L2
-FUSED_TILE = (128, 256)
+FUSED_TILE = (256, 256)
 
 
 def _band_args(band: tuple[int | None, int | None]) -> tuple[int, int, int, int]:

@@ -258,12 +258,43 @@ static void band_columns(int64_t pos, int64_t j0, int64_t n, int has_lo, int64_t
     *c1 = b > a ? b : a;
 }
 
+/* sigmoid(x + bias) in place for finite logits (the fused kernels' own tiles; hidden keys
+ * are zeroed after): no -inf or NaN handling, e^-z from a degree-5 polynomial for 2^f
+ * (relative error < 2.5e-7, so the gate is within 7e-8 absolute) and one Newton step for
+ * the reciprocal (~1 ulp). About 30% fewer instructions than ``sigmoid_into``: the gate
+ * is the only pointwise work of FlashSigmoid, as the softmax's exp is of flash attention. */
+static void gates_finite(float *x, int64_t n, float bias) {
+    int64_t i = 0;
+#ifdef AK_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f), nb = _mm256_set1_ps(-bias * 1.44269504088896341f);
+    const __m256 lo = _mm256_set1_ps(-126.0f), hi = _mm256_set1_ps(126.0f), nlog2e = _mm256_set1_ps(-1.44269504088896341f);
+    for (; i + 8 <= n; i += 8) {
+        /* t = -(x + bias) log2 e, clamped so that 2^t stays a normal float */
+        const __m256 t = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_fmadd_ps(_mm256_loadu_ps(x + i), nlog2e, nb)));
+        const __m256 k = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256 f = _mm256_sub_ps(t, k);
+        /* Chebyshev interpolant of 2^f on [-1/2, 1/2], degree 5 */
+        __m256 p = _mm256_set1_ps(1.339086336353527e-3f);
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.676031918255982e-3f));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550357114222094e-2f));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402210748530968e-1f));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471880262273e-1f));
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0000000754548972f));
+        const __m256 e = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_cvtps_epi32(k), 23)));
+        const __m256 d = _mm256_add_ps(one, e);
+        const __m256 r = _mm256_rcp_ps(d);
+        _mm256_storeu_ps(x + i, _mm256_fmadd_ps(r, _mm256_fnmadd_ps(d, r, one), r));
+    }
+#endif
+    sigmoid_into(x + i, x + i, n - i, 1.0f, bias);
+}
+
 /* Gates of one tile: w = sigmoid(Q K^T + bias), 0 outside each row's band. */
 static void sigmoid_tile(sgemm_fn gemm, float *w, const float *qb, const float *kt, int64_t m, int64_t n, int64_t D,
                          float scale, float bias, int64_t first, int64_t j0, int has_lo, int64_t lo, int has_hi,
                          int64_t hi) {
     gemm_abt(gemm, (int)m, (int)n, (int)D, scale, qb, (int)D, kt, (int)D, 0.0f, w, (int)n);
-    sigmoid_into(w, w, m * n, 1.0f, bias);
+    gates_finite(w, m * n, bias);
     for (int64_t r = 0; r < m; r++) {
         int64_t c0, c1;
         band_columns(first + r, j0, n, has_lo, lo, has_hi, hi, &c0, &c1);
