@@ -84,6 +84,8 @@ def library() -> ctypes.CDLL | None:
     lib.ak_online_softmax.argtypes = [f32p, i64, i64, f32p, f32p, f32p]
     lib.ak_mix_heads_scaled.argtypes = [f32p, f32p, f32p, f32p, i64, i64, i64, i64, i64]
     lib.ak_stick_breaking.argtypes = [f32p, i64, i64, f32p]
+    lib.ak_stick_breaking_backward.argtypes = [f32p, f32p, i64, i64, f32p, f32p, f32p]
+    lib.ak_stick_breaking_backward.restype = ctypes.c_int
     lib.ak_depthwise_conv2d.argtypes = [f32p, f32p, f32p, i64, i64, i64, i64, i64, i64]
     for fn in (lib.ak_sigmoid, lib.ak_softcap, lib.ak_online_softmax, lib.ak_mix_heads_scaled, lib.ak_depthwise_conv2d):
         fn.restype = None
@@ -215,6 +217,18 @@ def stick_breaking_(s: Tensor, carry: Tensor) -> Tensor:
     if library().ak_stick_breaking(s.data_ptr(), rows, cols, carry.data_ptr()) != 0:
         raise MemoryError("stick_breaking: out of memory for a tile buffer")
     return s
+
+
+def stick_breaking_backward_(s: Tensor, dw: Tensor, carry: Tensor, carry_w: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+    """One tile of the stick-breaking backward, keys right to left: ``s`` becomes A and
+    ``dw`` (dO V^T) becomes dz; ``carry`` (stick) and ``carry_w`` (sum of A dW to the right)
+    move to the tile's left edge. ``delta`` = rowsum(dO * O), one per row."""
+    cols = s.shape[-1]
+    rows = s.numel() // cols if cols else 0
+    if library().ak_stick_breaking_backward(s.data_ptr(), dw.data_ptr(), rows, cols, carry.data_ptr(), carry_w.data_ptr(),
+                                            delta.data_ptr()) != 0:
+        raise MemoryError("stick_breaking: out of memory for a tile buffer")
+    return s, dw
 
 
 def depthwise_conv2d(x: Tensor, weight: Tensor) -> Tensor:

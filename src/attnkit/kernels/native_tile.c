@@ -573,3 +573,38 @@ int ak_topk_rows(const float *s, int64_t rows, int64_t cols, int64_t k, float *v
     free(bv), free(bi);
     return 0;
 }
+
+/* The backward of ak_stick_breaking for one tile, keys right to left, given dW = dO V^T
+ * (rows, cols) in dw and per row: the stick ``carry`` left by the keys right of the tile,
+ * ``carry_w`` = sum of W = A * dW over those keys, and delta = rowsum(dO * O). With
+ * S_j = sum_{k >= j} W_k (carry_w included), dz_j = (1 - beta_j) W_j - beta_j (delta - S_j).
+ * s becomes A (for dV = A^T dO), dw becomes dz; carry and carry_w move to the tile's left
+ * edge. Returns 1 when out of memory. */
+int ak_stick_breaking_backward(float *s, float *dw, int64_t rows, int64_t cols, float *carry, float *carry_w,
+                               const float *delta) {
+    enum { R = 4 };
+    float *buf = (float *)malloc(sizeof(float) * 2 * R * (cols > 0 ? cols : 1));
+    if (!buf) return 1;
+    for (int64_t r0 = 0; r0 < rows; r0 += R) {
+        int64_t nr = rows - r0 < R ? rows - r0 : R;
+        float c[R], sw[R], d[R];
+        for (int64_t t = 0; t < nr; t++) {
+            sigmoid_into(s + (r0 + t) * cols, buf + t * cols, cols, 1.0f, 0.0f);
+            sigmoid_into(s + (r0 + t) * cols, buf + (R + t) * cols, cols, -1.0f, 0.0f);
+            c[t] = carry[r0 + t], sw[t] = carry_w[r0 + t], d[t] = delta[r0 + t];
+        }
+        for (int64_t j = cols - 1; j >= 0; j--)
+            for (int64_t t = 0; t < nr; t++) {
+                const int64_t at = (r0 + t) * cols + j;
+                const float beta = buf[t * cols + j], rest = buf[(R + t) * cols + j];
+                const float a = beta * c[t], w = a * dw[at];
+                c[t] *= rest;
+                sw[t] += w;
+                s[at] = a;
+                dw[at] = rest * w - beta * (d[t] - sw[t]);
+            }
+        for (int64_t t = 0; t < nr; t++) carry[r0 + t] = c[t], carry_w[r0 + t] = sw[t];
+    }
+    free(buf);
+    return 0;
+}

@@ -83,10 +83,17 @@ class StickBreakingKernel(TileKernel):
         carry = torch.ones_like(blk.zeros())
         carry_w = blk.zeros()
         d = delta.unsqueeze(-1)
+        d_flat = delta.contiguous()
         for kind, k0, k1 in blk.tiles(reverse=True):
             s, tracked = blk.tracked_logits(kind, k0, k1)
+            dw = blk.dw(k0, k1)
+            if tracked is None and native.usable(s, dw, carry, carry_w, d_flat):
+                # the whole tile in one right-to-left pass in C; carries move in place
+                a, dz = native.stick_breaking_backward_(s, dw, carry, carry_w, d_flat)
+                blk.add(k0, k1, dz, a, (s, tracked))
+                continue
             a, beta, carry = _stick(s.detach(), carry)
-            w = a * blk.dw(k0, k1)
+            w = a * dw
             suffix_w = _suffix_sum(w).add_(carry_w.unsqueeze(-1))
             carry_w = suffix_w[..., 0]
             # sum over j < k of W_ij = delta_i - sum over j >= k
