@@ -220,9 +220,11 @@ def test_callers_match_reference(name):
 
 
 @pytest.mark.parametrize("mask", [M.causal(), M.window(150)], ids=repr)
-def test_stick_breaking_gradients_in_c_match_reference(mask, monkeypatch):
-    """float32 forward and backward tiles in C against float64 autograd of the reference,
-    and against the PyTorch tile path."""
+@pytest.mark.parametrize("mechanism", ["stick_breaking", "talking_heads"])
+def test_gradients_through_c_loops_match_reference(mechanism, mask, monkeypatch):
+    """float32 forward and backward through the C loops (stick-breaking's tiles, the head
+    mixing and its input gradient) against float64 autograd of the reference, and against
+    the PyTorch path; mixing matrices get their gradients too."""
     q, k, v = qkv(B=1, Hq=4, Hkv=2, Nq=300, Nk=300, D=16, dtype=torch.float32, seed=8)
     go = torch.randn(1, 4, 300, 16, generator=torch.Generator().manual_seed(9))
 
@@ -230,9 +232,11 @@ def test_stick_breaking_gradients_in_c_match_reference(mask, monkeypatch):
         with monkeypatch.context() as patch:
             if not native_on:
                 patch.setattr(native, "usable", lambda *tensors: False)
+            mech = _mixed(mechanism).to(dtype) if mechanism == "talking_heads" else mechanism
             ins = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-            out = attnkit.attention(*ins, mask=mask, mechanism="stick_breaking", backend=backend)
-            return torch.autograd.grad(out, ins, go.to(dtype))
+            out = attnkit.attention(*ins, mask=mask, mechanism=mech, backend=backend)
+            params = list(mech.parameters()) if mechanism == "talking_heads" else []
+            return torch.autograd.grad(out, ins + params, go.to(dtype))
 
     fast, slow, want = grads(torch.float32, "auto"), grads(torch.float32, "auto", False), grads(torch.float64, "reference")
     for f, s_, w in zip(fast, slow, want):

@@ -42,14 +42,43 @@ def _zero_dead(p: Tensor, dead: Tensor | None) -> Tensor:
 
 def mix_heads(m: Tensor, x: Tensor, row_scale: Tensor | None = None) -> Tensor:
     """``out[:, g] = sum_h m[g, h] x[:, h]`` for x (Bt, H, ...); with ``row_scale`` (Bt, H, R)
-    for x (Bt, H, R, C), each row of x is scaled first (fused in one pass where possible)."""
+    for x (Bt, H, R, C), each row of x is scaled first (fused in one pass where possible).
+    Differentiable in m and x."""
     m = m.to(x.dtype)
-    if x.dim() == 4 and x.shape[1] <= native.MAX_MIX_HEADS and native.usable(m, x, *(() if row_scale is None else (row_scale,))):
+    if row_scale is None and torch.is_grad_enabled() and (m.requires_grad or x.requires_grad):
+        return _MixHeads.apply(m, x)
+    if _native_mix(m, x, row_scale):
         return native.mix_heads(m.contiguous(), x, row_scale)
     if row_scale is not None:
         x = x * row_scale.unsqueeze(-1)
     bt, h = x.shape[:2]
     return torch.matmul(m, x.reshape(bt, h, -1)).reshape(x.shape)
+
+
+def _native_mix(m: Tensor, x: Tensor, row_scale: Tensor | None) -> bool:
+    return x.dim() == 4 and x.shape[1] <= native.MAX_MIX_HEADS and native.usable(m, x, *(() if row_scale is None else (row_scale,)))
+
+
+class _MixHeads(torch.autograd.Function):
+    """Head mixing whose product and input gradient (``M^T dOut``, again a mix) run in the
+    C loop, where BLAS is slow for an inner dimension of a few heads; ``dM`` is a plain
+    reduction over positions."""
+
+    @staticmethod
+    def forward(ctx, m, x):
+        ctx.save_for_backward(m, x)
+        return mix_heads(m, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        m, x = ctx.saved_tensors
+        grad = grad.contiguous()
+        dx = mix_heads(m.t(), grad) if ctx.needs_input_grad[1] else None
+        dm = None
+        if ctx.needs_input_grad[0]:
+            bt, g, h = x.shape[0], m.shape[0], m.shape[1]
+            dm = torch.matmul(grad.reshape(bt, g, -1), x.reshape(bt, h, -1).transpose(1, 2)).sum(0)
+        return dm, dx
 
 
 class MixedSoftmaxKernel(TileKernel):
@@ -60,7 +89,7 @@ class MixedSoftmaxKernel(TileKernel):
 
     stats = ("lse",)
     # a block's tiles are kept between the two passes: smaller blocks, less memory
-    tiling = EngineTiling(q_block=64, k_block=64, tile_k=512)
+    tiling = EngineTiling(q_block=128, k_block=128, tile_k=512)
 
     def __init__(self, transform: Callable[[Tensor], Tensor], transform_params: list[Tensor], mix: Tensor | None,
                  halo: tuple[int, int, int] = (0, 0, 0)):
