@@ -1,13 +1,17 @@
-/* Pointwise tile math in one pass over memory, for the chunked tile loops.
+/* C loops for the chunked tile engines (loaded by kernels/native.py through ctypes).
  *
- * PyTorch evaluates `sigmoid(s + b)`, `cap * tanh(s / cap)` or an online-softmax update
- * as a chain of separate kernels, each a full pass over the tile with its own dispatch;
- * on CPU those passes cost as much as the two matmuls of the tile (measured: 1-3 ns per
- * logit against ~0.2 ns here). These loops read a tile once and write it once.
+ * Pointwise tile math in one pass over memory: PyTorch evaluates sigmoid(s + b),
+ * cap * tanh(s / cap), an online-softmax update or a head mix as chains of separate
+ * kernels, each a full pass over the tile; on CPU those passes cost as much as the tile's
+ * two matmuls (measured 1-3 ns per logit against a few tenths here). Then whole loops
+ * around the sgemm of the BLAS inside PyTorch: sigmoid attention forward and backward,
+ * a softmax forward with free head sizes; and two pieces torch runs slowly on CPU:
+ * top-k of rows and a depthwise 2-D convolution.
  *
- * float32 only. exp is 2^n times a polynomial for 2^f (see exp_avx2); arguments below the smallest normal result give exactly 0, so -inf
- * (a masked logit) has weight 0. NaN inputs propagate. Built by kernels/native.py with the
- * host compiler; every function has a scalar path for CPUs without AVX2/FMA.
+ * float32 only. exp is 2^n times a polynomial for 2^f (see exp_avx2); arguments below
+ * the smallest normal result give exactly 0, so -inf (a masked logit) has weight 0. NaN
+ * inputs propagate. Built with the host compiler (-march=native); every function has a
+ * scalar path for CPUs without AVX2/FMA.
  */
 #include <math.h>
 #include <stdint.h>
@@ -71,7 +75,7 @@ static void sigmoid_into(const float *x, float *y, int64_t n, float sign, float 
     const __m256 sg = _mm256_set1_ps(-sign), b = _mm256_set1_ps(-bias), one = _mm256_set1_ps(1.0f);
     for (; i + 8 <= n; i += 8) {
         const __m256 z = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), sg, b);  /* -(sign x + bias) */
-        __m256 tiny = _mm256_cmp_ps(z, _mm256_set1_ps(EXP_HI), _CMP_GT_OQ);
+        const __m256 tiny = _mm256_cmp_ps(z, _mm256_set1_ps(EXP_HI), _CMP_GT_OQ);
         /* 1 / d by the reciprocal estimate (12 bits) and two Newton steps r + r (1 - d r),
          * residuals exact by FMA (the first leaves ~1 ulp, the second rounds 1 / 1 and
          * 1 / 2 exactly): still cheaper than the 8-wide division */
