@@ -100,6 +100,8 @@ def library() -> ctypes.CDLL | None:
                                                                                       ctypes.c_int, i64, i64, i64, ctypes.c_void_p]
     lib.ak_softmax_attention.restype = ctypes.c_int
     lib.ak_topk_rows.argtypes = [f32p, i64, i64, i64, f32p, f32p]
+    lib.ak_topk_attention.argtypes = [f32p] * 9 + [i64] * 9 + [ctypes.c_int, i64, ctypes.c_int, i64, i64, i64, ctypes.c_void_p]
+    lib.ak_topk_attention.restype = ctypes.c_int
     lib.ak_topk_rows.restype = ctypes.c_int
     return lib
 
@@ -325,3 +327,24 @@ def softmax_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, q_start: in
     _over_heads(lambda bh0, bh1: fn(*ptrs, bh0, bh1, H, Hk, Hv, kidx.data_ptr(), vidx.data_ptr(), Nq, Nk, D, Dv, scale, softcap,
                                     q_start, *_band_args(band), *FUSED_TILE, sgemm()), B * H, 1)
     return out, lse
+
+
+#: query rows per block of the top-k kernel: their logits, rows x keys, stay in L2/L3
+TOPK_BLOCK = 32
+
+
+def topk_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, band: tuple[int | None, int | None], width: int):
+    """Forward of softmax attention over the ``width`` largest logits of every row within
+    ``band`` (q already scaled): (out, lse, chosen, weights, kept, visible) as in
+    mechanisms/topk.py, float32."""
+    B, H, Nq, D = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    out, lse = torch.empty(B, H, Nq, Dv), torch.empty(B, H, Nq)
+    chosen = torch.empty(B, H, Nq, width, dtype=torch.int64)
+    weights = torch.empty(B, H, Nq, width)
+    kept, visible = torch.empty(B, H, Nq), torch.empty(B, H, Nq)
+    fn = library().ak_topk_attention
+    ptrs = [t.data_ptr() for t in (q, k, v, out, lse, chosen, weights, kept, visible)]
+    _over_heads(lambda bh0, bh1: fn(*ptrs, bh0, bh1, H, Hkv, Nq, Nk, D, Dv, q_start, *_band_args(band), width, TOPK_BLOCK,
+                                    sgemm()), B * H, 1)
+    return out, lse, chosen, weights, kept, visible

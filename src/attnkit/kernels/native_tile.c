@@ -513,45 +513,37 @@ static void select_top(float *v, int64_t *ix, int64_t n, int64_t k) {
     }
 }
 
-/* The k largest values of every row of s (rows, cols), k <= cols, unsorted, with their
- * columns. A first bar comes cheap: the k-th largest of the maxima of 2k groups of
- * columns — k distinct entries reach it, so nothing below it is in the top k, and half the
- * groups may be fully masked (-inf) without loosening it. Entries that reach the bar
- * collect in a buffer of 4k; should it fill, quickselect keeps the best k and their k-th
- * value becomes the (strict) bar. On attention logits a few percent of a row reaches the
- * first bar, so the cost is about two vectorised passes, where torch.topk spends ~10 ns
- * per element. Returns 1 when out of memory. */
-int ak_topk_rows(const float *s, int64_t rows, int64_t cols, int64_t k, float *values, int64_t *columns) {
+/* The k largest values of the row x (cols >= k entries), unsorted, into bv[0..k) with
+ * their columns in bi[0..k). A first bar comes cheap: the k-th largest of the maxima of
+ * 2k groups of columns — k distinct entries reach it, so nothing below it is in the top
+ * k, and half the groups may be fully masked (-inf) without loosening it. Entries that
+ * reach the bar collect in a buffer of 4k; should it fill, quickselect keeps the best k
+ * and their k-th value becomes the (strict) bar. On attention logits a few percent of a
+ * row reaches the first bar, so the cost is about two vectorised passes, where
+ * torch.topk spends ~10 ns per element. bv, bi hold 6k entries (the last 2k: scratch). */
+static void topk_row(const float *x, int64_t cols, int64_t k, float *bv, int64_t *bi) {
     const int64_t cap = 4 * k, groups = 2 * k, g = cols / groups;  /* the last cols % groups columns: in none */
-    float *bv = (float *)malloc(sizeof(float) * (cap + groups));
-    int64_t *bi = (int64_t *)malloc(sizeof(int64_t) * (cap + groups));
-    if (!bv || !bi) {
-        free(bv), free(bi);
-        return 1;
-    }
     float *gmax = bv + cap;
-    for (int64_t r = 0; r < rows; r++) {
-        const float *x = s + r * cols;
-        float bar = -INFINITY;
-        if (g > 0) {
-            for (int64_t q = 0; q < groups; q++) {
-                float mx = -INFINITY;
-                int64_t t = q * g;
+    float bar = -INFINITY;
+    if (g > 0) {
+        for (int64_t q = 0; q < groups; q++) {
+            float mx = -INFINITY;
+            int64_t t = q * g;
 #ifdef AK_AVX2
-                if (g >= 8) {
-                    __m256 vm = _mm256_loadu_ps(x + t);
-                    for (t += 8; t + 8 <= (q + 1) * g; t += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(x + t));
-                    mx = hmax_avx2(vm);
-                }
-#endif
-                for (; t < (q + 1) * g; t++) mx = x[t] > mx ? x[t] : mx;
-                gmax[q] = mx;
+            if (g >= 8) {
+                __m256 vm = _mm256_loadu_ps(x + t);
+                for (t += 8; t + 8 <= (q + 1) * g; t += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(x + t));
+                mx = hmax_avx2(vm);
             }
-            select_top(gmax, bi + cap, groups, k);
-            bar = gmax[0];
-            for (int64_t u = 1; u < k; u++) bar = gmax[u] < bar ? gmax[u] : bar;
+#endif
+            for (; t < (q + 1) * g; t++) mx = x[t] > mx ? x[t] : mx;
+            gmax[q] = mx;
         }
-        int64_t n = 0, strict = 0;
+        select_top(gmax, bi + cap, groups, k);
+        bar = gmax[0];
+        for (int64_t u = 1; u < k; u++) bar = gmax[u] < bar ? gmax[u] : bar;
+    }
+    int64_t n = 0, strict = 0;
 #define AK_TAKE(t)                                                   \
     if (strict ? x[t] > bar : x[t] >= bar) {                         \
         bv[n] = x[t], bi[n] = t;                                     \
@@ -561,17 +553,29 @@ int ak_topk_rows(const float *s, int64_t rows, int64_t cols, int64_t k, float *v
             for (int64_t u = 1; u < k; u++) bar = bv[u] < bar ? bv[u] : bar; \
         }                                                            \
     }
-        int64_t j = 0;
+    int64_t j = 0;
 #ifdef AK_AVX2
-        for (; j + 8 <= cols; j += 8) {
-            const __m256 v = _mm256_loadu_ps(x + j), b = _mm256_set1_ps(bar);
-            if (!_mm256_movemask_ps(strict ? _mm256_cmp_ps(v, b, _CMP_GT_OQ) : _mm256_cmp_ps(v, b, _CMP_GE_OQ))) continue;
-            for (int64_t t = j; t < j + 8; t++) { AK_TAKE(t) }
-        }
+    for (; j + 8 <= cols; j += 8) {
+        const __m256 v = _mm256_loadu_ps(x + j), b = _mm256_set1_ps(bar);
+        if (!_mm256_movemask_ps(strict ? _mm256_cmp_ps(v, b, _CMP_GT_OQ) : _mm256_cmp_ps(v, b, _CMP_GE_OQ))) continue;
+        for (int64_t t = j; t < j + 8; t++) { AK_TAKE(t) }
+    }
 #endif
-        for (; j < cols; j++) { AK_TAKE(j) }
+    for (; j < cols; j++) { AK_TAKE(j) }
 #undef AK_TAKE
-        select_top(bv, bi, n, k);
+    select_top(bv, bi, n, k);
+}
+
+/* topk_row for every row of s (rows, cols), k <= cols. Returns 1 when out of memory. */
+int ak_topk_rows(const float *s, int64_t rows, int64_t cols, int64_t k, float *values, int64_t *columns) {
+    float *bv = (float *)malloc(sizeof(float) * 6 * k);
+    int64_t *bi = (int64_t *)malloc(sizeof(int64_t) * 6 * k);
+    if (!bv || !bi) {
+        free(bv), free(bi);
+        return 1;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        topk_row(s + r * cols, cols, k, bv, bi);
         for (int64_t u = 0; u < k; u++) values[r * k + u] = bv[u], columns[r * k + u] = bi[u];
     }
     free(bv), free(bi);
@@ -610,5 +614,79 @@ int ak_stick_breaking_backward(float *s, float *dw, int64_t rows, int64_t cols, 
         for (int64_t t = 0; t < nr; t++) carry[r0 + t] = c[t], carry_w[r0 + t] = sw[t];
     }
     free(buf);
+    return 0;
+}
+
+/* Top-k attention forward (softmax over the k largest logits of every row; Gupta et al.
+ * 2021, arXiv 2106.06899) for the query-head rows [bh0, bh1) of B*H: per block of BQ
+ * queries one sgemm gives every logit the block's band reaches, topk_row picks each row's
+ * k columns, and the output is the softmax of those k logits times their k value rows.
+ * Keys outside a row's band count as -inf (chosen only where fewer than k are visible,
+ * with weight 0). Writes out (B, H, Nq, Dv), lse, chosen and weights (B, H, Nq, k; a row
+ * that reaches fewer than k keys pads with column 0, weight 0), kept (finite logits among
+ * the chosen) and visible (keys in the row's band). q holds the scale already. Returns 1
+ * when out of memory. */
+int ak_topk_attention(const float *q, const float *k, const float *v, float *out, float *lse, int64_t *chosen,
+                      float *weights, float *kept, float *visible, int64_t bh0, int64_t bh1, int64_t H, int64_t Hkv,
+                      int64_t Nq, int64_t Nk, int64_t D, int64_t Dv, int64_t q_start, int has_lo, int64_t lo, int has_hi,
+                      int64_t hi, int64_t width, int64_t BQ, void *sgemm) {
+    sgemm_fn gemm = (sgemm_fn)sgemm;
+    float *s = (float *)malloc(sizeof(float) * BQ * (Nk > 0 ? Nk : 1));
+    float *bv = (float *)malloc(sizeof(float) * 6 * width);
+    int64_t *bi = (int64_t *)malloc(sizeof(int64_t) * 6 * width);
+    if (!s || !bv || !bi) {
+        free(s), free(bv), free(bi);
+        return 1;
+    }
+    const int64_t group = H / Hkv;
+    for (int64_t bh = bh0; bh < bh1; bh++) {
+        const int64_t b = bh / H, kvh = b * Hkv + (bh % H) / group;
+        const float *qh = q + bh * Nq * D, *kh = k + kvh * Nk * D, *vh = v + kvh * Nk * Dv;
+        for (int64_t i0 = 0; i0 < Nq; i0 += BQ) {
+            const int64_t rows = Nq - i0 < BQ ? Nq - i0 : BQ, first = q_start + i0;
+            int64_t jlo, jhi;
+            band_keys(first, first + rows - 1, Nk, has_lo, lo, has_hi, hi, &jlo, &jhi);
+            const int64_t n = jhi > jlo ? jhi - jlo : 0;
+            if (n > 0)
+                gemm_abt(gemm, (int)rows, (int)n, (int)D, 1.0f, qh + i0 * D, (int)D, kh + jlo * D, (int)D, 0.0f, s, (int)n);
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t row = bh * Nq + i0 + r;
+                float *x = s + r * n, *o = out + row * Dv, *w = weights + row * width;
+                int64_t *c = chosen + row * width;
+                int64_t c0, c1;
+                band_columns(first + r, jlo, n, has_lo, lo, has_hi, hi, &c0, &c1);
+                for (int64_t t = 0; t < c0; t++) x[t] = -INFINITY;
+                for (int64_t t = c1; t < n; t++) x[t] = -INFINITY;
+                visible[row] = (float)(c1 - c0);
+                const int64_t m = n < width ? n : width;
+                if (m > 0) topk_row(x, n, m, bv, bi);
+                float mx = -INFINITY;
+                for (int64_t t = 0; t < m; t++) mx = bv[t] > mx ? bv[t] : mx;
+                for (int64_t d = 0; d < Dv; d++) o[d] = 0.0f;
+                float l = 0.0f, finite = 0.0f;
+                for (int64_t t = 0; t < width; t++) {
+                    const float p = t < m && mx > -INFINITY ? exp_scalar(bv[t] - mx) : 0.0f;
+                    c[t] = t < m ? jlo + bi[t] : 0;
+                    w[t] = p;
+                    l += p;
+                    finite += t < m && bv[t] > -INFINITY;
+                }
+                kept[row] = finite;
+                if (l == 0.0f) {
+                    lse[row] = -INFINITY;
+                    continue;
+                }
+                lse[row] = mx + logf(l);
+                const float inv = 1.0f / l;
+                for (int64_t t = 0; t < m; t++) {
+                    if (w[t] == 0.0f) continue;
+                    w[t] *= inv;
+                    const float *vr = vh + c[t] * Dv;
+                    for (int64_t d = 0; d < Dv; d++) o[d] += w[t] * vr[d];  /* vectorised by the compiler */
+                }
+            }
+        }
+    }
+    free(s), free(bv), free(bi);
     return 0;
 }

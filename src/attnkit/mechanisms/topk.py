@@ -143,30 +143,42 @@ def _kept_report(mech, kept: Tensor, visible: Tensor) -> None:
 # --------------------------------------------------------------------------- top-k
 
 
+def _topk_blocks(prob: Problem, width: int):
+    """The forward block by block in PyTorch (any mask, score mod or dtype):
+    (out, lse, chosen, weights, kept, visible)."""
+    B, H, Nq, Dv = prob.shape
+    cd = prob.cd
+    out = torch.zeros(B, H, Nq, Dv, dtype=cd)
+    lse = torch.full((B, H, Nq), -math.inf, dtype=cd)
+    chosen = torch.zeros(B, H, Nq, width, dtype=torch.long)
+    weights = torch.zeros(B, H, Nq, width, dtype=cd)
+    kept = torch.zeros(B, H, Nq)
+    visible = torch.zeros(B, H, Nq)
+    for blk in prob.blocks():
+        rs = blk.rows_slice
+        s, keys, visible[rs] = _row_logits(blk)
+        values, idx = _top_columns(s, min(width, s.shape[-1]))
+        p, lse[rs] = dense_softmax(values)
+        pos = keys[idx]
+        out[rs] = _sparse_pv(p, _flat_rows(blk, pos), prob.v)
+        n = idx.shape[-1]
+        chosen[rs][..., :n] = pos
+        weights[rs][..., :n] = p
+        kept[rs] = (values > -math.inf).sum(dim=-1).float()
+    return out, lse, chosen, weights, kept, visible
+
+
 class _TopKAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, k: int, req: Request, n_score: int, q, kk, v, *score_params):
         prob = Problem(req, _ROW_TILING, list(score_params))
-        B, H, Nq, Dv = prob.shape
         width = min(k, req.k_len)
-        cd = prob.cd
-        out = torch.zeros(B, H, Nq, Dv, dtype=cd)
-        lse = torch.full((B, H, Nq), -math.inf, dtype=cd)
-        chosen = torch.zeros(B, H, Nq, width, dtype=torch.long)
-        weights = torch.zeros(B, H, Nq, width, dtype=cd)
-        kept = torch.zeros(B, H, Nq)
-        visible = torch.zeros(B, H, Nq)
-        for blk in prob.blocks():
-            rs = blk.rows_slice
-            s, keys, visible[rs] = _row_logits(blk)
-            values, idx = _top_columns(s, min(width, s.shape[-1]))
-            p, lse[rs] = dense_softmax(values)
-            pos = keys[idx]
-            out[rs] = _sparse_pv(p, _flat_rows(blk, pos), prob.v)
-            n = idx.shape[-1]
-            chosen[rs][..., :n] = pos
-            weights[rs][..., :n] = p
-            kept[rs] = (values > -math.inf).sum(dim=-1).float()
+        band = (None, None) if req.mask is None else req.mask.band()
+        if req.score is None and band is not None and native.fused_usable(prob.q, prob.k, prob.v):
+            # the whole forward in C: logits by sgemm, selection, softmax and the k value rows
+            out, lse, chosen, weights, kept, visible = native.topk_attention(prob.q, prob.k, prob.v, req.q_start, band, width)
+        else:
+            out, lse, chosen, weights, kept, visible = _topk_blocks(prob, width)
         ctx.req, ctx.n_score, ctx.score_params = req, n_score, score_params
         ctx.save_for_backward(chosen, weights, out)
         ctx.mark_non_differentiable(chosen, weights, kept, visible)
