@@ -242,3 +242,22 @@ def test_gradients_through_c_loops_match_reference(mechanism, mask, monkeypatch)
     for f, s_, w in zip(fast, slow, want):
         assert_close(f, w, torch.float32)
         assert_close(f, s_, torch.float32)
+
+
+@pytest.mark.parametrize("shape,kernel", [((1, 3, 20, 150), (6, 11)), ((2, 2, 9, 40), (3, 5))])
+def test_key_query_conv_gradients_in_c(shape, kernel):
+    """Multi-token's convolution backward in C (the flipped kernel over the padded gradient;
+    one dot product per tap) against float64 autograd of torch's conv2d."""
+    from attnkit.mechanisms.multi_token import KeyQueryConv
+
+    g = torch.Generator().manual_seed(11)
+    s = torch.randn(shape, generator=g).requires_grad_()
+    w = torch.randn(shape[1], 1, *kernel, generator=g).requires_grad_()
+    out = KeyQueryConv.apply(s, w)
+    dz = torch.randn(out.shape, generator=g)
+    got = torch.autograd.grad(out, (s, w), dz)
+    sd, wd = (t.detach().double().requires_grad_() for t in (s, w))
+    want = torch.autograd.grad(torch.nn.functional.conv2d(sd, wd, groups=shape[1]), (sd, wd), dz.double())
+    # sums of up to R x C (3000) products for the kernel gradient: float32 rounding ~ sqrt(n) * 6e-8 relative
+    torch.testing.assert_close(got[0].double(), want[0], rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(got[1].double(), want[1], rtol=1e-5, atol=1e-4)

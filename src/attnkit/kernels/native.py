@@ -87,6 +87,8 @@ def library() -> ctypes.CDLL | None:
     lib.ak_stick_breaking_backward.argtypes = [f32p, f32p, i64, i64, f32p, f32p, f32p]
     lib.ak_stick_breaking_backward.restype = ctypes.c_int
     lib.ak_depthwise_conv2d.argtypes = [f32p, f32p, f32p, i64, i64, i64, i64, i64, i64]
+    lib.ak_depthwise_conv2d_weight_grad.argtypes = [f32p, f32p, f32p, i64, i64, i64, i64, i64, i64]
+    lib.ak_depthwise_conv2d_weight_grad.restype = None
     for fn in (lib.ak_sigmoid, lib.ak_softcap, lib.ak_online_softmax, lib.ak_mix_heads_scaled, lib.ak_depthwise_conv2d):
         fn.restype = None
     lib.ak_stick_breaking.restype = ctypes.c_int
@@ -256,6 +258,15 @@ def topk_rows(s: Tensor, k: int) -> tuple[Tensor, Tensor]:
     if library().ak_topk_rows(s.data_ptr(), rows, cols, k, values.data_ptr(), columns.data_ptr()) != 0:
         raise MemoryError("top-k: out of memory for a candidate buffer")
     return values, columns
+
+
+def depthwise_conv2d_weight_grad(x: Tensor, dy: Tensor, kernel_size: tuple[int, int]) -> Tensor:
+    """(H, cq, ck) gradient of ``depthwise_conv2d(x, weight)``'s weight for output gradient dy."""
+    N, H, R, C = x.shape
+    cq, ck = kernel_size
+    dw = torch.empty(H, cq, ck)
+    library().ak_depthwise_conv2d_weight_grad(x.data_ptr(), dy.data_ptr(), dw.data_ptr(), N, H, R, C, cq, ck)
+    return dw
 
 
 def mix_heads(mix: Tensor, x: Tensor, row_scale: Tensor | None = None) -> Tensor:

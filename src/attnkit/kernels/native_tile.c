@@ -690,3 +690,43 @@ int ak_topk_attention(const float *q, const float *k, const float *v, float *out
     free(s), free(bv), free(bi);
     return 0;
 }
+
+/* The kernel gradient of ak_depthwise_conv2d: dw[h, a, b] = sum over n, r, c of
+ * x[n, h, r + a, c + b] * dy[n, h, r, c], for x (N, H, R, C), dy (N, H, R - cq + 1,
+ * C - ck + 1) and dw (H, cq, ck), all contiguous; dw is overwritten. One dot product per
+ * kernel tap over the whole plane (which stays in L2 across the taps). */
+void ak_depthwise_conv2d_weight_grad(const float *x, const float *dy, float *dw, int64_t N, int64_t H, int64_t R,
+                                     int64_t C, int64_t cq, int64_t ck) {
+    const int64_t Ro = R - cq + 1, Co = C - ck + 1;
+    for (int64_t i = 0; i < H * cq * ck; i++) dw[i] = 0.0f;
+    if (Ro <= 0 || Co <= 0) return;
+    for (int64_t nh = 0; nh < N * H; nh++) {
+        const float *xp = x + nh * R * C, *gp = dy + nh * Ro * Co;
+        float *wh = dw + (nh % H) * cq * ck;
+        for (int64_t a = 0; a < cq; a++)
+            for (int64_t b = 0; b < ck; b++) {
+                float acc = 0.0f;
+#ifdef AK_AVX2
+                __m256 v0 = _mm256_setzero_ps(), v1 = v0, v2 = v0, v3 = v0;  /* 4 chains hide the FMA latency */
+#endif
+                for (int64_t r = 0; r < Ro; r++) {
+                    const float *xr = xp + (r + a) * C + b, *gr = gp + r * Co;
+                    int64_t c = 0;
+#ifdef AK_AVX2
+                    for (; c + 32 <= Co; c += 32) {
+                        v0 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + c), _mm256_loadu_ps(gr + c), v0);
+                        v1 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + c + 8), _mm256_loadu_ps(gr + c + 8), v1);
+                        v2 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + c + 16), _mm256_loadu_ps(gr + c + 16), v2);
+                        v3 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + c + 24), _mm256_loadu_ps(gr + c + 24), v3);
+                    }
+                    for (; c + 8 <= Co; c += 8) v0 = _mm256_fmadd_ps(_mm256_loadu_ps(xr + c), _mm256_loadu_ps(gr + c), v0);
+#endif
+                    for (; c < Co; c++) acc += xr[c] * gr[c];
+                }
+#ifdef AK_AVX2
+                acc += hsum_avx2(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+#endif
+                wh[a * ck + b] += acc;
+            }
+    }
+}

@@ -38,10 +38,12 @@ Tensor = torch.Tensor
 
 
 class KeyQueryConv(torch.autograd.Function):
-    """Depthwise 2-D convolution of logit tiles (one kernel per head). Its backward avoids
-    torch's CPU ``convolution_backward``, which takes a slow path for depthwise weight
-    gradients (30x here): the input gradient is the transposed convolution, the kernel
-    gradient a convolution of the input with dZ as the kernel (batch rows as groups)."""
+    """Depthwise 2-D convolution of logit tiles (one kernel per head), in C where the
+    tensors allow. Its backward avoids torch's CPU ``convolution_backward``, which takes a
+    slow path for depthwise weight gradients (30x here): the input gradient is the
+    transposed convolution (the flipped kernel over the padded gradient), the kernel
+    gradient one dot product per tap (in PyTorch: a convolution of the input with dZ as
+    the kernel, batch rows as groups)."""
 
     @staticmethod
     def forward(ctx, s: Tensor, kernel: Tensor) -> Tensor:  # s (B, H, R, C), kernel (H, 1, cq, ck)
@@ -55,11 +57,22 @@ class KeyQueryConv(torch.autograd.Function):
     def backward(ctx, dz: Tensor):
         s, kernel = ctx.saved_tensors
         b, h = s.shape[:2]
-        ds = F.conv_transpose2d(dz, kernel, groups=h) if ctx.needs_input_grad[0] else None
-        dk = None
+        cq, ck = kernel.shape[2:]
+        dz = dz.contiguous()
+        c_loops = native.usable(s, dz, kernel)
+        ds = dk = None
+        if ctx.needs_input_grad[0]:
+            if c_loops:  # the transposed convolution: the flipped kernel over dz padded by the kernel's reach
+                flipped = kernel.squeeze(1).flip(-1, -2).contiguous()
+                ds = native.depthwise_conv2d(F.pad(dz, (ck - 1, ck - 1, cq - 1, cq - 1)), flipped)
+            else:
+                ds = F.conv_transpose2d(dz, kernel, groups=h)
         if ctx.needs_input_grad[1]:
-            per_row = F.conv2d(s.reshape(1, b * h, *s.shape[2:]), dz.reshape(b * h, 1, *dz.shape[2:]), groups=b * h)
-            dk = per_row.view(b, h, *kernel.shape[2:]).sum(dim=0).unsqueeze(1)
+            if c_loops:
+                dk = native.depthwise_conv2d_weight_grad(s.contiguous(), dz, (cq, ck)).unsqueeze(1)
+            else:
+                per_row = F.conv2d(s.reshape(1, b * h, *s.shape[2:]), dz.reshape(b * h, 1, *dz.shape[2:]), groups=b * h)
+                dk = per_row.view(b, h, *kernel.shape[2:]).sum(dim=0).unsqueeze(1)
         return ds, dk
 
 
