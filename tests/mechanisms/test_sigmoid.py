@@ -134,7 +134,7 @@ def _float32_against_float64(mask, shape, sigmoid=Sigmoid()):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("mask", list(FUSED_MASKS))
 def test_fused_kernel_matches_reference(mask, threads, fused_calls):
-    """Band masks without a score mod run forward and backward in C (kernels/native_tile.c),
+    """Band masks without a score mod run forward and backward in C (kernels/native_fused.c),
     one thread or head ranges over several; GQA, Nq != Nk (bottom-right), Dv != D."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

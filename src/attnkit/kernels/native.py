@@ -1,10 +1,11 @@
-"""C tile loops (kernels/native_tile.c), loaded through ctypes.
+"""C tile loops (kernels/native_pointwise.c, native_fused.c), loaded through ctypes.
 
 The tile loops spend as much time in chains of pointwise PyTorch kernels (sigmoid gates,
 softcap's tanh, the online-softmax update, head mixing) as in their matmuls; the C loops
-do each in one pass (see the C file for the numerics). Sigmoid attention goes further:
-its whole forward and backward run in C around the sgemm of the BLAS inside PyTorch
-(``fused_usable``), split over torch's intra-op threads by head.
+do each in one pass (numerics in native_common.h). Some loops go further and run whole
+in C around the sgemm of the BLAS inside PyTorch (``fused_usable``), split over torch's
+intra-op threads by head: sigmoid attention forward and backward, a softmax forward with
+free head sizes, the top-k forward.
 
 The library is compiled once per source version and CPU with the host C compiler into
 ``$XDG_CACHE_HOME/attnkit`` (``~/.cache``); without a compiler, or with
@@ -29,7 +30,7 @@ import torch
 
 Tensor = torch.Tensor
 
-SOURCE = Path(__file__).with_name("native_tile.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("native_common.h", "native_pointwise.c", "native_fused.c")]
 
 
 def _cache_dir() -> Path:
@@ -53,7 +54,7 @@ def _build(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [cc, "-O3", "-march=native", "-fPIC", "-shared", "-o", tmp, str(SOURCE), "-lm"]
+        cmd = [cc, "-O3", "-march=native", "-fPIC", "-shared", "-o", tmp, *(str(p) for p in SOURCES if p.suffix == ".c"), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[:500]}")
@@ -68,10 +69,10 @@ def library() -> ctypes.CDLL | None:
     """The loaded library, or None where it is disabled or cannot be built."""
     if os.environ.get("ATTNKIT_NATIVE", "1") == "0":
         return None
-    source = SOURCE.read_bytes()
+    source = b"".join(p.read_bytes() for p in SOURCES)
     # -march=native code is only valid on the CPU it was built for: key by the CPU too.
     digest = hashlib.sha256(source + torch.backends.cpu.get_cpu_capability().encode() + _cpu_model()).hexdigest()[:16]
-    target = _cache_dir() / f"native_tile-{digest}.so"
+    target = _cache_dir() / f"native-{digest}.so"
     try:
         if not target.exists():
             _build(target)

@@ -81,7 +81,7 @@ class SigmoidKernel(TileKernel):
         return sigmoid_(torch.matmul(k, blk.qg.transpose(-1, -2)), self.bias)
 
     def _fused_band(self, prob: Problem) -> tuple[int | None, int | None] | None:
-        """The band of keys for the C kernels (kernels/native_tile.c), or None when this
+        """The band of keys for the C kernels (kernels/native_fused.c), or None when this
         call needs the tile loop: a score mod, a mask that is not a band, no fused C path."""
         band = (None, None) if prob.mask is None else prob.mask.band()
         if prob.score is not None or band is None or not native.fused_usable(prob.q, prob.k, prob.v):

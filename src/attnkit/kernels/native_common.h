@@ -1,0 +1,66 @@
+/* Shared by the C tile loops (native_pointwise.c, native_fused.c): vectorised exp and
+ * reductions, and the functions one file calls in the other. float32 only; exp is 2^n
+ * times a polynomial for 2^f (see exp_avx2); arguments below the smallest normal result
+ * give exactly 0, so -inf (a masked logit) has weight 0; NaN inputs propagate. */
+#ifndef ATTNKIT_NATIVE_COMMON_H
+#define ATTNKIT_NATIVE_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define AK_AVX2 1
+#endif
+
+static const float EXP_HI = 88.3762626647949f;
+static const float EXP_LO = -87.3365447505531f;
+
+static inline float exp_scalar(float x) {
+    if (x < EXP_LO) return 0.0f;  /* also -inf; NaN compares false and falls through */
+    return expf(x > EXP_HI ? EXP_HI : x);  /* NaN compares false again: expf(NaN) is NaN */
+}
+
+#ifdef AK_AVX2
+static inline __m256 exp_avx2(__m256 x) {
+    /* e^x = 2^n * 2^f with n = round(x log2 e), |f| <= 1/2; 2^f by a degree-6 Taylor
+     * polynomial in f ln 2 (relative error < 2e-7 ~ 1.5 ulp). Operand order of max/min
+     * keeps NaN: they return their second operand when either is NaN. */
+    const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LO), _CMP_LT_OQ);
+    __m256 t = _mm256_mul_ps(_mm256_min_ps(_mm256_set1_ps(EXP_HI), _mm256_max_ps(_mm256_set1_ps(EXP_LO), x)),
+                             _mm256_set1_ps(1.44269504088896341f));
+    __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(1.5403530393381606e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+static inline float hmax_avx2(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+static inline float hsum_avx2(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+void ak_sigmoid_into(const float *x, float *y, int64_t n, float sign, float bias);
+void ak_softcap(const float *x, float *y, int64_t n, float cap);
+void ak_online_softmax(float *s, int64_t rows, int64_t cols, float *m, float *l, float *alpha);
+void ak_topk_row(const float *x, int64_t cols, int64_t k, float *bv, int64_t *bi);
+
+#endif
