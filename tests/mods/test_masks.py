@@ -214,3 +214,9 @@ def test_band_is_the_exact_diagonal_band(mask, band):
                                   ak.causal() & ak.prefix_lm(2), ak.dilated(4, 2)], ids=repr)
 def test_band_is_none_for_other_masks(mask):
     assert mask.band() is None
+    assert ak.mods.band_of(mask) is None
+
+
+def test_no_mask_is_the_unbounded_band():
+    assert ak.mods.band_of(None) == (None, None)
+    assert ak.mods.band_of(ak.window(3, 1)) == (-3, 1)

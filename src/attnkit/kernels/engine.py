@@ -29,7 +29,7 @@ from ..observe import AttentionTile, CallInfo, feed
 from . import native
 from .plan import FULL_SEG, Plan, QueryBlock, make_plan, single_tile_plan
 from .request import Request
-from .tiles import Tile, visible
+from .tiles import Tile, add_pv_, visible
 
 Tensor = torch.Tensor
 
@@ -180,15 +180,8 @@ class Block:
         return visible(self.prob.mask, self.tile(k0, k1))
 
     def pv_add_(self, acc: Tensor, w: Tensor, k0: int, k1: int) -> None:
-        """acc += W V in place (acc contiguous (Bt, Hq, BQ, Dv))."""
-        prob = self.prob
-        vt = prob.v[self.bs, :, k0:k1]
-        a = grouped(acc, prob.kv_heads)
-        wg = grouped(w, prob.kv_heads)
-        if a.dim() == 4 and a.is_contiguous():
-            a.view(-1, a.shape[-2], a.shape[-1]).baddbmm_(wg.reshape(-1, wg.shape[-2], wg.shape[-1]), vt.reshape(-1, vt.shape[-2], vt.shape[-1]))
-        else:
-            acc += ungrouped(torch.matmul(wg, vt), prob.heads)
+        """acc += W V in place, acc (Bt, Hq, BQ, Dv)."""
+        add_pv_(acc, w, self.prob.v[self.bs, :, k0:k1])
 
 
 class GradBlock(Block):
@@ -467,6 +460,13 @@ class OnlineSoftmax:
         return out, lse
 
 
+def softmax_backward_terms(stats: dict[str, Tensor], delta: Tensor, grad_stats: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """(lse, delta) of a softmax backward as (..., 1) columns: the saved lse made safe
+    (``safe_lse``), and rowsum(dO * O) minus any gradient reaching the lse."""
+    d = delta - grad_stats["lse"] if "lse" in grad_stats else delta
+    return safe_lse(stats["lse"]), d.unsqueeze(-1)
+
+
 def safe_lse(lse: Tensor) -> Tensor:
     """lse with -inf (dead rows) turned into +inf, so that exp(z - lse) is 0, never NaN."""
     return torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse).unsqueeze(-1)
@@ -500,8 +500,7 @@ class SoftmaxKernel(TileKernel):
         return out, {"lse": lse}
 
     def backward_block(self, blk: GradBlock, stats, delta, grad_stats):
-        lse = safe_lse(stats["lse"])
-        d = (delta - grad_stats["lse"] if "lse" in grad_stats else delta).unsqueeze(-1)
+        lse, d = softmax_backward_terms(stats, delta, grad_stats)
         for kind, k0, k1 in blk.tiles():
             s, tracked = blk.tracked_logits(kind, k0, k1)
             p = fast_exp_(self.transform(blk, s.detach(), kind, k0, k1) - lse)

@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from . import native
-from .engine import Block, EngineTiling, GradBlock, OnlineSoftmax, TileKernel, fast_exp, fast_exp_, grouped, safe_lse, ungrouped
+from .engine import (
+    Block, EngineTiling, GradBlock, OnlineSoftmax, TileKernel, fast_exp, fast_exp_, grouped, safe_lse, softmax_backward_terms, ungrouped,
+)
 from .plan import FULL_SEG
 from .tiles import Tile, visible
 
@@ -177,7 +179,7 @@ class MixedSoftmaxKernel(TileKernel):
             return z, s_raw, where, p, dw, (dw if mix is None else mix_heads(mix.T, dw))
 
         if mix is None:  # delta is rowsum(dO * O): one streaming pass
-            d = (delta - grad_stats["lse"] if "lse" in grad_stats else delta).unsqueeze(-1)
+            d = softmax_backward_terms(stats, delta, grad_stats)[1]
             for kind, k0, k1 in blk.tiles():
                 self._tile_backward(blk, k0, k1, *tile_grads(k0, k1, kind), d, None, grads)
             return grads

@@ -181,6 +181,12 @@ def _cpu_model() -> bytes:
     return b"".join(first.values())
 
 
+def _rows(s: Tensor) -> tuple[int, int]:
+    """(rows, cols) of s seen as rows of its last dimension."""
+    cols = s.shape[-1]
+    return (s.numel() // cols if cols else 0), cols
+
+
 def usable(*tensors: Tensor) -> bool:
     """True when the C loops can run on these tensors in place of PyTorch's."""
     if library() is None:
@@ -207,8 +213,7 @@ def softcap_(x: Tensor, cap: float) -> Tensor:
 def online_softmax_step_(s: Tensor, m: Tensor, l: Tensor) -> Tensor:
     """One online-softmax tile update, rows being all leading dims of ``s``: ``s`` becomes
     exp(s - m'), ``m`` and ``l`` are updated in place; returns alpha = exp(m - m')."""
-    cols = s.shape[-1]
-    rows = s.numel() // cols if cols else 0
+    rows, cols = _rows(s)
     alpha = torch.empty_like(m)
     library().ak_online_softmax(s.data_ptr(), rows, cols, m.data_ptr(), l.data_ptr(), alpha.data_ptr())
     return alpha
@@ -217,8 +222,7 @@ def online_softmax_step_(s: Tensor, m: Tensor, l: Tensor) -> Tensor:
 def stick_breaking_(s: Tensor, carry: Tensor) -> Tensor:
     """One tile of stick-breaking weights, keys right to left: ``s`` (rows in all leading
     dims) becomes A, ``carry`` (one per row) the stick left for the tile on the left."""
-    cols = s.shape[-1]
-    rows = s.numel() // cols if cols else 0
+    rows, cols = _rows(s)
     if library().ak_stick_breaking(s.data_ptr(), rows, cols, carry.data_ptr()) != 0:
         raise MemoryError("stick_breaking: out of memory for a tile buffer")
     return s
@@ -228,8 +232,7 @@ def stick_breaking_backward_(s: Tensor, dw: Tensor, carry: Tensor, carry_w: Tens
     """One tile of the stick-breaking backward, keys right to left: ``s`` becomes A and
     ``dw`` (dO V^T) becomes dz; ``carry`` (stick) and ``carry_w`` (sum of A dW to the right)
     move to the tile's left edge. ``delta`` = rowsum(dO * O), one per row."""
-    cols = s.shape[-1]
-    rows = s.numel() // cols if cols else 0
+    rows, cols = _rows(s)
     if library().ak_stick_breaking_backward(s.data_ptr(), dw.data_ptr(), rows, cols, carry.data_ptr(), carry_w.data_ptr(),
                                             delta.data_ptr()) != 0:
         raise MemoryError("stick_breaking: out of memory for a tile buffer")
@@ -252,8 +255,7 @@ MAX_MIX_HEADS = 64
 def topk_rows(s: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """(values, columns) of the k largest entries of every row of s (1 <= k <= s.shape[-1]),
     unsorted; which of tied entries is kept is unspecified."""
-    cols = s.shape[-1]
-    rows = s.numel() // cols if cols else 0
+    rows, cols = _rows(s)
     values = torch.empty(*s.shape[:-1], k)
     columns = torch.empty(*s.shape[:-1], k, dtype=torch.int64)
     if library().ak_topk_rows(s.data_ptr(), rows, cols, k, values.data_ptr(), columns.data_ptr()) != 0:

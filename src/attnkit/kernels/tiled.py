@@ -17,11 +17,11 @@ import math
 
 import torch
 
-from ..mods import Mask, ScoreMod
+from ..mods import Mask, ScoreMod, band_of
 from ..mods.scores import Softcap
 from . import native
 from .plan import FULL_SEG, Plan
-from .tiles import Tile, neg_inf_to_pos_inf, visible
+from .tiles import Tile, add_pv_, neg_inf_to_pos_inf, visible
 
 Tensor = torch.Tensor
 
@@ -35,15 +35,6 @@ def _grouped(x: Tensor, kv_heads: int) -> Tensor:
 def _ungrouped(x: Tensor, heads: int) -> Tensor:
     bt, hkv, gl, d = x.shape
     return x.reshape(bt, heads, gl * hkv // heads, d)
-
-
-def _add_pv_(acc: Tensor, pg: Tensor, vt: Tensor, heads: int) -> None:
-    """acc += P V for grouped P, (Bt, Hkv, G*BQ, span), into the accumulator's memory."""
-    ag = _grouped(acc, vt.shape[1])
-    if pg.dtype == acc.dtype and acc.is_contiguous():
-        ag.view(-1, *ag.shape[-2:]).baddbmm_(pg.reshape(-1, *pg.shape[-2:]), vt.reshape(-1, *vt.shape[-2:]))
-    else:
-        acc += _ungrouped(torch.matmul(pg, vt), heads).to(acc.dtype)
 
 
 def _tiles(block, tile_k: int):
@@ -72,7 +63,7 @@ def tiled_forward(
     q_start: int, tile_k: int, matmul_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
     # Band masks with softcap (or no mod) in float32: the whole loop runs in C around torch's sgemm.
-    band = (None, None) if mask is None else mask.band()
+    band = band_of(mask)
     cap = _softcap_or_none(score)
     if band is not None and cap is not None and matmul_dtype == torch.float32 and native.fused_usable(q, k, v):
         return native.softmax_attention(q, k, v, scale, q_start, band, cap)
@@ -107,7 +98,7 @@ def tiled_forward(
                     l = l * alpha + p.sum(dim=-1)
                     m = m_new
                 acc.mul_(alpha.unsqueeze(-1))
-                _add_pv_(acc, _grouped(p.to(matmul_dtype), Hkv), v[bs, :, t0:t1].to(matmul_dtype), H)
+                add_pv_(acc, p.to(matmul_dtype), v[bs, :, t0:t1].to(matmul_dtype))
             m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
             lse[bs, :, block.q0 : block.q1] = m_safe + torch.log(l)
             o = torch.where(l.unsqueeze(-1) > 0, acc / l.clamp(min=torch.finfo(cd).tiny).unsqueeze(-1), torch.zeros_like(acc))

@@ -12,6 +12,20 @@ from ..mods import Mask, index_tensors
 Tensor = torch.Tensor
 
 
+def add_pv_(acc: Tensor, w: Tensor, vt: Tensor) -> None:
+    """``acc += W V`` in place for acc (Bt, Hq, BQ, Dv), w (Bt, Hq, BQ, span) and the value
+    tile vt (Bt, Hkv, span, Dv): the query heads of a key head are stacked into one batched
+    product written straight into acc (a contiguous accumulator of w's dtype), else a
+    matmul and an add."""
+    bt, hq, bq, dv = acc.shape
+    hkv = vt.shape[1]
+    wg = w.reshape(bt, hkv, (hq // hkv) * bq, w.shape[-1])
+    if w.dtype == acc.dtype and acc.is_contiguous():
+        acc.view(bt * hkv, -1, dv).baddbmm_(wg.reshape(bt * hkv, -1, w.shape[-1]), vt.reshape(bt * hkv, -1, dv))
+    else:
+        acc += torch.matmul(wg, vt).reshape(acc.shape).to(acc.dtype)
+
+
 @dataclass(frozen=True)
 class Tile:
     """Index tensors of one (query block x key segment) tile, in positions."""

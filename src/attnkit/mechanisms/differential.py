@@ -18,6 +18,8 @@ against queries with the other half zeroed. So both maps are one attention call 
 query heads per head sharing its key/value head (grouped-query attention), which the
 dispatcher sends to torch's SDPA when the mask allows (plain causal), else to the chunked
 backend; masks and score mods that tell heads apart get one call per map instead.
+Inference with a band mask and no score mod runs both maps in one call of the C softmax
+loop (kernels/native.py), whose query and key heads may be D / 2 wide against Dv-wide values.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from ..kernels.engine import dense_softmax
 from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish
 from ..kernels.observe_pass import call_info, softmax_tiles
 from ..kernels.request import Request
-from ..mods.masks import FnMask, Mask
+from ..mods.masks import FnMask, Mask, band_of
 from ..observe import AttentionTile, feed
 from ..observe.base import interested
 from .base import Mechanism, register
@@ -139,7 +141,7 @@ def _maps_in_c(first: Request, second: Request) -> tuple[tuple, tuple] | None:
     and key heads of D / 2 against values of Dv — torch's fused op wants one head size, so
     elsewhere each map pays for a full-width head. Inference only (the backward is the
     fused op's), band masks, no score mod, float32 on CPU; None otherwise."""
-    band = (None, None) if first.mask is None else first.mask.band()
+    band = band_of(first.mask)
     if first.needs_grad or first.score is not None or band is None:
         return None
     q = torch.cat([first.q, second.q], dim=1).contiguous()  # (B, 2H, N, D/2): map 1's heads, then map 2's

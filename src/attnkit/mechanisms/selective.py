@@ -25,7 +25,10 @@ import math
 
 import torch
 
-from ..kernels.engine import Block, GradBlock, OnlineSoftmax, Problem, SoftmaxKernel, dense_softmax, fast_exp_, observe_kernel, run_kernel, safe_lse
+from ..kernels.engine import (
+    Block, GradBlock, OnlineSoftmax, Problem, SoftmaxKernel, dense_softmax, fast_exp_, observe_kernel, run_kernel, safe_lse,
+    softmax_backward_terms,
+)
 from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish, request
 from ..kernels.request import Request
 from .base import Mechanism, register
@@ -92,8 +95,7 @@ class SelectiveKernel(SoftmaxKernel):
             yield k0, k1, torch.exp(z - lse), z
 
     def backward_block(self, blk: GradBlock, stats, delta, grad_stats):
-        lse = safe_lse(stats["lse"])
-        d = (delta - grad_stats["lse"] if "lse" in grad_stats else delta).unsqueeze(-1)
+        lse, d = softmax_backward_terms(stats, delta, grad_stats)
         for kind, k0, k1 in blk.tiles():
             s, tracked = blk.tracked_logits(kind, k0, k1)
             sd = s.detach()

@@ -28,7 +28,7 @@ from ..kernels.flex import flex_attention_call, flex_unsupported
 from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish, request
 from ..kernels.plan import CAUSAL_SEG, FULL_SEG
 from ..kernels.request import Request, make_request
-from ..mods import Mask, ScoreMod
+from ..mods import Mask, ScoreMod, band_of
 from .base import Mechanism, register
 
 Tensor = torch.Tensor
@@ -83,7 +83,7 @@ class SigmoidKernel(TileKernel):
     def _fused_band(self, prob: Problem) -> tuple[int | None, int | None] | None:
         """The band of keys for the C kernels (kernels/native_fused.c), or None when this
         call needs the tile loop: a score mod, a mask that is not a band, no fused C path."""
-        band = (None, None) if prob.mask is None else prob.mask.band()
+        band = band_of(prob.mask)
         if prob.score is not None or band is None or not native.fused_usable(prob.q, prob.k, prob.v):
             return None
         return band

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from ..kernels.engine import (
-    Block, GradBlock, OnlineSoftmax, SoftmaxKernel, dense_softmax, fast_exp_, observe_kernel, run_kernel, safe_lse,
+    Block, GradBlock, OnlineSoftmax, SoftmaxKernel, dense_softmax, fast_exp_, observe_kernel, run_kernel,
+    softmax_backward_terms,
 )
 from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish, request
 from ..kernels.plan import FULL_SEG
@@ -55,8 +56,7 @@ class SignedKernel(SoftmaxKernel):
     def backward_block(self, blk: GradBlock, stats, delta, grad_stats):
         # w = c p with c = sign(s), p = exp(|s| - lse); dZ = p (c dW - delta) as for any
         # signed softmax, and dS = c dZ = w (c dW - delta), formed in place in dW.
-        lse = safe_lse(stats["lse"])
-        d = (delta - grad_stats["lse"] if "lse" in grad_stats else delta).unsqueeze(-1)
+        lse, d = softmax_backward_terms(stats, delta, grad_stats)
         for kind, k0, k1 in blk.tiles():
             s, tracked = blk.tracked_logits(kind, k0, k1)
             sd = s.detach()

@@ -36,7 +36,7 @@ from ..kernels.engine import (
 from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish, request
 from ..kernels.plan import FULL_SEG
 from ..kernels.request import Request
-from ..mods.masks import Causal
+from ..mods.masks import Causal, band_of
 from ..observe import AttentionTile, CallInfo, feed
 from .base import Mechanism, register
 
@@ -92,7 +92,7 @@ def _top_columns(s: Tensor, k: int) -> tuple[Tensor, Tensor]:
     maxima, which are k distinct columns, so it can only tie with the k-th value.
     """
     if k > 0 and native.usable(s):
-        return native.topk_rows(s, k)  # one vectorised pass against a heap's bar, in C
+        return native.topk_rows(s, k)  # the same bound in C: a bar from group maxima, one vectorised pass
     n = s.shape[-1]
     g = n // _GROUP
     if n < _GROUP_ROWS * k or g < k:
@@ -173,7 +173,7 @@ class _TopKAttention(torch.autograd.Function):
     def forward(ctx, k: int, req: Request, n_score: int, q, kk, v, *score_params):
         prob = Problem(req, _ROW_TILING, list(score_params))
         width = min(k, req.k_len)
-        band = (None, None) if req.mask is None else req.mask.band()
+        band = band_of(req.mask)
         if req.score is None and band is not None and native.fused_usable(prob.q, prob.k, prob.v):
             # the whole forward in C: logits by sgemm, selection, softmax and the k value rows
             out, lse, chosen, weights, kept, visible = native.topk_attention(prob.q, prob.k, prob.v, req.q_start, band, width)

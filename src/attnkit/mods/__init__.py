@@ -4,6 +4,7 @@ from .grid import EMPTY, FULL, PARTIAL, TileGrid
 from .masks import (
     Mask,
     as_mask,
+    band_of,
     causal,
     dilated,
     document,
@@ -31,7 +32,7 @@ from .scores import (
 
 __all__ = [
     "EMPTY", "FULL", "PARTIAL", "TileGrid", "Mask", "ScoreMod", "AffineForm",
-    "as_mask", "as_score", "affine_form", "index_tensors", "alibi_slopes",
+    "as_mask", "as_score", "affine_form", "band_of", "index_tensors", "alibi_slopes",
     "causal", "window", "prefix_lm", "document", "dilated", "neighborhood_1d",
     "neighborhood_2d", "neighborhood_3d", "padding",
     "alibi", "softcap", "temperature", "log_length_scale", "relative_bias", "bias",

@@ -98,6 +98,11 @@ def as_mask(obj, name: str = "mask") -> Mask:
     raise TypeError(f"{name}: expected an attnkit mask or a callable (b, h, q_idx, kv_idx) -> bool, got {type(obj).__name__}")
 
 
+def band_of(mask: Mask | None) -> tuple[int | None, int | None] | None:
+    """``mask.band()``, with no mask being the unbounded band (None, None)."""
+    return (None, None) if mask is None else mask.band()
+
+
 class FnMask(Mask):
     """A user callable; always evaluated (kernels cannot see inside it)."""
 
