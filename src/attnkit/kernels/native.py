@@ -30,7 +30,8 @@ import torch
 
 Tensor = torch.Tensor
 
-SOURCES = [Path(__file__).with_name(name) for name in ("native_common.h", "native_pointwise.c", "native_fused.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("native_common.h", "native_pointwise.c", "native_fused.c",
+                                                         "native_sparse.c", "native_multi_token.c")]
 
 
 def _cache_dir() -> Path:
@@ -106,6 +107,8 @@ def library() -> ctypes.CDLL | None:
     lib.ak_topk_attention.argtypes = [f32p] * 9 + [i64] * 9 + [ctypes.c_int, i64, ctypes.c_int, i64, i64, i64, ctypes.c_void_p]
     lib.ak_topk_attention.restype = ctypes.c_int
     lib.ak_topk_rows.restype = ctypes.c_int
+    # native_sparse.c (NSA)
+    # native_multi_token.c
     return lib
 
 

@@ -6,32 +6,6 @@
 
 /* ------------------------------------------------------------------ fused sigmoid attention */
 
-/* Fortran BLAS sgemm (column-major), as exported by the BLAS that PyTorch links. */
-typedef void (*sgemm_fn)(const char *ta, const char *tb, const int *m, const int *n, const int *k,
-                         const float *alpha, const float *a, const int *lda, const float *b, const int *ldb,
-                         const float *beta, float *c, const int *ldc);
-
-/* C (m x n, row-major, ldc) = alpha * A (m x k, row-major, lda) * B^T (B: n x k, row-major, ldb) + beta * C */
-static void gemm_abt(sgemm_fn gemm, int m, int n, int k, float alpha, const float *a, int lda,
-                     const float *b, int ldb, float beta, float *c, int ldc) {
-    /* row-major C is column-major C^T = B A^T */
-    gemm("T", "N", &n, &m, &k, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
-}
-
-/* C (m x n, row-major) += A (m x k, row-major) * B (k x n, row-major) */
-static void gemm_ab_acc(sgemm_fn gemm, int m, int n, int k, const float *a, int lda, const float *b, int ldb,
-                        float *c, int ldc) {
-    const float one = 1.0f;
-    gemm("N", "N", &n, &m, &k, &one, b, &ldb, a, &lda, &one, c, &ldc);
-}
-
-/* C (m x n, row-major) += A^T B for A (k x m, row-major) and B (k x n, row-major) */
-static void gemm_atb_acc(sgemm_fn gemm, int m, int n, int k, const float *a, int lda, const float *b, int ldb,
-                         float *c, int ldc) {
-    const float one = 1.0f;
-    gemm("N", "T", &n, &m, &k, &one, b, &ldb, a, &lda, &one, c, &ldc);
-}
-
 /* The key columns [c0, c1) of a tile row that lie in the band of query position pos. */
 static void band_columns(int64_t pos, int64_t j0, int64_t n, int has_lo, int64_t lo, int has_hi, int64_t hi,
                          int64_t *c0, int64_t *c1) {
