@@ -288,9 +288,10 @@ class TileKernel:
         (the backward still runs block by block); None: run ``forward_block`` per block."""
         return None
 
-    def backward_fused(self, prob: Problem, grad_out: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
-        """(dq, dk, dv) of the whole call from one fused kernel, where the kernel has one
-        (only asked when nothing else needs a gradient); None: run ``backward_block``."""
+    def backward_fused(self, prob: Problem, grad_out: Tensor, stats: dict[str, Tensor]) -> tuple[Tensor | None, ...] | None:
+        """(dq, dk, dv, then the gradient of each of ``params()``) of the whole call from one
+        fused kernel, where the kernel has one (only asked when no score mod and no stat
+        needs a gradient); None: run ``backward_block``."""
         return None
 
     def forward_block(self, blk: Block) -> tuple[Tensor, dict[str, Tensor]]:
@@ -343,11 +344,12 @@ class _EngineFunction(torch.autograd.Function):
         cd = prob.cd
         go = torch.zeros_like(out) if grad_out is None else grad_out.to(cd)
         gstats = {n: g.to(cd) for n, g in zip(ctx.stat_names, grad_stats) if g is not None and bool(g.any())}
-        if not tensors and not gstats:
-            fused = kernel.backward_fused(prob, go)
+        if ctx.n_score == 0 and not gstats:
+            fused = kernel.backward_fused(prob, go, stats)
             if fused is not None:
-                dq, dk, dv = fused
-                return (None, None, None, dq.to(req.q.dtype), dk.to(req.k.dtype), dv.to(req.v.dtype))
+                dq, dk, dv, *dparams = fused
+                dparams = [None if g is None else g.to(t.dtype) for g, t in zip(dparams, tensors)]
+                return (None, None, None, dq.to(req.q.dtype), dk.to(req.k.dtype), dv.to(req.v.dtype), *dparams)
         delta = (go * out).sum(dim=-1)
         grads = Grads(prob, ctx.n_score)
         kernel.begin(prob, "backward")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import shutil
 import subprocess
@@ -109,6 +110,11 @@ def library() -> ctypes.CDLL | None:
     lib.ak_topk_rows.restype = ctypes.c_int
     # native_sparse.c (NSA)
     # native_multi_token.c
+    lib.ak_multi_token_attention.argtypes = [f32p] * 7 + [i64] * 12 + [ctypes.c_int, i64, ctypes.c_int, i64, i64, i64, ctypes.c_void_p]
+    lib.ak_multi_token_attention.restype = ctypes.c_int
+    lib.ak_multi_token_attention_backward.argtypes = [f32p] * 13 + [i64] * 12 + [ctypes.c_int, i64, ctypes.c_int, i64, i64, i64,
+                                                                             ctypes.c_void_p]
+    lib.ak_multi_token_attention_backward.restype = ctypes.c_int
     return lib
 
 
@@ -365,3 +371,48 @@ def topk_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, band: tuple[in
     _over_heads(lambda bh0, bh1: fn(*ptrs, bh0, bh1, H, Hkv, Nq, Nk, D, Dv, q_start, *_band_args(band), width, TOPK_BLOCK,
                                     sgemm()), B * H, 1)
     return out, lse, chosen, weights, kept, visible
+
+
+# ------------------------------------------------------------------ multi-token (native_multi_token.c)
+
+#: (query rows, keys) of the multi-token kernels' blocks and tiles, forward and backward:
+#: a block keeps every tile of its rows between two passes (the backward three per head)
+MULTI_TOKEN_TILE, MULTI_TOKEN_TILE_BACKWARD = (128, 256), (64, 256)
+
+
+def multi_token_attention(q: Tensor, k: Tensor, v: Tensor, kernel: Tensor, mix: Tensor | None, heads_per_mix: int, q_start: int,
+                          band: tuple[int | None, int | None]) -> tuple[Tensor, Tensor]:
+    """(out, lse per head before mixing) of multi-token attention (arXiv 2504.00927) over the
+    keys of ``band``: q (B, H, Nq, D) already scaled, k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv),
+    kernel (H, cq, ck), mix (H, H) block-diagonal in groups of ``heads_per_mix`` or None."""
+    B, H, Nq, D = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    cq, ck = kernel.shape[-2:]
+    out, lse = torch.empty(B, H, Nq, Dv), torch.empty(B, H, Nq)
+    fn = library().ak_multi_token_attention
+    ptrs = [t.data_ptr() for t in (q, k, v, kernel)] + [0 if mix is None else mix.data_ptr(), out.data_ptr(), lse.data_ptr()]
+    _over_heads(lambda g0, g1: fn(*ptrs, g0, g1, H, Hkv, Nq, Nk, D, Dv, cq, ck, heads_per_mix, q_start, *_band_args(band),
+                                  *MULTI_TOKEN_TILE, sgemm()), B * H // heads_per_mix, 1)
+    return out, lse
+
+def multi_token_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, kernel: Tensor,
+                                   mix: Tensor | None, heads_per_mix: int, q_start: int, band: tuple[int | None, int | None]):
+    """(dq of the scaled q, dk, dv, dkernel (H, cq, ck), dmix (H, H) or None) of
+    ``multi_token_attention`` for ``grad_out``, given its per-head ``lse``."""
+    B, H, Nq, D = q.shape
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    cq, ck = kernel.shape[-2:]
+    ch, groups = heads_per_mix, H // heads_per_mix
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dkernel = torch.zeros(B, H, cq, ck)
+    dmix = torch.zeros(B, groups, ch, ch)
+    flipped = kernel.flip(-1, -2).contiguous()
+    ptrs = [t.data_ptr() for t in (q, k, v, grad_out, lse, kernel, flipped)] + [0 if mix is None else mix.data_ptr()]
+    ptrs += [t.data_ptr() for t in (dq, dk, dv, dkernel, dmix)]
+    fn = library().ak_multi_token_attention_backward
+    # a thread takes whole sets of mixing groups that share key heads: they add into the same dk, dv
+    granule = math.lcm(ch, H // Hkv) // ch
+    _over_heads(lambda g0, g1: fn(*ptrs, g0, g1, H, Hkv, Nq, Nk, D, Dv, cq, ck, ch, q_start, *_band_args(band),
+                                  *MULTI_TOKEN_TILE_BACKWARD, sgemm()), B * groups, granule)
+    dmix_full = None if mix is None else torch.block_diag(*dmix.sum(0))
+    return dq, dk, dv, dkernel.sum(0), dmix_full

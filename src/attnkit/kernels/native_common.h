@@ -86,9 +86,35 @@ static inline void gemm_atb_acc(sgemm_fn gemm, int m, int n, int k, const float 
     gemm("N", "T", &n, &m, &k, &one, b, &ldb, a, &lda, &one, c, &ldc);
 }
 
+/* ------------------------------------------------------------------ diagonal bands */
+
+/* The key columns [c0, c1) of a tile row that lie in the band of query position pos. */
+static inline void band_columns(int64_t pos, int64_t j0, int64_t n, int has_lo, int64_t lo, int has_hi, int64_t hi,
+                         int64_t *c0, int64_t *c1) {
+    int64_t a = has_lo ? pos + lo - j0 : 0, b = has_hi ? pos + hi + 1 - j0 : n;
+    if (a < 0) a = 0;
+    if (b > n) b = n;
+    *c0 = a;
+    *c1 = b > a ? b : a;
+}
+
+/* The key range [*jlo, *jhi) that the queries [first, last] reach. */
+static inline void band_keys(int64_t first, int64_t last, int64_t Nk, int has_lo, int64_t lo, int has_hi, int64_t hi,
+                      int64_t *jlo, int64_t *jhi) {
+    int64_t a = has_lo ? first + lo : 0, b = has_hi ? last + hi + 1 : Nk;
+    *jlo = a < 0 ? 0 : a;
+    *jhi = b > Nk ? Nk : b;
+}
+
 void ak_sigmoid_into(const float *x, float *y, int64_t n, float sign, float bias);
 void ak_softcap(const float *x, float *y, int64_t n, float cap);
 void ak_online_softmax(float *s, int64_t rows, int64_t cols, float *m, float *l, float *alpha);
 void ak_topk_row(const float *x, int64_t cols, int64_t k, float *bv, int64_t *bi);
+void ak_mix_heads_scaled(const float *mix, const float *x, const float *scale, float *out, int64_t B, int64_t G,
+                         int64_t H, int64_t R, int64_t C);
+void ak_depthwise_conv2d(const float *x, const float *w, float *y, int64_t N, int64_t H, int64_t R, int64_t C,
+                         int64_t cq, int64_t ck);
+void ak_depthwise_conv2d_weight_grad(const float *x, const float *dy, float *dw, int64_t N, int64_t H, int64_t R,
+                                     int64_t C, int64_t cq, int64_t ck);
 
 #endif

@@ -6,16 +6,6 @@
 
 /* ------------------------------------------------------------------ fused sigmoid attention */
 
-/* The key columns [c0, c1) of a tile row that lie in the band of query position pos. */
-static void band_columns(int64_t pos, int64_t j0, int64_t n, int has_lo, int64_t lo, int has_hi, int64_t hi,
-                         int64_t *c0, int64_t *c1) {
-    int64_t a = has_lo ? pos + lo - j0 : 0, b = has_hi ? pos + hi + 1 - j0 : n;
-    if (a < 0) a = 0;
-    if (b > n) b = n;
-    *c0 = a;
-    *c1 = b > a ? b : a;
-}
-
 /* sigmoid(x + bias) in place for finite logits (the fused kernels' own tiles; hidden keys
  * are zeroed after): no -inf or NaN handling, e^-z from a degree-5 polynomial for 2^f
  * (relative error < 2.5e-7, so the gate is within 7e-8 absolute) and one Newton step for
@@ -60,14 +50,6 @@ static void sigmoid_tile(sgemm_fn gemm, float *w, const float *qb, const float *
         for (int64_t c = 0; c < c0; c++) row[c] = 0.0f;
         for (int64_t c = c1; c < n; c++) row[c] = 0.0f;
     }
-}
-
-/* The key range [*jlo, *jhi) that the queries [first, last] reach. */
-static void band_keys(int64_t first, int64_t last, int64_t Nk, int has_lo, int64_t lo, int has_hi, int64_t hi,
-                      int64_t *jlo, int64_t *jhi) {
-    int64_t a = has_lo ? first + lo : 0, b = has_hi ? last + hi + 1 : Nk;
-    *jlo = a < 0 ? 0 : a;
-    *jhi = b > Nk ? Nk : b;
 }
 
 /* FlashSigmoid's forward (Ramapuram et al. 2024, arXiv 2409.04431) for the query-head rows

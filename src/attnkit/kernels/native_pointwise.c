@@ -194,6 +194,14 @@ void ak_depthwise_conv2d(const float *x, const float *w, float *y, int64_t N, in
                 }
                 for (int u = 0; u < 8; u++) _mm256_storeu_ps(yr + c + 8 * u, acc[u]);
             }
+            for (; c + 8 <= Co; c += 8) {  /* the rest of the row, 8 at a time (halo widths are not multiples of 64) */
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t a = 0; a < cq; a++) {
+                    const float *xr = xp + (r + a) * C + c;
+                    for (int64_t b = 0; b < ck; b++) acc = _mm256_fmadd_ps(_mm256_set1_ps(wh[a * ck + b]), _mm256_loadu_ps(xr + b), acc);
+                }
+                _mm256_storeu_ps(yr + c, acc);
+            }
 #endif
             for (; c < Co; c++) {
                 float acc = 0.0f;

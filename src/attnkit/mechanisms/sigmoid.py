@@ -94,7 +94,7 @@ class SigmoidKernel(TileKernel):
         band = self._fused_band(prob)
         return None if band is None else (native.sigmoid_attention(prob.q, prob.k, prob.v, 1.0, self.bias, prob.q_start, band), {})
 
-    def backward_fused(self, prob: Problem, grad_out: Tensor):
+    def backward_fused(self, prob: Problem, grad_out: Tensor, stats):
         band = self._fused_band(prob)
         if band is None:
             return None
