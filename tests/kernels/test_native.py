@@ -261,3 +261,64 @@ def test_key_query_conv_gradients_in_c(shape, kernel):
     # sums of up to R x C (3000) products for the kernel gradient: float32 rounding ~ sqrt(n) * 6e-8 relative
     torch.testing.assert_close(got[0].double(), want[0], rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(got[1].double(), want[1], rtol=1e-5, atol=1e-4)
+
+
+def _c_mixed(name, heads, ch=None, pre=True, post=True):
+    from attnkit.mechanisms.multi_token import MultiToken
+    from attnkit.mechanisms.talking_heads import TalkingHeads
+
+    mech = MultiToken(heads, 3, 5, ch) if name == "multi_token" else TalkingHeads(heads, pre, post)
+    g = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        for p in mech.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))  # away from the identity
+    return mech
+
+
+MIXED_C = {  # id: (mechanism, Hq, Hkv)
+    "multi-token, groups of 2 inside key groups of 1": (lambda: _c_mixed("multi_token", 4, 2), 4, 4),
+    "multi-token, no mixing, GQA 2": (lambda: _c_mixed("multi_token", 4, 1), 4, 2),
+    "multi-token, groups of 2 inside key groups of 3": (lambda: _c_mixed("multi_token", 6, 2), 6, 2),
+    "multi-token, one group over MQA": (lambda: _c_mixed("multi_token", 4, 4), 4, 1),
+    "talking heads, pre and post": (lambda: _c_mixed("talking_heads", 4), 4, 2),
+    "talking heads, pre only": (lambda: _c_mixed("talking_heads", 4, post=False), 4, 4),
+    "talking heads, post only": (lambda: _c_mixed("talking_heads", 4, pre=False), 4, 1),
+}
+
+
+@pytest.mark.parametrize("case", list(MIXED_C))
+@pytest.mark.parametrize("mask", [None, M.causal(), M.window(20, 15)], ids=repr)
+def test_mixed_softmax_c_loop_forward_and_backward(case, mask, monkeypatch):
+    """The whole call in C (kernels/native_mixed.c), float32, against float64 autograd of
+    the mechanism's reference: values and the gradients of q, k, v and every learned
+    kernel and matrix; GQA with mixing groups smaller, equal and larger than a key head's
+    group, a band that reaches future keys, Nq < Nk, Dv != D, blocks and tiles cut small,
+    and two threads (whole sets of groups per thread)."""
+    if native.sgemm() is None:
+        pytest.skip("this torch build exports no sgemm")
+    ran = []
+    for name in ("mixed_softmax_attention", "mixed_softmax_attention_backward"):
+        real = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, _real=real, _name=name, **kw: ran.append(_name) or _real(*a, **kw))
+    monkeypatch.setattr(native, "mixed_blocks", lambda group: ((16, 24), (8, 16)))
+    make, heads, kv_heads = MIXED_C[case]
+    mech = make()
+    q, k, v = qkv(B=2, Hq=heads, Hkv=kv_heads, Nq=41, Nk=57, D=8, Dv=12, dtype=torch.float32, seed=6)
+    go = torch.randn(2, heads, 41, 12, generator=torch.Generator().manual_seed(7))
+
+    def grads(dtype, backend):
+        m = mech.to(dtype)
+        ins = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out = m(*ins, mask=mask, backend=backend)
+        return [out, *torch.autograd.grad(out, ins + list(m.parameters()), go.to(dtype))]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = grads(torch.float32, "auto")
+    finally:
+        torch.set_num_threads(threads)
+    want = grads(torch.float64, "reference")
+    assert ran == ["mixed_softmax_attention", "mixed_softmax_attention_backward"]
+    for g, w in zip(got, want):
+        assert_close(g, w, torch.float32)

@@ -7,7 +7,7 @@ import torch
 from helpers import assert_close, qkv
 
 import attnkit as ak
-from attnkit.kernels import make_request, native, reference_attention
+from attnkit.kernels import make_request, reference_attention
 from attnkit.mechanisms.multi_token import MultiToken
 
 
@@ -73,40 +73,3 @@ def test_rejects_bad_input():
     with pytest.raises(ValueError, match="return_lse"):
         MultiToken(2)(q, k, v, return_lse=True)
 
-
-@pytest.mark.parametrize("heads, kv_heads, ch", [(4, 4, 2), (4, 2, 1), (6, 2, 2), (4, 1, 4)])
-@pytest.mark.parametrize("mask", [None, ak.causal(), ak.mods.masks.window(20, 15)], ids=repr)
-def test_c_loops_forward_and_backward(heads, kv_heads, ch, mask, monkeypatch):
-    """The whole call in C (kernels/native_multi_token.c), float32, against float64 autograd
-    of the paper's formula: values and the gradients of q, k, v, the kernels and the mixing;
-    GQA with mixing groups smaller, equal and larger than a key head's group, a band that
-    reaches future keys, Nq < Nk, Dv != D, tiles and blocks cut by the small sizes below,
-    and two threads (whole sets of groups per thread)."""
-    if native.sgemm() is None or native.library() is None:
-        pytest.skip("no C loops or no exported sgemm on this machine: the PyTorch path runs instead")
-    ran = []
-    for name in ("multi_token_attention", "multi_token_attention_backward"):
-        real = getattr(native, name)
-        monkeypatch.setattr(native, name, lambda *a, _real=real, _name=name, **kw: ran.append(_name) or _real(*a, **kw))
-    monkeypatch.setattr(native, "MULTI_TOKEN_TILE", (16, 24))
-    monkeypatch.setattr(native, "MULTI_TOKEN_TILE_BACKWARD", (8, 16))
-    mech = conv(cq=3, ck=5, ch=ch, heads=heads).float()
-    q, k, v = qkv(B=2, Hq=heads, Hkv=kv_heads, Nq=41, Nk=57, D=8, Dv=12, dtype=torch.float32, seed=6)
-    go = torch.randn(2, heads, 41, 12, generator=torch.Generator().manual_seed(7))
-
-    def grads(dtype, backend):
-        m = mech.to(dtype)
-        ins = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        out = m(*ins, mask=mask, backend=backend)
-        return [out, *torch.autograd.grad(out, ins + list(m.parameters()), go.to(dtype))]
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        got = grads(torch.float32, "auto")
-    finally:
-        torch.set_num_threads(threads)
-    want = grads(torch.float64, "reference")
-    assert ran == ["multi_token_attention", "multi_token_attention_backward"]
-    for g, w in zip(got, want):
-        assert_close(g, w, torch.float32)

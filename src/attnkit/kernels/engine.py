@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..mods import index_tensors
+from ..mods import band_of, index_tensors
 from ..observe import AttentionTile, CallInfo, feed
 from . import native
 from .plan import FULL_SEG, Plan, QueryBlock, make_plan, single_tile_plan
@@ -303,6 +303,15 @@ class TileKernel:
 
     def observe_block(self, blk: Block, stats: dict[str, Tensor]):
         raise NotImplementedError
+
+
+def fused_band(prob: Problem) -> tuple[int | None, int | None] | None:
+    """The band of keys for the whole-call C loops (kernels/native_*.c), or None when the
+    call needs the block loop: a score mod, a mask that is not a band, no fused C path."""
+    band = band_of(prob.mask)
+    if prob.score is not None or band is None or not native.fused_usable(prob.q, prob.k, prob.v):
+        return None
+    return band
 
 
 def forward_pass(prob: Problem, kernel: TileKernel) -> tuple[Tensor, dict[str, Tensor]]:

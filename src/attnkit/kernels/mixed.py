@@ -11,19 +11,26 @@ Backward: with ``dP = M^T (dO V^T)``, ``dZ = P * (dP - delta~)`` where ``delta~_
 sum_j P_hj dP_hj`` is no longer rowsum(dO * O) once heads are mixed, so it takes its own
 pass first. ``T``'s gradient (and its parameters') comes from autograd on each tile,
 from the halo-extended raw logits, whose gradient is scattered back into dq and dk.
+
+Where ``T`` is one the C loop knows (``CTransform``: a depthwise convolution or a head
+mixing) and the mask is a band without a score mod, the whole call, forward and
+backward, runs in kernels/native_mixed.c instead (the same two passes around sgemm);
+the block loop here is the general path and the reference for it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from . import native
 from .engine import (
-    Block, EngineTiling, GradBlock, OnlineSoftmax, TileKernel, fast_exp, fast_exp_, grouped, safe_lse, softmax_backward_terms, ungrouped,
+    Block, EngineTiling, GradBlock, OnlineSoftmax, Problem, TileKernel, fast_exp, fast_exp_, fused_band, grouped, safe_lse, softmax_backward_terms,
+    ungrouped,
 )
 from .plan import FULL_SEG
 from .tiles import Tile, visible
@@ -83,10 +90,23 @@ class _MixHeads(torch.autograd.Function):
         return dm, dx
 
 
+@dataclass
+class CTransform:
+    """The transform as the C loop (kernels/native_mixed.c) runs it, for band masks without
+    a score mod: a depthwise key-query convolution ``conv`` (H, cq, ck), a head mixing of
+    the logits ``pre`` (H, H), or neither; the mixings are block-diagonal in groups of
+    ``group`` heads. ``transform_params`` must be [conv], [pre] or []."""
+
+    group: int
+    conv: Tensor | None = None
+    pre: Tensor | None = None
+
+
 class MixedSoftmaxKernel(TileKernel):
     """``transform``: (Bt, H, BQ + q_halo, span + k_before + k_after) logits (hidden pairs
     and positions outside the call set to 0) -> (Bt, H, BQ, span); differentiable.
     ``transform_params``: the tensors it reads that need gradients. ``mix``: (H, H) or None.
+    ``c_transform``: the same transform for the whole-call C loop, or None.
     """
 
     stats = ("lse",)
@@ -94,8 +114,9 @@ class MixedSoftmaxKernel(TileKernel):
     tiling = EngineTiling(q_block=128, k_block=128, tile_k=512)
 
     def __init__(self, transform: Callable[[Tensor], Tensor], transform_params: list[Tensor], mix: Tensor | None,
-                 halo: tuple[int, int, int] = (0, 0, 0)):
+                 halo: tuple[int, int, int] = (0, 0, 0), c_transform: CTransform | None = None):
         self.transform = transform
+        self.c_transform = c_transform
         self.transform_params = list(transform_params)
         self.mix = mix
         self.halo = halo
@@ -104,6 +125,30 @@ class MixedSoftmaxKernel(TileKernel):
 
     def params(self) -> list[Tensor]:
         return self.transform_params + ([self.mix] if self.mix is not None else [])
+
+    # ------------------------------------------------------------------ whole call in C
+
+    def _c_weights(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """(conv, pre, post) as the C loop reads them: detached, contiguous float32."""
+        ct = self.c_transform
+        return tuple(None if t is None else t.detach().float().contiguous() for t in (ct.conv, ct.pre, self.mix))
+
+    def forward_fused(self, prob: Problem):
+        band = None if self.c_transform is None else fused_band(prob)
+        if band is None:
+            return None
+        out, lse = native.mixed_softmax_attention(prob.q, prob.k, prob.v, *self._c_weights(), self.c_transform.group, prob.q_start, band)
+        return out, {"lse": lse}
+
+    def backward_fused(self, prob: Problem, grad_out: Tensor, stats):
+        band = None if self.c_transform is None else fused_band(prob)
+        if band is None:
+            return None
+        dq, dk, dv, dconv, dpre, dpost = native.mixed_softmax_attention_backward(
+            grad_out.contiguous(), prob.q, prob.k, prob.v, stats["lse"].contiguous(), *self._c_weights(), self.c_transform.group,
+            prob.q_start, band)
+        transform_grads = [g for g in (dconv, dpre) if g is not None]
+        return dq.mul_(prob.scale), dk, dv, *transform_grads, *([dpost] if self.mix is not None else [])  # params()' order
 
     # ------------------------------------------------------------------ logits
 

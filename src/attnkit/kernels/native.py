@@ -1,11 +1,13 @@
-"""C tile loops (kernels/native_pointwise.c, native_fused.c), loaded through ctypes.
+"""C tile loops (kernels/native_pointwise.c, native_fused.c, native_mixed.c,
+native_sparse.c), loaded through ctypes.
 
 The tile loops spend as much time in chains of pointwise PyTorch kernels (sigmoid gates,
 softcap's tanh, the online-softmax update, head mixing) as in their matmuls; the C loops
 do each in one pass (numerics in native_common.h). Some loops go further and run whole
 in C around the sgemm of the BLAS inside PyTorch (``fused_usable``), split over torch's
 intra-op threads by head: sigmoid attention forward and backward, a softmax forward with
-free head sizes, the top-k forward.
+free head sizes, the top-k forward, softmax with a transform and head mixing (multi-token
+attention, talking heads) forward and backward, NSA's branches.
 
 The library is compiled once per source version and CPU with the host C compiler into
 ``$XDG_CACHE_HOME/attnkit`` (``~/.cache``); without a compiler, or with
@@ -32,7 +34,7 @@ import torch
 Tensor = torch.Tensor
 
 SOURCES = [Path(__file__).with_name(name) for name in ("native_common.h", "native_pointwise.c", "native_fused.c",
-                                                         "native_sparse.c", "native_multi_token.c")]
+                                                         "native_sparse.c", "native_mixed.c")]
 
 
 def _cache_dir() -> Path:
@@ -109,12 +111,13 @@ def library() -> ctypes.CDLL | None:
     lib.ak_topk_attention.restype = ctypes.c_int
     lib.ak_topk_rows.restype = ctypes.c_int
     # native_sparse.c (NSA)
-    # native_multi_token.c
-    lib.ak_multi_token_attention.argtypes = [f32p] * 7 + [i64] * 12 + [ctypes.c_int, i64, ctypes.c_int, i64, i64, i64, ctypes.c_void_p]
-    lib.ak_multi_token_attention.restype = ctypes.c_int
-    lib.ak_multi_token_attention_backward.argtypes = [f32p] * 13 + [i64] * 12 + [ctypes.c_int, i64, ctypes.c_int, i64, i64, i64,
-                                                                             ctypes.c_void_p]
-    lib.ak_multi_token_attention_backward.restype = ctypes.c_int
+    # native_mixed.c
+    lib.ak_mixed_softmax_attention.argtypes = [f32p] * 8 + [i64] * 12 + [ctypes.c_int, i64, ctypes.c_int, i64, i64, i64,
+                                                                      ctypes.c_void_p]
+    lib.ak_mixed_softmax_attention.restype = ctypes.c_int
+    lib.ak_mixed_softmax_attention_backward.argtypes = [f32p] * 15 + [i64] * 12 + [ctypes.c_int, i64, ctypes.c_int, i64, i64, i64,
+                                                                               ctypes.c_void_p]
+    lib.ak_mixed_softmax_attention_backward.restype = ctypes.c_int
     return lib
 
 
@@ -373,46 +376,56 @@ def topk_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, band: tuple[in
     return out, lse, chosen, weights, kept, visible
 
 
-# ------------------------------------------------------------------ multi-token (native_multi_token.c)
-
-#: (query rows, keys) of the multi-token kernels' blocks and tiles, forward and backward:
-#: a block keeps every tile of its rows between two passes (the backward three per head)
-MULTI_TOKEN_TILE, MULTI_TOKEN_TILE_BACKWARD = (128, 256), (64, 256)
+# ------------------------------------------------------------------ transform and mixing (native_mixed.c)
 
 
-def multi_token_attention(q: Tensor, k: Tensor, v: Tensor, kernel: Tensor, mix: Tensor | None, heads_per_mix: int, q_start: int,
-                          band: tuple[int | None, int | None]) -> tuple[Tensor, Tensor]:
-    """(out, lse per head before mixing) of multi-token attention (arXiv 2504.00927) over the
-    keys of ``band``: q (B, H, Nq, D) already scaled, k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv),
-    kernel (H, cq, ck), mix (H, H) block-diagonal in groups of ``heads_per_mix`` or None."""
+def mixed_blocks(group: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(query rows, keys) of the blocks and tiles of the mixed-softmax kernels, forward and
+    backward, for mixing groups of ``group`` heads: a block keeps every tile of its group's
+    rows between two passes (the backward three per head), so larger groups take fewer rows."""
+    return (max(32, min(128, 1024 // group)), 256), (max(16, min(64, 512 // group)), 256)
+
+
+def _mixed_shapes(q: Tensor, k: Tensor, v: Tensor, conv: Tensor | None):
     B, H, Nq, D = q.shape
-    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    cq, ck = kernel.shape[-2:]
+    cq, ck = (1, 1) if conv is None else conv.shape[-2:]
+    return B, H, k.shape[1], Nq, k.shape[2], D, v.shape[-1], cq, ck
+
+
+def mixed_softmax_attention(q: Tensor, k: Tensor, v: Tensor, conv: Tensor | None, pre: Tensor | None, post: Tensor | None,
+                            group: int, q_start: int, band: tuple[int | None, int | None]) -> tuple[Tensor, Tensor]:
+    """(out, each head's lse before the mixing) of softmax attention over the keys of
+    ``band`` with its logits transformed by a depthwise key-query convolution ``conv``
+    (H, cq, ck) (multi-token attention) or a head mixing ``pre`` (H, H) (talking heads),
+    never both, and its weights mixed by ``post`` (H, H); the mixings are block-diagonal in
+    groups of ``group`` heads. q (B, H, Nq, D) already scaled, k (B, Hkv, Nk, D), v (B,
+    Hkv, Nk, Dv), all contiguous float32."""
+    B, H, Hkv, Nq, Nk, D, Dv, cq, ck = _mixed_shapes(q, k, v, conv)
     out, lse = torch.empty(B, H, Nq, Dv), torch.empty(B, H, Nq)
-    fn = library().ak_multi_token_attention
-    ptrs = [t.data_ptr() for t in (q, k, v, kernel)] + [0 if mix is None else mix.data_ptr(), out.data_ptr(), lse.data_ptr()]
-    _over_heads(lambda g0, g1: fn(*ptrs, g0, g1, H, Hkv, Nq, Nk, D, Dv, cq, ck, heads_per_mix, q_start, *_band_args(band),
-                                  *MULTI_TOKEN_TILE, sgemm()), B * H // heads_per_mix, 1)
+    fn = library().ak_mixed_softmax_attention
+    ptrs = [t.data_ptr() for t in (q, k, v)] + [0 if t is None else t.data_ptr() for t in (conv, pre, post)] + [out.data_ptr(), lse.data_ptr()]
+    _over_heads(lambda g0, g1: fn(*ptrs, g0, g1, H, Hkv, Nq, Nk, D, Dv, cq, ck, group, q_start, *_band_args(band),
+                                  *mixed_blocks(group)[0], sgemm()), B * H // group, 1)
     return out, lse
 
-def multi_token_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, kernel: Tensor,
-                                   mix: Tensor | None, heads_per_mix: int, q_start: int, band: tuple[int | None, int | None]):
-    """(dq of the scaled q, dk, dv, dkernel (H, cq, ck), dmix (H, H) or None) of
-    ``multi_token_attention`` for ``grad_out``, given its per-head ``lse``."""
-    B, H, Nq, D = q.shape
-    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    cq, ck = kernel.shape[-2:]
-    ch, groups = heads_per_mix, H // heads_per_mix
+
+def mixed_softmax_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, conv: Tensor | None,
+                                     pre: Tensor | None, post: Tensor | None, group: int, q_start: int,
+                                     band: tuple[int | None, int | None]):
+    """(dq of the scaled q, dk, dv, dconv, dpre, dpost; None for an absent one) of
+    ``mixed_softmax_attention`` for ``grad_out``, given its per-head ``lse``."""
+    B, H, Hkv, Nq, Nk, D, Dv, cq, ck = _mixed_shapes(q, k, v, conv)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dkernel = torch.zeros(B, H, cq, ck)
-    dmix = torch.zeros(B, groups, ch, ch)
-    flipped = kernel.flip(-1, -2).contiguous()
-    ptrs = [t.data_ptr() for t in (q, k, v, grad_out, lse, kernel, flipped)] + [0 if mix is None else mix.data_ptr()]
-    ptrs += [t.data_ptr() for t in (dq, dk, dv, dkernel, dmix)]
-    fn = library().ak_multi_token_attention_backward
+    dconv = torch.zeros(B, H, cq, ck)
+    dpre, dpost = torch.zeros(B, H // group, group, group), torch.zeros(B, H // group, group, group)
+    flipped = None if conv is None else conv.flip(-1, -2).contiguous()
+    ptrs = [t.data_ptr() for t in (q, k, v, grad_out, lse)] + [0 if t is None else t.data_ptr() for t in (conv, flipped, pre, post)]
+    ptrs += [t.data_ptr() for t in (dq, dk, dv, dconv, dpre, dpost)]
+    fn = library().ak_mixed_softmax_attention_backward
     # a thread takes whole sets of mixing groups that share key heads: they add into the same dk, dv
-    granule = math.lcm(ch, H // Hkv) // ch
-    _over_heads(lambda g0, g1: fn(*ptrs, g0, g1, H, Hkv, Nq, Nk, D, Dv, cq, ck, ch, q_start, *_band_args(band),
-                                  *MULTI_TOKEN_TILE_BACKWARD, sgemm()), B * groups, granule)
-    dmix_full = None if mix is None else torch.block_diag(*dmix.sum(0))
-    return dq, dk, dv, dkernel.sum(0), dmix_full
+    granule = math.lcm(group, H // Hkv) // group
+    _over_heads(lambda g0, g1: fn(*ptrs, g0, g1, H, Hkv, Nq, Nk, D, Dv, cq, ck, group, q_start, *_band_args(band),
+                                  *mixed_blocks(group)[1], sgemm()), B * H // group, granule)
+    block_diag = lambda per_group: torch.block_diag(*per_group.sum(0))
+    return (dq, dk, dv, None if conv is None else dconv.sum(0), None if pre is None else block_diag(dpre),
+            None if post is None else block_diag(dpost))

@@ -17,7 +17,8 @@ to the layer.
 
 The chunked path computes each tile's logits with a halo of cq - 1 rows above and
 (ck - 1) / 2 keys on each side, convolves, and runs the two-pass mixed softmax of
-kernels/mixed.py; the gradient of the halo logits is scattered back into dq and dk.
+kernels/mixed.py; the gradient of the halo logits is scattered back into dq and dk. For
+band masks without a score mod the whole call runs in C (kernels/native_mixed.c).
 """
 
 from __future__ import annotations
@@ -27,11 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import native
-from ..kernels.engine import Problem, dense_softmax
+from ..kernels.engine import dense_softmax
 from ..kernels.mechanism_call import dense_logits, dense_values
-from ..kernels.mixed import MixedSoftmaxKernel, mix_heads
+from ..kernels.mixed import CTransform, MixedSoftmaxKernel, mix_heads
 from ..kernels.request import Request
-from ..mods.masks import band_of
 from .base import register
 from .mixed_heads import MixedSoftmaxMechanism
 
@@ -75,43 +75,6 @@ class KeyQueryConv(torch.autograd.Function):
                 per_row = F.conv2d(s.reshape(1, b * h, *s.shape[2:]), dz.reshape(b * h, 1, *dz.shape[2:]), groups=b * h)
                 dk = per_row.view(b, h, *kernel.shape[2:]).sum(dim=0).unsqueeze(1)
         return ds, dk
-
-
-class MultiTokenKernel(MixedSoftmaxKernel):
-    """The chunked kernel, with the whole call in one C loop (kernels/native_multi_token.c)
-    where the mask is a band and there is no score mod."""
-
-    def __init__(self, kq_kernel: Tensor, mix: Tensor | None, heads_per_mix: int, convolve):
-        cq, ck = kq_kernel.shape[-2:]
-        super().__init__(convolve, [kq_kernel], mix, (cq - 1, ck // 2, ck // 2))
-        self.kq_kernel, self.heads_per_mix = kq_kernel, heads_per_mix
-
-    def _fused_band(self, prob: Problem) -> tuple[int | None, int | None] | None:
-        band = band_of(prob.mask)
-        if prob.score is not None or band is None or not native.fused_usable(prob.q, prob.k, prob.v):
-            return None
-        return band
-
-    def _weights(self) -> tuple[Tensor, Tensor | None]:
-        """The convolution kernels and the mixing matrix as the C loops read them."""
-        mix = None if self.mix is None else self.mix.detach().float().contiguous()
-        return self.kq_kernel.detach().float().contiguous(), mix
-
-    def forward_fused(self, prob: Problem):
-        band = self._fused_band(prob)
-        if band is None:
-            return None
-        out, lse = native.multi_token_attention(prob.q, prob.k, prob.v, *self._weights(), self.heads_per_mix, prob.q_start, band)
-        return out, {"lse": lse}
-
-    def backward_fused(self, prob: Problem, grad_out: Tensor, stats):
-        band = self._fused_band(prob)
-        if band is None:
-            return None
-        dq, dk, dv, dkernel, dmix = native.multi_token_attention_backward(
-            grad_out.contiguous(), prob.q, prob.k, prob.v, stats["lse"].contiguous(), *self._weights(), self.heads_per_mix,
-            prob.q_start, band)
-        return dq.mul_(prob.scale), dk, dv, dkernel, dmix  # dq of the unscaled q; then params()' order
 
 
 def _positive(value, name: str, odd: bool = False) -> int:
@@ -161,7 +124,8 @@ class MultiToken(MixedSoftmaxMechanism):
         return KeyQueryConv.apply(s, self.kq_kernel.to(s.dtype).unsqueeze(1))
 
     def kernel(self, req: Request | None = None) -> MixedSoftmaxKernel:
-        return MultiTokenKernel(self.kq_kernel, self.mixing_matrix(), self.ch, self._convolve)
+        halo = (self.cq - 1, self.ck // 2, self.ck // 2)
+        return MixedSoftmaxKernel(self._convolve, [self.kq_kernel], self.mixing_matrix(), halo, CTransform(self.ch, conv=self.kq_kernel))
 
     @property
     def has_lse(self) -> bool:

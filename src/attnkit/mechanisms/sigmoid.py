@@ -23,12 +23,12 @@ import weakref
 import torch
 
 from ..kernels import native
-from ..kernels.engine import Block, GradBlock, Problem, TileKernel, observe_kernel, run_kernel
+from ..kernels.engine import Block, GradBlock, Problem, TileKernel, fused_band, observe_kernel, run_kernel
 from ..kernels.flex import flex_attention_call, flex_unsupported
 from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish, request
 from ..kernels.plan import CAUSAL_SEG, FULL_SEG
 from ..kernels.request import Request, make_request
-from ..mods import Mask, ScoreMod, band_of
+from ..mods import Mask, ScoreMod
 from .base import Mechanism, register
 
 Tensor = torch.Tensor
@@ -80,22 +80,14 @@ class SigmoidKernel(TileKernel):
         k = blk.prob.k[blk.bs, :, k0:k1]
         return sigmoid_(torch.matmul(k, blk.qg.transpose(-1, -2)), self.bias)
 
-    def _fused_band(self, prob: Problem) -> tuple[int | None, int | None] | None:
-        """The band of keys for the C kernels (kernels/native_fused.c), or None when this
-        call needs the tile loop: a score mod, a mask that is not a band, no fused C path."""
-        band = band_of(prob.mask)
-        if prob.score is not None or band is None or not native.fused_usable(prob.q, prob.k, prob.v):
-            return None
-        return band
-
     def forward_fused(self, prob: Problem):
         """FlashSigmoid's loop in C: per head and tile two sgemm calls and one pass of gates,
         no Python in between (q already holds the scale)."""
-        band = self._fused_band(prob)
+        band = fused_band(prob)
         return None if band is None else (native.sigmoid_attention(prob.q, prob.k, prob.v, 1.0, self.bias, prob.q_start, band), {})
 
     def backward_fused(self, prob: Problem, grad_out: Tensor, stats):
-        band = self._fused_band(prob)
+        band = fused_band(prob)
         if band is None:
             return None
         dq, dk, dv = native.sigmoid_attention_backward(grad_out.contiguous(), prob.q, prob.k, prob.v, 1.0, self.bias, prob.q_start, band)

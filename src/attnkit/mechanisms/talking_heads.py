@@ -13,7 +13,8 @@ train. Score mods act on the logits of each head before the mixing; hidden pairs
 the mix as 0 and are hidden again after it.
 
 The chunked path mixes the logits inside each tile; mixing after the softmax needs every
-head's final lse, so each block of rows makes two passes over its keys (kernels/mixed.py).
+head's final lse, so each block of rows makes two passes over its keys (kernels/mixed.py;
+for band masks without a score mod, whole in C: kernels/native_mixed.c).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import nn
 
 from ..kernels.engine import dense_softmax
 from ..kernels.mechanism_call import dense_logits, dense_values
-from ..kernels.mixed import MixedSoftmaxKernel, mix_heads
+from ..kernels.mixed import CTransform, MixedSoftmaxKernel, mix_heads
 from ..kernels.request import Request
 from .base import register
 from .mixed_heads import MixedSoftmaxMechanism
@@ -59,10 +60,10 @@ class TalkingHeads(MixedSoftmaxMechanism):
             raise ValueError(f"talking_heads: matrices for {self.num_heads} heads but the call has Hq={req.heads}")
 
     def kernel(self, req: Request) -> MixedSoftmaxKernel:
-        pre = self.pre_mix
+        pre, heads = self.pre_mix, self.num_heads
         if pre is None:
-            return MixedSoftmaxKernel(lambda s: s, [], self.post_mix)
-        return MixedSoftmaxKernel(lambda s: mix_heads(pre, s), [pre], self.post_mix)
+            return MixedSoftmaxKernel(lambda s: s, [], self.post_mix, c_transform=CTransform(heads))
+        return MixedSoftmaxKernel(lambda s: mix_heads(pre, s), [pre], self.post_mix, c_transform=CTransform(heads, pre=pre))
 
     @property
     def has_lse(self) -> bool:

@@ -1,22 +1,26 @@
-/* Multi-token attention (Golovneva et al. 2025, arXiv 2504.00927) whole in C, forward and
- * backward, for keys in a diagonal band lo <= key - query position <= hi and no score mod:
+/* Softmax attention with a learned transform of the logits and head mixing after the
+ * softmax, whole in C, forward and backward, for keys in a diagonal band lo <= key - query
+ * position <= hi and no score mod:
  *
  *   S = Q K^T (q holds the scale), hidden pairs and positions outside the call set to 0;
- *   Z = conv(S) with one (cq x ck) kernel per head, looking back cq - 1 queries and
- *       (ck - 1) / 2 keys to either side; hidden pairs of Z set to -inf;
- *   P = softmax(Z) per head;  P~ = M P (heads mixed in groups of ch);  O = P~ V.
+ *   Z = T(S): a depthwise (cq x ck) convolution per head over (query, key), looking back
+ *       cq - 1 queries and (ck - 1) / 2 keys to either side (multi-token attention,
+ *       Golovneva et al. 2025, arXiv 2504.00927), or a mixing of the heads (talking heads,
+ *       Shazeer et al. 2020, arXiv 2003.02436), or nothing; hidden pairs of Z set to -inf;
+ *   P = softmax(Z) per head;  P~ = M P (heads mixed after it);  O = P~ V.
  *
- * Work goes by (batch, group of ch heads) and blocks of BQ queries. Each key tile of BK
- * keys needs its logits with a halo (cq - 1 rows above, (ck - 1) / 2 keys each side): one
- * sgemm per head; a tile's heads lie one after the other (rows x n each). Mixing after the softmax needs every row's final lse, so a block keeps
- * its tiles between two passes (linear in N): the forward stores e^(Z - running max) and
- * then mixes and multiplies the values; the backward stores the halo logits S, P and dP
- * until delta~ = rowsum(P * dP) is complete. */
+ * Both mixings are block-diagonal in groups of ch heads; work goes by (batch, group) and
+ * blocks of BQ queries. A key tile of BK keys takes one sgemm per head for its logits
+ * (with the convolution's halo: cq - 1 rows above, (ck - 1) / 2 keys each side); a tile's
+ * heads lie one after the other (rows x n each). Mixing after the softmax needs every
+ * row's final lse, so a block keeps its tiles between two passes (linear in N): the
+ * forward stores e^(Z - running max), then normalises, mixes and multiplies the values;
+ * the backward stores S, P and dP until delta~ = rowsum(P * dP) is complete. */
 #include "native_common.h"
 
 #include <string.h>
 
-/* Zero the entries of S (R x C: call rows r0.., keys c0..) that the convolution must see
+/* Zero the entries of S (R x C: call rows r0.., keys c0..) that the transform must see
  * as 0: rows before the call, keys outside [0, Nk), pairs outside the band. Also used on
  * dS, whose entries there have no gradient. */
 static void zero_hidden(float *S, int64_t r0, int64_t R, int64_t c0, int64_t C, int64_t Nk, int64_t q_start, int has_lo,
@@ -101,7 +105,7 @@ static float dot(const float *a, const float *b, int64_t n) {
 
 /* The shape of one call, shared by the forward and the backward. */
 typedef struct {
-    int64_t H, Hkv, Nq, Nk, D, Dv, cq, ck, ch, q_start;
+    int64_t H, Hkv, Nq, Nk, D, Dv, cq, ck, ch, q_start;  /* cq = ck = 1 without a convolution */
     int has_lo, has_hi;
     int64_t lo, hi, BQ, BK;
     sgemm_fn gemm;
@@ -110,16 +114,6 @@ typedef struct {
 /* Key tiles of a block: [jlo, jhi) in steps of BK. */
 static int64_t tile_count(const mt_call *c, int64_t jlo, int64_t jhi) { return jhi > jlo ? (jhi - jlo + c->BK - 1) / c->BK : 0; }
 
-/* Z (rows x n) of head h for queries [i0, i0 + rows) and keys [j0, j0 + n): halo logits into
- * S ((rows + cq - 1) x (n + ck - 1)), convolution, -inf outside the band. */
-static void conv_logits(const mt_call *c, float *S, float *z, const float *qh, const float *kh, const float *w, int64_t i0,
-                        int64_t rows, int64_t j0, int64_t n) {
-    const int64_t R = rows + c->cq - 1, C = n + c->ck - 1, r0 = i0 - (c->cq - 1), c0 = j0 - c->ck / 2;
-    halo_logits(c->gemm, S, qh, kh, r0, R, c0, C, c->Nk, c->D, c->q_start, c->has_lo, c->lo, c->has_hi, c->hi);
-    ak_depthwise_conv2d(S, w, z, 1, 1, R, C, c->cq, c->ck);
-    hide_outside_band(z, rows, n, c->q_start + i0, j0, c->has_lo, c->lo, c->has_hi, c->hi);
-}
-
 /* The (ch x ch) mixing block of group g of the (H x H) matrix, or its transpose. */
 static void group_mix(const float *mix, int64_t H, int64_t ch, int64_t g, int transpose, float *out) {
     for (int64_t a = 0; a < ch; a++)
@@ -127,27 +121,50 @@ static void group_mix(const float *mix, int64_t H, int64_t ch, int64_t g, int tr
             out[a * ch + b] = transpose ? mix[(g * ch + b) * H + g * ch + a] : mix[(g * ch + a) * H + g * ch + b];
 }
 
+/* Z of the group's ch heads (rows x n each, one after the other) for queries [i0, i0 + rows)
+ * and keys [j0, j0 + n), -inf outside the band. S receives each head's logits with the
+ * convolution's halo ((rows + cq - 1) x (n + ck - 1), one after the other) where there is
+ * a transform w (H, cq, ck) or pre (ch x ch); without one the logits go straight to Z. */
+static void group_logits(const mt_call *c, float *S, float *z, const float *q, const float *k, const float *w,
+                         const float *pre, int64_t b, int64_t h0, int64_t i0, int64_t rows, int64_t j0, int64_t n) {
+    const int64_t G = c->H / c->Hkv, R = rows + c->cq - 1, C = n + c->ck - 1, r0 = i0 - (c->cq - 1), c0 = j0 - c->ck / 2;
+    for (int64_t t = 0; t < c->ch; t++) {
+        const int64_t h = h0 + t;
+        float *St = w || pre ? S + t * R * C : z + t * rows * n;
+        halo_logits(c->gemm, St, q + (b * c->H + h) * c->Nq * c->D, k + (b * c->Hkv + h / G) * c->Nk * c->D, r0, R, c0, C, c->Nk,
+                    c->D, c->q_start, c->has_lo, c->lo, c->has_hi, c->hi);
+        if (w) ak_depthwise_conv2d(St, w + h * c->cq * c->ck, z + t * rows * n, 1, 1, R, C, c->cq, c->ck);
+    }
+    if (pre) ak_mix_heads_scaled(pre, S, NULL, z, 1, c->ch, c->ch, rows, n);
+    for (int64_t t = 0; t < c->ch; t++)
+        hide_outside_band(z + t * rows * n, rows, n, c->q_start + i0, j0, c->has_lo, c->lo, c->has_hi, c->hi);
+}
+
 /* Forward for the (batch, head group) rows [g0, g1) of B * H / ch: out (B, H, Nq, Dv) and
- * each head's own (pre-mixing) lse (B, H, Nq). q (B, H, Nq, D) holds the scale, k
- * (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), w (H, cq, ck), mix (H, H) block-diagonal in groups
- * of ch, or NULL for none (ch = 1). Returns 0, or 1 when out of memory. */
-int ak_multi_token_attention(const float *q, const float *k, const float *v, const float *w, const float *mix, float *out,
-                             float *lse, int64_t g0, int64_t g1, int64_t H, int64_t Hkv, int64_t Nq, int64_t Nk, int64_t D,
-                             int64_t Dv, int64_t cq, int64_t ck, int64_t ch, int64_t q_start, int has_lo, int64_t lo,
-                             int has_hi, int64_t hi, int64_t BQ, int64_t BK, void *sgemm) {
+ * each head's own lse before the mixing (B, H, Nq). q (B, H, Nq, D) holds the scale, k
+ * (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv); the transform is w (H, cq, ck) or pre (H, H) or
+ * neither (NULL; never both; cq = ck = 1 without w), post (H, H) or NULL (ch = 1).
+ * Returns 0, or 1 when out of memory. */
+int ak_mixed_softmax_attention(const float *q, const float *k, const float *v, const float *w, const float *pre,
+                               const float *post, float *out, float *lse, int64_t g0, int64_t g1, int64_t H, int64_t Hkv,
+                               int64_t Nq, int64_t Nk, int64_t D, int64_t Dv, int64_t cq, int64_t ck, int64_t ch,
+                               int64_t q_start, int has_lo, int64_t lo, int has_hi, int64_t hi, int64_t BQ, int64_t BK,
+                               void *sgemm) {
     const mt_call c = {H, Hkv, Nq, Nk, D, Dv, cq, ck, ch, q_start, has_lo, has_hi, lo, hi, BQ, BK, (sgemm_fn)sgemm};
     const int64_t groups = H / ch, G = H / Hkv, max_tiles = (Nk + BK - 1) / BK + 1, tile = BQ * BK;
-    const size_t floats = (size_t)(BQ + cq - 1) * (BK + ck - 1) + (size_t)max_tiles * ch * (tile + BQ) + ch * tile
-                          + 3 * ch * BQ + BQ + ch * ch;
+    const int64_t sx = (BQ + cq - 1) * (BK + ck - 1);
+    const size_t floats = (size_t)ch * sx + (size_t)max_tiles * ch * (tile + BQ) + ch * tile + 3 * ch * BQ + BQ + 2 * ch * ch;
     float *S = (float *)malloc(sizeof(float) * floats);
     if (!S) return 1;
-    float *E = S + (BQ + cq - 1) * (BK + ck - 1);  /* per tile and head: e^(Z - running max) */
-    float *mt = E + max_tiles * ch * tile;          /* per tile and head: that running max */
-    float *X = mt + max_tiles * ch * BQ;            /* a tile's heads mixed */
-    float *scale = X + ch * tile, *m = scale + ch * BQ, *l = m + ch * BQ, *alpha = l + ch * BQ, *M = alpha + BQ;
+    float *E = S + ch * sx;                  /* per tile and head: e^(Z - running max) */
+    float *mt = E + max_tiles * ch * tile;   /* per tile and head: that running max */
+    float *X = mt + max_tiles * ch * BQ;     /* a tile's heads mixed */
+    float *scale = X + ch * tile, *m = scale + ch * BQ, *l = m + ch * BQ, *alpha = l + ch * BQ;
+    float *Mpre = alpha + BQ, *Mpost = Mpre + ch * ch;
     for (int64_t gr = g0; gr < g1; gr++) {
         const int64_t b = gr / groups, grp = gr % groups, h0 = grp * ch;
-        if (mix) group_mix(mix, H, ch, grp, 0, M);
+        if (pre) group_mix(pre, H, ch, grp, 0, Mpre);
+        if (post) group_mix(post, H, ch, grp, 0, Mpost);
         for (int64_t i0 = 0; i0 < Nq; i0 += BQ) {
             const int64_t rows = Nq - i0 < BQ ? Nq - i0 : BQ;
             int64_t jlo, jhi;
@@ -157,12 +174,10 @@ int ak_multi_token_attention(const float *q, const float *k, const float *v, con
             /* pass 1: every tile's Z, exponentiated against the running max */
             for (int64_t ti = 0; ti < tiles; ti++) {
                 const int64_t j0 = jlo + ti * BK, n = jhi - j0 < BK ? jhi - j0 : BK;
+                float *z = E + ti * ch * tile;
+                group_logits(&c, S, z, q, k, w, pre ? Mpre : NULL, b, h0, i0, rows, j0, n);
                 for (int64_t t = 0; t < ch; t++) {
-                    const int64_t h = h0 + t;
-                    float *z = E + ti * ch * tile + t * rows * n;
-                    conv_logits(&c, S, z, q + (b * H + h) * Nq * D, k + (b * Hkv + h / G) * Nk * D, w + h * cq * ck, i0, rows,
-                                j0, n);
-                    ak_online_softmax(z, rows, n, m + t * BQ, l + t * BQ, alpha);
+                    ak_online_softmax(z + t * rows * n, rows, n, m + t * BQ, l + t * BQ, alpha);
                     memcpy(mt + (ti * ch + t) * BQ, m + t * BQ, sizeof(float) * rows);
                 }
             }
@@ -179,7 +194,10 @@ int ak_multi_token_attention(const float *q, const float *k, const float *v, con
                         const float lt = l[t * BQ + r];
                         scale[t * rows + r] = lt > 0.0f ? exp_scalar(mt[(ti * ch + t) * BQ + r] - m[t * BQ + r]) / lt : 0.0f;
                     }
-                ak_mix_heads_scaled(mix ? M : &(float){1.0f}, E + ti * ch * tile, scale, X, 1, ch, ch, rows, n);
+                if (post)
+                    ak_mix_heads_scaled(Mpost, E + ti * ch * tile, scale, X, 1, ch, ch, rows, n);
+                else  /* each head only normalised */
+                    ak_mix_heads_scaled(&(float){1.0f}, E + ti * ch * tile, scale, X, ch, 1, 1, rows, n);
                 for (int64_t t = 0; t < ch; t++) {
                     const int64_t h = h0 + t;
                     gemm_ab_acc(c.gemm, (int)rows, (int)Dv, (int)n, X + t * rows * n, (int)n, v + ((b * Hkv + h / G) * Nk + j0) * Dv,
@@ -192,38 +210,40 @@ int ak_multi_token_attention(const float *q, const float *k, const float *v, con
     return 0;
 }
 
-/* Backward of ak_multi_token_attention for the (batch, head group) rows [g0, g1) of
+/* Backward of ak_mixed_softmax_attention for the (batch, head group) rows [g0, g1) of
  * B * H / ch, given dout and each head's lse. With dW_g = dO_g V^T, dP = M^T dW and
  * delta~_h = rowsum(P_h * dP_h) (no longer rowsum(dO * O) once heads are mixed):
- *   dZ = P * (dP - delta~);  dS = the transposed convolution of dZ (the flipped kernel wf
- *   over dZ padded by the kernel's reach), 0 where S was hidden;  dQ += dS K, dK += dS^T Q
- *   over the halo;  dV += (M P)^T dO;  dw_h += sum dZ * S shifted by each tap;
- *   dM += dW P^T.
+ *   dZ = P * (dP - delta~);  dV += (M P)^T dO;  dM += dW P^T;
+ *   dS = T^T(dZ), 0 where S was hidden: the transposed convolution (the flipped kernel wf
+ *   over dZ padded by the kernel's reach) with dw_h += sum dZ * S shifted by each tap,
+ *   or the transposed mixing with dpre += dZ S^T;  dQ += dS K, dK += dS^T Q (halo included).
  * Adds into dq (B, H, Nq, D; gradient of the scaled q), dk, dv (zeroed by the caller),
- * dw (B, H, cq, ck) and dmix (B, H / ch, ch, ch). Threads must own whole sets of groups
- * that share key heads. Returns 0, or 1 when out of memory. */
-int ak_multi_token_attention_backward(const float *q, const float *k, const float *v, const float *dout, const float *lse,
-                                      const float *w, const float *wf, const float *mix, float *dq, float *dk, float *dv,
-                                      float *dw, float *dmix, int64_t g0, int64_t g1, int64_t H, int64_t Hkv, int64_t Nq,
-                                      int64_t Nk, int64_t D, int64_t Dv, int64_t cq, int64_t ck, int64_t ch, int64_t q_start,
-                                      int has_lo, int64_t lo, int has_hi, int64_t hi, int64_t BQ, int64_t BK, void *sgemm) {
+ * dw (B, H, cq, ck), dpre and dpost (B, H / ch, ch, ch); pointers for an absent transform
+ * or mixing are not touched. Threads must own whole sets of groups that share key heads.
+ * Returns 0, or 1 when out of memory. */
+int ak_mixed_softmax_attention_backward(const float *q, const float *k, const float *v, const float *dout, const float *lse,
+                                        const float *w, const float *wf, const float *pre, const float *post, float *dq,
+                                        float *dk, float *dv, float *dw, float *dpre, float *dpost, int64_t g0, int64_t g1,
+                                        int64_t H, int64_t Hkv, int64_t Nq, int64_t Nk, int64_t D, int64_t Dv, int64_t cq,
+                                        int64_t ck, int64_t ch, int64_t q_start, int has_lo, int64_t lo, int has_hi, int64_t hi,
+                                        int64_t BQ, int64_t BK, void *sgemm) {
     const mt_call c = {H, Hkv, Nq, Nk, D, Dv, cq, ck, ch, q_start, has_lo, has_hi, lo, hi, BQ, BK, (sgemm_fn)sgemm};
     const int64_t groups = H / ch, G = H / Hkv, max_tiles = (Nk + BK - 1) / BK + 1, tile = BQ * BK;
-    const int64_t sx = (BQ + cq - 1) * (BK + ck - 1), padded = (BQ + 2 * (cq - 1)) * (BK + 2 * (ck - 1));
-    const size_t floats = (size_t)max_tiles * ch * (sx + 2 * tile) + 2 * ch * tile + padded + sx + ch * BQ + cq * ck
-                          + 2 * ch * ch;
+    const int64_t sx = (BQ + cq - 1) * (BK + ck - 1), padded = w ? (BQ + 2 * (cq - 1)) * (BK + 2 * (ck - 1)) : 0;
+    const size_t floats = (size_t)max_tiles * ch * (sx + 2 * tile) + 2 * ch * tile + padded + ch * sx + ch * BQ + cq * ck
+                          + 4 * ch * ch;
     float *Sx = (float *)malloc(sizeof(float) * floats);
     if (!Sx) return 1;
-    float *Pt = Sx + max_tiles * ch * sx;   /* per tile: the heads' halo logits S, then P, then dP (later dZ) */
+    float *Pt = Sx + max_tiles * ch * sx;   /* per tile: the heads' logits S, then P, then dP (later dZ) */
     float *dPt = Pt + max_tiles * ch * tile;
     float *W = dPt + max_tiles * ch * tile;  /* a tile's dW of the heads */
     float *X = W + ch * tile;                /* ... and its mixed P */
-    float *Zpad = X + ch * tile, *dS = Zpad + padded, *delta = dS + sx, *dwt = delta + ch * BQ;
-    float *M = dwt + cq * ck, *MT = M + ch * ch;
+    float *Zpad = X + ch * tile, *dS = Zpad + padded, *delta = dS + ch * sx, *dwt = delta + ch * BQ;
+    float *Mpre = dwt + cq * ck, *MpreT = Mpre + ch * ch, *Mpost = MpreT + ch * ch, *MpostT = Mpost + ch * ch;
     for (int64_t gr = g0; gr < g1; gr++) {
         const int64_t b = gr / groups, grp = gr % groups, h0 = grp * ch;
-        float *dm = dmix + gr * ch * ch;
-        if (mix) group_mix(mix, H, ch, grp, 0, M), group_mix(mix, H, ch, grp, 1, MT);
+        if (pre) group_mix(pre, H, ch, grp, 0, Mpre), group_mix(pre, H, ch, grp, 1, MpreT);
+        if (post) group_mix(post, H, ch, grp, 0, Mpost), group_mix(post, H, ch, grp, 1, MpostT);
         for (int64_t i0 = 0; i0 < Nq; i0 += BQ) {
             const int64_t rows = Nq - i0 < BQ ? Nq - i0 : BQ, R = rows + cq - 1, r0 = i0 - (cq - 1);
             int64_t jlo, jhi;
@@ -234,20 +254,20 @@ int ak_multi_token_attention_backward(const float *q, const float *k, const floa
             for (int64_t ti = 0; ti < tiles; ti++) {
                 const int64_t j0 = jlo + ti * BK, n = jhi - j0 < BK ? jhi - j0 : BK;
                 float *P = Pt + ti * ch * tile, *dP = dPt + ti * ch * tile;
+                group_logits(&c, Sx + ti * ch * sx, P, q, k, w, pre ? Mpre : NULL, b, h0, i0, rows, j0, n);
                 for (int64_t t = 0; t < ch; t++) {
                     const int64_t h = h0 + t;
-                    conv_logits(&c, Sx + (ti * ch + t) * sx, P + t * rows * n, q + (b * H + h) * Nq * D,
-                                k + (b * Hkv + h / G) * Nk * D, w + h * cq * ck, i0, rows, j0, n);
                     exp_minus_rows(P + t * rows * n, rows, n, lse + (b * H + h) * Nq + i0);
                     gemm_abt(c.gemm, (int)rows, (int)n, (int)Dv, 1.0f, dout + ((b * H + h) * Nq + i0) * Dv, (int)Dv,
-                             v + ((b * Hkv + h / G) * Nk + j0) * Dv, (int)Dv, 0.0f, (mix ? W : dP) + t * rows * n, (int)n);
+                             v + ((b * Hkv + h / G) * Nk + j0) * Dv, (int)Dv, 0.0f, (post ? W : dP) + t * rows * n, (int)n);
                 }
                 const float *Pmix = P;
-                if (mix) {
+                if (post) {
+                    float *dm = dpost + gr * ch * ch;
                     for (int64_t g = 0; g < ch; g++)
                         for (int64_t t = 0; t < ch; t++) dm[g * ch + t] += dot(W + g * rows * n, P + t * rows * n, rows * n);
-                    ak_mix_heads_scaled(MT, W, NULL, dP, 1, ch, ch, rows, n);
-                    ak_mix_heads_scaled(M, P, NULL, X, 1, ch, ch, rows, n);
+                    ak_mix_heads_scaled(MpostT, W, NULL, dP, 1, ch, ch, rows, n);
+                    ak_mix_heads_scaled(Mpost, P, NULL, X, 1, ch, ch, rows, n);
                     Pmix = X;
                 }
                 for (int64_t t = 0; t < ch; t++) {
@@ -258,32 +278,47 @@ int ak_multi_token_attention_backward(const float *q, const float *k, const floa
                         delta[t * BQ + r] += dot(P + t * rows * n + r * n, dP + t * rows * n + r * n, n);
                 }
             }
-            /* pass 2: dZ, its transposed convolution into dS, then dq, dk and dw */
+            /* pass 2: dZ, the transform's transpose into dS, then dq, dk and the transform's own gradient */
             for (int64_t ti = 0; ti < tiles; ti++) {
                 const int64_t j0 = jlo + ti * BK, n = jhi - j0 < BK ? jhi - j0 : BK, C = n + ck - 1, c0 = j0 - ck / 2;
-                const int64_t pr = rows + 2 * (cq - 1), pc = n + 2 * (ck - 1);
+                const float *P = Pt + ti * ch * tile, *S = Sx + ti * ch * sx;
+                float *dZ = dPt + ti * ch * tile;
+                for (int64_t t = 0; t < ch; t++)
+                    for (int64_t r = 0; r < rows; r++) {
+                        const float d = delta[t * BQ + r];
+                        float *gz = dZ + t * rows * n + r * n;
+                        const float *pz = P + t * rows * n + r * n;
+                        for (int64_t j = 0; j < n; j++) gz[j] = pz[j] * (gz[j] - d);
+                    }
+                if (w) {
+                    const int64_t pr = rows + 2 * (cq - 1), pc = n + 2 * (ck - 1);
+                    for (int64_t t = 0; t < ch; t++) {
+                        const int64_t h = h0 + t;
+                        memset(Zpad, 0, sizeof(float) * pr * pc);
+                        for (int64_t r = 0; r < rows; r++)
+                            memcpy(Zpad + (r + cq - 1) * pc + ck - 1, dZ + t * rows * n + r * n, sizeof(float) * n);
+                        ak_depthwise_conv2d(Zpad, wf + h * cq * ck, dS + t * R * C, 1, 1, pr, pc, cq, ck);
+                        ak_depthwise_conv2d_weight_grad(S + t * R * C, dZ + t * rows * n, dwt, 1, 1, R, C, cq, ck);
+                        float *dwh = dw + (b * H + h) * cq * ck;
+                        for (int64_t i = 0; i < cq * ck; i++) dwh[i] += dwt[i];
+                    }
+                } else if (pre) {
+                    float *dm = dpre + gr * ch * ch;
+                    for (int64_t g = 0; g < ch; g++)
+                        for (int64_t t = 0; t < ch; t++) dm[g * ch + t] += dot(dZ + g * rows * n, S + t * rows * n, rows * n);
+                    ak_mix_heads_scaled(MpreT, dZ, NULL, dS, 1, ch, ch, rows, n);
+                }
+                float *grad = w || pre ? dS : dZ;  /* without a transform dS is dZ */
                 int64_t ra, ca, cb;
                 valid_region(r0, c0, C, Nk, &ra, &ca, &cb);
                 for (int64_t t = 0; t < ch; t++) {
                     const int64_t h = h0 + t;
-                    const float *P = Pt + ti * ch * tile + t * rows * n, *S = Sx + (ti * ch + t) * sx;
-                    float *dZ = dPt + ti * ch * tile + t * rows * n;
-                    memset(Zpad, 0, sizeof(float) * pr * pc);
-                    for (int64_t r = 0; r < rows; r++) {
-                        const float d = delta[t * BQ + r];
-                        float *zr = Zpad + (r + cq - 1) * pc + ck - 1, *gr_ = dZ + r * n;
-                        const float *pr_ = P + r * n;
-                        for (int64_t j = 0; j < n; j++) zr[j] = gr_[j] = pr_[j] * (gr_[j] - d);
-                    }
-                    ak_depthwise_conv2d(Zpad, wf + h * cq * ck, dS, 1, 1, pr, pc, cq, ck);
-                    zero_hidden(dS, r0, R, c0, C, Nk, q_start, has_lo, lo, has_hi, hi);
-                    ak_depthwise_conv2d_weight_grad(S, dZ, dwt, 1, 1, R, C, cq, ck);
-                    float *dwh = dw + (b * H + h) * cq * ck;
-                    for (int64_t i = 0; i < cq * ck; i++) dwh[i] += dwt[i];
+                    float *dSt = grad + t * R * C;
+                    zero_hidden(dSt, r0, R, c0, C, Nk, q_start, has_lo, lo, has_hi, hi);
                     if (R > ra && cb > ca) {
-                        gemm_ab_acc(c.gemm, (int)(R - ra), (int)D, (int)(cb - ca), dS + ra * C + ca, (int)C,
+                        gemm_ab_acc(c.gemm, (int)(R - ra), (int)D, (int)(cb - ca), dSt + ra * C + ca, (int)C,
                                     k + ((b * Hkv + h / G) * Nk + c0 + ca) * D, (int)D, dq + ((b * H + h) * Nq + r0 + ra) * D, (int)D);
-                        gemm_atb_acc(c.gemm, (int)(cb - ca), (int)D, (int)(R - ra), dS + ra * C + ca, (int)C,
+                        gemm_atb_acc(c.gemm, (int)(cb - ca), (int)D, (int)(R - ra), dSt + ra * C + ca, (int)C,
                                      q + ((b * H + h) * Nq + r0 + ra) * D, (int)D, dk + ((b * Hkv + h / G) * Nk + c0 + ca) * D, (int)D);
                     }
                 }
