@@ -261,3 +261,103 @@ def test_lower_precision_within_tolerance_of_float64(dtype):
     got = mech(q.to(dtype), k.to(dtype), v.to(dtype), mask=ak.causal())
     assert got.dtype == dtype
     assert_close(got, mech.reference(q, k, v, mask=ak.causal()), dtype=dtype)
+
+
+# ------------------------------------------------------------------ C loops (kernels/native_sparse.c)
+
+from attnkit.kernels import native  # noqa: E402
+
+needs_c = pytest.mark.skipif(native.library() is None or native.sgemm() is None,
+                             reason="no C loops here (ATTNKIT_NATIVE=0, no compiler or no exported sgemm)")
+
+C_CASES = [  # Nq, Nk, Hq, Hkv, D, Dv, mechanism arguments
+    (70, 70, 4, 2, 8, 8, {}),
+    (50, 83, 6, 2, 8, 5, dict(select_block=16, num_selected=4)),  # Nq < Nk, GQA 3, Dv != D, odd lengths
+    (37, 37, 2, 2, 8, 8, dict(initial_blocks=0, local_blocks=1, window=9)),
+    (5, 6, 2, 1, 8, 8, {}),  # shorter than a compressed block: no compressed key at all
+    (29, 101, 4, 1, 16, 16, dict(compress_block=8, compress_stride=8, select_block=8, num_selected=5)),
+]
+
+
+def _c_ran(monkeypatch):
+    calls = []
+    forward = native.nsa_forward
+    monkeypatch.setattr(native, "nsa_forward", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
+    return calls
+
+
+def _small_c_tiles(monkeypatch):
+    """Scoring chunks of 16 queries, tiles of 6 (query, head) rows in spans of 24, window
+    blocks of 8: chunk and span edges, blocks cut into several tiles, windows that start
+    before key 0."""
+    monkeypatch.setattr(native_sparse, "SELECT_Q_CHUNK", 16)
+    monkeypatch.setattr(native_sparse, "SELECTED_TILE_ROWS", 6)
+    monkeypatch.setattr(native_sparse, "SELECTED_SPAN_ROWS", 24)
+    monkeypatch.setattr(native_sparse, "WINDOW_BLOCK_NATIVE", 8)
+
+
+@needs_c
+@pytest.mark.parametrize("small_tiles", [False, True])
+@pytest.mark.parametrize("Nq,Nk,Hq,Hkv,D,Dv,kwargs", C_CASES)
+def test_c_loops_match_pytorch_path_and_reference(monkeypatch, Nq, Nk, Hq, Hkv, D, Dv, kwargs, small_tiles):
+    """float32 inference through the C loops against the PyTorch path (same selection, which
+    the C scoring pass also returns) and against the float64 reference, gates per token."""
+    if small_tiles:
+        _small_c_tiles(monkeypatch)
+    q, k, v = qkv(B=2, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=D, Dv=Dv, dtype=torch.float32, seed=4)
+    gates = torch.rand(2, Hq, Nq, 3, generator=torch.Generator().manual_seed(5))
+    mech = get_mechanism("nsa", **{**SMALL, **kwargs})
+    calls = _c_ran(monkeypatch)
+    with torch.no_grad():
+        fast = mech(q, k, v, mask=ak.causal(), gates=gates)
+        assert calls
+        with monkeypatch.context() as patch:
+            patch.setattr(native, "fused_usable", lambda *tensors: False)
+            slow = mech(q, k, v, mask=ak.causal(), gates=gates)
+        k_cmp, v_cmp = mech.compress(k, v)
+        req = make_request(q, k, v, mask=ak.causal())
+        _, chosen, *_ = mech._native_forward(q, k, v, k_cmp, v_cmp, gates, req)
+        want_chosen, _ = mech.select(q, k_cmp, None, req.scale, Nk)
+    assert torch.equal(chosen.sort(-1).values, want_chosen.sort(-1).values)
+    assert_close(fast, slow, torch.float32)
+    ref = mech.reference(q.double(), k.double(), v.double(), mask=ak.causal(), gates=gates.double())
+    assert_close(fast, ref.float(), torch.float32)
+
+
+@needs_c
+@pytest.mark.parametrize("rescale_above", [native_sparse.RESCALE_ABOVE, -math.inf])
+def test_c_selection_merge_when_a_far_block_dominates(monkeypatch, rescale_above):
+    """As test_selection_merge_when_a_far_block_dominates, in float32 through the C loops:
+    key 0 scores ~1000 above the rest, far past exp's range from the own block's max."""
+    monkeypatch.setattr(native_sparse, "RESCALE_ABOVE", rescale_above)
+    _small_c_tiles(monkeypatch)
+    q, k, v = qkv(B=1, Hq=4, Hkv=2, Nq=70, Nk=70, D=8, dtype=torch.float32)
+    q.abs_()
+    k[:, :, 0] = 400.0
+    mech = get_mechanism("nsa", **SMALL)
+    calls = _c_ran(monkeypatch)
+    with torch.no_grad():
+        got = mech(q, k, v, mask=ak.causal())
+    assert calls
+    assert_close(got, mech.reference(q.double(), k.double(), v.double(), mask=ak.causal()).float(), torch.float32)
+
+
+@needs_c
+def test_c_loops_feed_observers():
+    """The C loops' branch lse give observers the weights that make the output."""
+    q, k, v = qkv(B=1, Hq=4, Hkv=2, Nq=45, Nk=60, D=8, dtype=torch.float32)
+    gates = torch.rand(1, 4, 45, 3, generator=torch.Generator().manual_seed(1))
+    meter = Collect()
+    with torch.no_grad():
+        out = get_mechanism("nsa", **SMALL)(q, k, v, mask=ak.causal(), gates=gates, observers=[meter])
+    assert_close(torch.matmul(meter.weights.float(), v.repeat_interleave(2, 1)), out, torch.float32)
+
+
+@needs_c
+def test_c_loops_skip_gates_that_want_gradients(monkeypatch):
+    """Gates that autograd tracks keep the branches apart (the PyTorch path)."""
+    q, k, v = qkv(B=1, Hq=2, Hkv=1, Nq=40, Nk=40, D=8, dtype=torch.float32)
+    gates = torch.rand(1, 2, 40, 3).requires_grad_()
+    calls = _c_ran(monkeypatch)
+    out = get_mechanism("nsa", **SMALL)(q, k, v, mask=ak.causal(), gates=gates)
+    assert not calls and out.requires_grad

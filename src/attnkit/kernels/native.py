@@ -111,6 +111,12 @@ def library() -> ctypes.CDLL | None:
     lib.ak_topk_attention.restype = ctypes.c_int
     lib.ak_topk_rows.restype = ctypes.c_int
     # native_sparse.c (NSA)
+    lib.ak_nsa_select.argtypes = [f32p] * 7 + [i64] * 9 + [f32] + [i64] * 7 + [ctypes.c_void_p]
+    lib.ak_nsa_select.restype = ctypes.c_int
+    lib.ak_nsa_selected.argtypes = [f32p] * 7 + [i64] * 8 + [i64, i64, f32, f32, i64, i64, ctypes.c_void_p]
+    lib.ak_nsa_selected.restype = ctypes.c_int
+    lib.ak_nsa_window.argtypes = [f32p] * 6 + [i64] * 8 + [f32, i64, i64, ctypes.c_void_p]
+    lib.ak_nsa_window.restype = ctypes.c_int
     # native_mixed.c
     lib.ak_mixed_softmax_attention.argtypes = [f32p] * 8 + [i64] * 12 + [ctypes.c_int, i64, ctypes.c_int, i64, i64, i64,
                                                                       ctypes.c_void_p]
@@ -429,3 +435,38 @@ def mixed_softmax_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: 
     block_diag = lambda per_group: torch.block_diag(*per_group.sum(0))
     return (dq, dk, dv, None if conv is None else dconv.sum(0), None if pre is None else block_diag(dpre),
             None if post is None else block_diag(dpost))
+
+
+# ------------------------------------------------------------------ NSA (native_sparse.c)
+
+def nsa_forward(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, gates: Tensor, scale: float, *,
+                compress_block: int, compress_stride: int, select_block: int, width: int, initial: int, local: int,
+                window: int, rescale_above: float, select_chunk: int, tile_rows: int, span_rows: int,
+                window_block: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """NSA's inference forward (arXiv 2502.11089) by the loops of native_sparse.c: q (B, Hq,
+    Nq, D) are the last Nq of the Nk positions of k (B, Hkv, Nk, D) and v (B, Hkv, Nk, Dv);
+    k_cmp, v_cmp (B, Hkv, Ncmp, D|Dv) the compressed blocks; gates (B, Hq, Nq, 3) the
+    branch gates. Three passes add into one output: the scoring pass with the compression
+    branch (queries in chunks of ``select_chunk``), the selection branch by key block
+    (spans of ``span_rows`` (query, head) rows, tiles of ``tile_rows``; a row's reference
+    rises only for a block more than ``rescale_above`` above it), the sliding window
+    (blocks of ``window_block`` queries). Returns (out (B, Hq, Nq, Dv), chosen blocks
+    (B, Hkv, Nq, width) int64 with -1 for empty slots, and the lse (B, Hq, Nq) of the
+    compression, selection and window branches)."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk, Ncmp, Dv = k.shape[1], k.shape[2], k_cmp.shape[2], v.shape[-1]
+    lib, gemm = library(), sgemm()
+    out = torch.empty(B, Hq, Nq, Dv)
+    chosen = torch.empty(B, Hkv, Nq, width, dtype=torch.int64)
+    lse_cmp, lse_slc, lse_win = torch.empty(B, Hq, Nq), torch.empty(B, Hq, Nq), torch.empty(B, Hq, Nq)
+    g, qp, kp, vp, op = gates.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+    _over_heads(lambda u0, u1: lib.ak_nsa_select(qp, k_cmp.data_ptr(), v_cmp.data_ptr(), g, chosen.data_ptr(), op,
+                                                 lse_cmp.data_ptr(), u0, u1, Hq, Hkv, Nq, Nk, Ncmp, D, Dv, scale,
+                                                 compress_block, compress_stride, select_block, width, initial, local,
+                                                 select_chunk, gemm), B * Hkv, 1)
+    _over_heads(lambda u0, u1: lib.ak_nsa_selected(qp, kp, vp, chosen.data_ptr(), g, op, lse_slc.data_ptr(), u0, u1, Hq,
+                                                   Hkv, Nq, Nk, D, Dv, width, select_block, scale, rescale_above,
+                                                   tile_rows, span_rows, gemm), B * Hkv, 1)
+    _over_heads(lambda bh0, bh1: lib.ak_nsa_window(qp, kp, vp, g, op, lse_win.data_ptr(), bh0, bh1, Hq, Hkv, Nq, Nk, D, Dv,
+                                                   scale, window, window_block, gemm), B * Hq, 1)
+    return out, chosen, lse_cmp, lse_slc, lse_win

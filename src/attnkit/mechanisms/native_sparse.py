@@ -22,7 +22,23 @@ Gates come from the caller (``gates=`` of shape (B, Hq, Nq, 3), the paper's sigm
 on the input), or from a learnable per-head table ``gate_logits`` (with ``num_heads``),
 or are 1/2 each (sigmoid(0)). Any GQA ratio works.
 
-Fast path: the compression branch comes out of the pass that scores the blocks (a
+Inference (no gradients, float32, the C library loaded: ``native.fused_usable``) runs
+three C loops of kernels/native_sparse.c around torch's sgemm, each adding its gated
+share into one output (``_native_forward``): the scoring pass, per chunk of
+``SELECT_Q_CHUNK`` queries and GQA group, one sgemm against the compressed keys complete
+by the chunk's end, the causal softmax, one sgemm with the compressed values (the
+compression branch), the block importance (strided sums of the group's summed p) and
+each query's choice (forced blocks, then the top of the rest: a bisected bar, the few
+entries that reach it ranked; ties go to the lower block, as in ``reference``); the
+selection branch by key block, in spans of ``SELECTED_SPAN_ROWS`` (query, head) rows
+whose accumulators stay in cache: the own blocks first (causal), then every block that
+a query of the span chose, its rows gathered into tiles of ``SELECTED_TILE_ROWS`` (two
+sgemm each) and merged against a fixed per-row reference, as below; the window as one
+tile of window - 1 + ``WINDOW_BLOCK_NATIVE`` keys per block of queries. The same
+selection and values as the PyTorch path (within float32 rounding), which everything
+else takes.
+
+PyTorch path: the compression branch comes out of the pass that scores the blocks (a
 softmax over the compressed keys complete by each query-chunk's end, in chunks of
 ``SELECT_Q_CHUNK`` queries; a selection block's importance is a strided sum of the
 compressed blocks overlapping it); with gradients it is an ``attnkit.attention`` call
@@ -73,6 +89,10 @@ CALL_ELEMENTS = 1 << 21
 # A partial result of the selection branch may outweigh its row's reference by up to
 # exp(RESCALE_ABOVE) before the reference moves: 16 such terms stay far below float32's max.
 RESCALE_ABOVE = 30.0
+# (query, head) rows per tile of the C selection branch and per span of queries whose rows
+# stay in cache while the blocks they chose run, and queries per block of the C window (its
+# window - 1 + WINDOW_BLOCK_NATIVE keys are one tile).
+SELECTED_TILE_ROWS, SELECTED_SPAN_ROWS, WINDOW_BLOCK_NATIVE = 256, 2048, 64
 OBSERVE_Q_BLOCK = 128
 OBSERVE_K_BLOCK = 512
 
@@ -577,8 +597,6 @@ class NativeSparseAttention(Mechanism):
 
     def forward(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto",
                 check_finite=True, observers=None, layer=None, gates=None):
-        from ..api import attention
-
         req = self._check_call(q, k, v, mask, score, sinks, return_lse, scale, backend)
         if backend == "reference" and observers:
             raise ValueError("observers: the dense reference (backend='reference') feeds no observers; use backend='auto'")
@@ -588,21 +606,21 @@ class NativeSparseAttention(Mechanism):
             cd = torch.float64 if q.dtype == torch.float64 else torch.float32
             g = self.gates(gates, req.batch, req.heads, req.q_len, cd)
             qc, kc, vc = q.to(cd), k.to(cd), v.to(cd)
-            k_cmp, v_cmp = self.compress(kc, vc)
-            # Without gradients the selection pass also yields the compression branch.
             differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *self.parameters()))
-            selection, (o_cmp, lse_cmp) = self.select(qc, k_cmp, None if differentiable else v_cmp, req.scale, req.k_len)
-            if differentiable:
-                shift = req.k_len - k_cmp.shape[2]
-                o_cmp, lse_cmp = attention(qc, k_cmp, v_cmp, mask=CompressedCausal(self.compress_block, self.compress_stride, shift),
-                                           scale=req.scale, return_lse=True, check_finite=False)
-            o_slc, lse_slc = self._selected(qc, kc, vc, selection, req)
-            bw = WINDOW_BLOCK_GRAD if differentiable else WINDOW_BLOCK
-            o_win, lse_win = _window_attention(qc, kc, vc, self.window, req.scale, bw)
-            # One buffer; without autograd, the scoring pass's fresh o_cmp itself (gates may
-            # want gradients even where q, k, v do not).
-            out = g[..., 0:1] * o_cmp if torch.is_grad_enabled() else o_cmp.mul_(g[..., 0:1])
-            out = out.addcmul_(g[..., 1:2], o_slc).addcmul_(g[..., 2:3], o_win).to(q.dtype)
+            if not differentiable:  # the C loops want contiguous rows
+                qc, kc, vc = qc.contiguous(), kc.contiguous(), vc.contiguous()
+            k_cmp, v_cmp = self.compress(kc, vc)
+            gated = torch.is_grad_enabled() and g.requires_grad  # then the branches are kept apart for autograd
+            if not differentiable and not gated and native.fused_usable(qc, kc, vc) and native.usable(k_cmp, v_cmp):
+                out, selection, lse_cmp, lse_slc, lse_win = self._native_forward(qc, kc, vc, k_cmp, v_cmp, g, req)
+            else:
+                branches = self._torch_branches(qc, kc, vc, k_cmp, v_cmp, req, differentiable)
+                selection, (o_cmp, lse_cmp), (o_slc, lse_slc), (o_win, lse_win) = branches
+                # One buffer; without autograd, the scoring pass's fresh o_cmp itself (gates may
+                # want gradients even where q, k, v do not).
+                out = g[..., 0:1] * o_cmp if torch.is_grad_enabled() else o_cmp.mul_(g[..., 0:1])
+                out = out.addcmul_(g[..., 1:2], o_slc).addcmul_(g[..., 2:3], o_win)
+            out = out.to(q.dtype)
             if observers:
                 call = CallInfo(req.batch, req.heads, req.q_len, req.k_len, req.q_start, layer, self.name)
                 branches = (g.detach(), k_cmp.detach(), lse_cmp.detach(), selection, lse_slc, lse_win.detach())
@@ -610,6 +628,33 @@ class NativeSparseAttention(Mechanism):
         if check_finite and not all_finite(out):
             raise nonfinite_error(req)
         return out
+
+    def _torch_branches(self, q, k, v, k_cmp, v_cmp, req, differentiable: bool):
+        """selection, then (out, lse) of the compression, selection and window branches by
+        PyTorch calls (with autograd where ``differentiable``)."""
+        from ..api import attention
+
+        # Without gradients the selection pass also yields the compression branch.
+        selection, (o_cmp, lse_cmp) = self.select(q, k_cmp, None if differentiable else v_cmp, req.scale, req.k_len)
+        if differentiable:
+            shift = req.k_len - k_cmp.shape[2]
+            o_cmp, lse_cmp = attention(q, k_cmp, v_cmp, mask=CompressedCausal(self.compress_block, self.compress_stride, shift),
+                                       scale=req.scale, return_lse=True, check_finite=False)
+        bw = WINDOW_BLOCK_GRAD if differentiable else WINDOW_BLOCK
+        return selection, (o_cmp, lse_cmp), self._selected(q, k, v, selection, req), _window_attention(q, k, v, self.window, req.scale, bw)
+
+    def _native_forward(self, q, k, v, k_cmp, v_cmp, g, req):
+        """The gated output, selection and the three branches' lse by the C loops of
+        kernels/native_sparse.c (inference, float32): the scoring pass with the compression
+        branch, the selection branch by key block, the window; each adds its gated share
+        into one output (no full-size buffer per branch, no pass to sum them)."""
+        width = min(self.num_selected, -(-req.k_len // self.select_block))
+        gates = g.expand(req.batch, req.heads, req.q_len, 3).contiguous()
+        return native.nsa_forward(q, k, v, k_cmp, v_cmp, gates, req.scale, compress_block=self.compress_block,
+                                  compress_stride=self.compress_stride, select_block=self.select_block, width=width,
+                                  initial=self.initial_blocks, local=self.local_blocks, window=self.window,
+                                  rescale_above=RESCALE_ABOVE, select_chunk=SELECT_Q_CHUNK, tile_rows=SELECTED_TILE_ROWS,
+                                  span_rows=SELECTED_SPAN_ROWS, window_block=WINDOW_BLOCK_NATIVE)
 
     def _selected(self, q, k, v, selection, req) -> tuple[Tensor, Tensor]:
         D, Dv = q.shape[-1], v.shape[-1]
