@@ -72,4 +72,3 @@ def test_rejects_bad_input():
         MultiToken(4)(q, k, v)
     with pytest.raises(ValueError, match="return_lse"):
         MultiToken(2)(q, k, v, return_lse=True)
-

@@ -109,10 +109,10 @@ typedef struct {
     int has_lo, has_hi;
     int64_t lo, hi, BQ, BK;
     sgemm_fn gemm;
-} mt_call;
+} mixed_call;
 
 /* Key tiles of a block: [jlo, jhi) in steps of BK. */
-static int64_t tile_count(const mt_call *c, int64_t jlo, int64_t jhi) { return jhi > jlo ? (jhi - jlo + c->BK - 1) / c->BK : 0; }
+static int64_t tile_count(const mixed_call *c, int64_t jlo, int64_t jhi) { return jhi > jlo ? (jhi - jlo + c->BK - 1) / c->BK : 0; }
 
 /* The (ch x ch) mixing block of group g of the (H x H) matrix, or its transpose. */
 static void group_mix(const float *mix, int64_t H, int64_t ch, int64_t g, int transpose, float *out) {
@@ -125,7 +125,7 @@ static void group_mix(const float *mix, int64_t H, int64_t ch, int64_t g, int tr
  * and keys [j0, j0 + n), -inf outside the band. S receives each head's logits with the
  * convolution's halo ((rows + cq - 1) x (n + ck - 1), one after the other) where there is
  * a transform w (H, cq, ck) or pre (ch x ch); without one the logits go straight to Z. */
-static void group_logits(const mt_call *c, float *S, float *z, const float *q, const float *k, const float *w,
+static void group_logits(const mixed_call *c, float *S, float *z, const float *q, const float *k, const float *w,
                          const float *pre, int64_t b, int64_t h0, int64_t i0, int64_t rows, int64_t j0, int64_t n) {
     const int64_t G = c->H / c->Hkv, R = rows + c->cq - 1, C = n + c->ck - 1, r0 = i0 - (c->cq - 1), c0 = j0 - c->ck / 2;
     for (int64_t t = 0; t < c->ch; t++) {
@@ -150,7 +150,7 @@ int ak_mixed_softmax_attention(const float *q, const float *k, const float *v, c
                                int64_t Nq, int64_t Nk, int64_t D, int64_t Dv, int64_t cq, int64_t ck, int64_t ch,
                                int64_t q_start, int has_lo, int64_t lo, int has_hi, int64_t hi, int64_t BQ, int64_t BK,
                                void *sgemm) {
-    const mt_call c = {H, Hkv, Nq, Nk, D, Dv, cq, ck, ch, q_start, has_lo, has_hi, lo, hi, BQ, BK, (sgemm_fn)sgemm};
+    const mixed_call c = {H, Hkv, Nq, Nk, D, Dv, cq, ck, ch, q_start, has_lo, has_hi, lo, hi, BQ, BK, (sgemm_fn)sgemm};
     const int64_t groups = H / ch, G = H / Hkv, max_tiles = (Nk + BK - 1) / BK + 1, tile = BQ * BK;
     const int64_t sx = (BQ + cq - 1) * (BK + ck - 1);
     const size_t floats = (size_t)ch * sx + (size_t)max_tiles * ch * (tile + BQ) + ch * tile + 3 * ch * BQ + BQ + 2 * ch * ch;
@@ -227,7 +227,7 @@ int ak_mixed_softmax_attention_backward(const float *q, const float *k, const fl
                                         int64_t H, int64_t Hkv, int64_t Nq, int64_t Nk, int64_t D, int64_t Dv, int64_t cq,
                                         int64_t ck, int64_t ch, int64_t q_start, int has_lo, int64_t lo, int has_hi, int64_t hi,
                                         int64_t BQ, int64_t BK, void *sgemm) {
-    const mt_call c = {H, Hkv, Nq, Nk, D, Dv, cq, ck, ch, q_start, has_lo, has_hi, lo, hi, BQ, BK, (sgemm_fn)sgemm};
+    const mixed_call c = {H, Hkv, Nq, Nk, D, Dv, cq, ck, ch, q_start, has_lo, has_hi, lo, hi, BQ, BK, (sgemm_fn)sgemm};
     const int64_t groups = H / ch, G = H / Hkv, max_tiles = (Nk + BK - 1) / BK + 1, tile = BQ * BK;
     const int64_t sx = (BQ + cq - 1) * (BK + ck - 1), padded = w ? (BQ + 2 * (cq - 1)) * (BK + 2 * (ck - 1)) : 0;
     const size_t floats = (size_t)max_tiles * ch * (sx + 2 * tile) + 2 * ch * tile + padded + ch * sx + ch * BQ + cq * ck
