@@ -288,19 +288,21 @@ MIXED_C = {  # id: (mechanism, Hq, Hkv)
 
 @pytest.mark.parametrize("case", list(MIXED_C))
 @pytest.mark.parametrize("mask", [None, M.causal(), M.window(20, 15)], ids=repr)
-def test_mixed_softmax_c_loop_forward_and_backward(case, mask, monkeypatch):
+@pytest.mark.parametrize("blocks", [((16, 24), (8, 16)), ((16, 5), (9, 4))], ids=["tiles wider", "blocks taller"])
+def test_mixed_softmax_c_loop_forward_and_backward(case, mask, blocks, monkeypatch):
     """The whole call in C (kernels/native_mixed.c), float32, against float64 autograd of
     the mechanism's reference: values and the gradients of q, k, v and every learned
     kernel and matrix; GQA with mixing groups smaller, equal and larger than a key head's
-    group, a band that reaches future keys, Nq < Nk, Dv != D, blocks and tiles cut small,
-    and two threads (whole sets of groups per thread)."""
+    group, a band that reaches future keys, Nq < Nk, Dv != D, blocks and tiles cut small
+    (also blocks taller than a tile is wide), and two threads (whole sets of groups per
+    thread)."""
     if native.sgemm() is None:
         pytest.skip("this torch build exports no sgemm")
     ran = []
     for name in ("mixed_softmax_attention", "mixed_softmax_attention_backward"):
         real = getattr(native, name)
         monkeypatch.setattr(native, name, lambda *a, _real=real, _name=name, **kw: ran.append(_name) or _real(*a, **kw))
-    monkeypatch.setattr(native, "mixed_blocks", lambda group: ((16, 24), (8, 16)))
+    monkeypatch.setattr(native, "mixed_blocks", lambda group: blocks)  # rows of a block past a tile's band: nothing visible
     make, heads, kv_heads = MIXED_C[case]
     mech = make()
     q, k, v = qkv(B=2, Hq=heads, Hkv=kv_heads, Nq=41, Nk=57, D=8, Dv=12, dtype=torch.float32, seed=6)

@@ -93,6 +93,7 @@ static inline void band_columns(int64_t pos, int64_t j0, int64_t n, int has_lo, 
                          int64_t *c0, int64_t *c1) {
     int64_t a = has_lo ? pos + lo - j0 : 0, b = has_hi ? pos + hi + 1 - j0 : n;
     if (a < 0) a = 0;
+    if (a > n) a = n;  /* the row's band starts after this tile */
     if (b > n) b = n;
     *c0 = a;
     *c1 = b > a ? b : a;

@@ -31,9 +31,8 @@ static void zero_hidden(float *S, int64_t r0, int64_t R, int64_t c0, int64_t C, 
         int64_t a = C, b = C;  /* rows before the call: all hidden */
         if (r0 + r >= 0) {
             band_columns(q_start + r0 + r, c0, C, has_lo, lo, has_hi, hi, &a, &b);
-            if (a < ca) a = ca;
-            if (b > cb) b = cb;
-            if (b < a) b = a;
+            a = a < ca ? ca : a > cb ? cb : a;
+            b = b > cb ? cb : b < a ? a : b;
         }
         memset(row, 0, sizeof(float) * a);
         memset(row + b, 0, sizeof(float) * (C - b));
