@@ -294,8 +294,8 @@ def test_mixed_softmax_c_loop_forward_and_backward(case, mask, blocks, monkeypat
     the mechanism's reference: values and the gradients of q, k, v and every learned
     kernel and matrix; GQA with mixing groups smaller, equal and larger than a key head's
     group, a band that reaches future keys, Nq < Nk, Dv != D, blocks and tiles cut small
-    (also blocks taller than a tile is wide), and two threads (whole sets of groups per
-    thread)."""
+    (also blocks taller than a tile is wide), and three threads (sharing key heads, and for
+    talking heads' single group per batch row, its queries)."""
     if native.sgemm() is None:
         pytest.skip("this torch build exports no sgemm")
     ran = []
@@ -315,7 +315,7 @@ def test_mixed_softmax_c_loop_forward_and_backward(case, mask, blocks, monkeypat
         return [out, *torch.autograd.grad(out, ins + list(m.parameters()), go.to(dtype))]
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(3)  # more threads than talking heads' (batch, group) rows: they split queries too
     try:
         got = grads(torch.float32, "auto")
     finally:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import math
 import os
 import shutil
 import subprocess
@@ -118,10 +117,10 @@ def library() -> ctypes.CDLL | None:
     lib.ak_nsa_window.argtypes = [f32p] * 6 + [i64] * 8 + [f32, i64, i64, ctypes.c_void_p]
     lib.ak_nsa_window.restype = ctypes.c_int
     # native_mixed.c
-    lib.ak_mixed_softmax_attention.argtypes = [f32p] * 8 + [i64] * 12 + [ctypes.c_int, i64, ctypes.c_int, i64, i64, i64,
+    lib.ak_mixed_softmax_attention.argtypes = [f32p] * 8 + [i64] * 13 + [ctypes.c_int, i64, ctypes.c_int, i64, i64, i64,
                                                                       ctypes.c_void_p]
     lib.ak_mixed_softmax_attention.restype = ctypes.c_int
-    lib.ak_mixed_softmax_attention_backward.argtypes = [f32p] * 15 + [i64] * 12 + [ctypes.c_int, i64, ctypes.c_int, i64, i64, i64,
+    lib.ak_mixed_softmax_attention_backward.argtypes = [f32p] * 15 + [i64] * 13 + [ctypes.c_int, i64, ctypes.c_int, i64, i64, i64,
                                                                                ctypes.c_void_p]
     lib.ak_mixed_softmax_attention_backward.restype = ctypes.c_int
     return lib
@@ -163,25 +162,38 @@ def _set_blas_threads(n: int) -> int:
 _pools: dict[int, ThreadPoolExecutor] = {}
 
 
-def _over_heads(run, total: int, granule: int) -> None:
-    """``run(bh0, bh1)`` over [0, total) query-head rows, split across torch's intra-op
-    thread count in ranges aligned to ``granule`` (ctypes releases the GIL). ``run``
-    returns the C status; non-zero means out of memory."""
+def _ranges(total: int, granule: int) -> list[tuple[int, int]]:
+    """[0, total) cut into one range per thread of torch's intra-op pool (at most), each a
+    multiple of ``granule`` long."""
     threads = torch.get_num_threads()
     units = total // granule
-    if threads <= 1 or units <= 1:
+    parts = 1 if threads <= 1 or units <= 1 else min(threads, units)
+    bounds = [granule * (units * i // parts) for i in range(parts + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _run_parts(calls) -> None:
+    """Run the C calls (thunks returning the C status; non-zero means out of memory), one
+    per thread (ctypes releases the GIL), each with MKL held to one thread: MKL splitting
+    each small tile product across all cores again is many times slower."""
+    if len(calls) == 1:
         previous = _set_blas_threads(1)
         try:
-            codes = [run(0, total)]
+            codes = [calls[0]()]
         finally:
             _set_blas_threads(previous)  # the caller's thread goes back to torch's setting
     else:
-        parts = min(threads, units)
-        bounds = [granule * (units * i // parts) for i in range(parts + 1)]
+        parts = len(calls)
         pool = _pools.get(parts) or _pools.setdefault(parts, ThreadPoolExecutor(parts, initializer=_set_blas_threads, initargs=(1,)))
-        codes = list(pool.map(lambda i: run(bounds[i], bounds[i + 1]), range(parts)))
+        codes = list(pool.map(lambda call: call(), calls))
     if any(codes):
         raise MemoryError("fused attention kernel: out of memory for a tile buffer")
+
+
+def _over_heads(run, total: int, granule: int) -> None:
+    """``run(bh0, bh1)`` over [0, total) query-head rows, split across torch's intra-op
+    thread count in ranges aligned to ``granule``."""
+    _run_parts([lambda u0=u0, u1=u1: run(u0, u1) for u0, u1 in _ranges(total, granule)])
 
 
 def _cpu_model() -> bytes:
@@ -398,6 +410,13 @@ def _mixed_shapes(q: Tensor, k: Tensor, v: Tensor, conv: Tensor | None):
     return B, H, k.shape[1], Nq, k.shape[2], D, v.shape[-1], cq, ck
 
 
+def _chunks(rows: int, nq: int, block: int) -> int:
+    """Query chunks per (batch, group) row, so that a call with fewer rows than torch has
+    threads (talking heads mixes all heads: one row per batch) still uses every thread."""
+    threads = torch.get_num_threads()
+    return 1 if rows >= threads else max(1, min(-(-nq // block), -(-threads // rows)))
+
+
 def mixed_softmax_attention(q: Tensor, k: Tensor, v: Tensor, conv: Tensor | None, pre: Tensor | None, post: Tensor | None,
                             group: int, q_start: int, band: tuple[int | None, int | None]) -> tuple[Tensor, Tensor]:
     """(out, each head's lse before the mixing) of softmax attention over the keys of
@@ -410,8 +429,10 @@ def mixed_softmax_attention(q: Tensor, k: Tensor, v: Tensor, conv: Tensor | None
     out, lse = torch.empty(B, H, Nq, Dv), torch.empty(B, H, Nq)
     fn = library().ak_mixed_softmax_attention
     ptrs = [t.data_ptr() for t in (q, k, v)] + [0 if t is None else t.data_ptr() for t in (conv, pre, post)] + [out.data_ptr(), lse.data_ptr()]
-    _over_heads(lambda g0, g1: fn(*ptrs, g0, g1, H, Hkv, Nq, Nk, D, Dv, cq, ck, group, q_start, *_band_args(band),
-                                  *mixed_blocks(group)[0], sgemm()), B * H // group, 1)
+    blocks = mixed_blocks(group)[0]
+    chunks = _chunks(B * H // group, Nq, blocks[0])  # each writes its own rows of out and lse
+    _over_heads(lambda u0, u1: fn(*ptrs, u0, u1, chunks, H, Hkv, Nq, Nk, D, Dv, cq, ck, group, q_start, *_band_args(band),
+                                  *blocks, sgemm()), B * H // group * chunks, 1)
     return out, lse
 
 
@@ -421,17 +442,20 @@ def mixed_softmax_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: 
     """(dq of the scaled q, dk, dv, dconv, dpre, dpost; None for an absent one) of
     ``mixed_softmax_attention`` for ``grad_out``, given its per-head ``lse``."""
     B, H, Hkv, Nq, Nk, D, Dv, cq, ck = _mixed_shapes(q, k, v, conv)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dconv = torch.zeros(B, H, cq, ck)
-    dpre, dpost = torch.zeros(B, H // group, group, group), torch.zeros(B, H // group, group, group)
+    blocks = mixed_blocks(group)[1]
+    chunks = _chunks(B * H // group, Nq, blocks[0])
+    # Threads may share key heads (GQA) and, in chunks, groups: each adds into gradients of
+    # its own, summed after.
+    ranges = _ranges(B * H // group * chunks, 1)
+    grads = [(torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros(B, H, cq, ck),
+              torch.zeros(B, H // group, group, group), torch.zeros(B, H // group, group, group)) for _ in ranges]
     flipped = None if conv is None else conv.flip(-1, -2).contiguous()
     ptrs = [t.data_ptr() for t in (q, k, v, grad_out, lse)] + [0 if t is None else t.data_ptr() for t in (conv, flipped, pre, post)]
-    ptrs += [t.data_ptr() for t in (dq, dk, dv, dconv, dpre, dpost)]
     fn = library().ak_mixed_softmax_attention_backward
-    # a thread takes whole sets of mixing groups that share key heads: they add into the same dk, dv
-    granule = math.lcm(group, H // Hkv) // group
-    _over_heads(lambda g0, g1: fn(*ptrs, g0, g1, H, Hkv, Nq, Nk, D, Dv, cq, ck, group, q_start, *_band_args(band),
-                                  *mixed_blocks(group)[1], sgemm()), B * H // group, granule)
+    _run_parts([lambda u0=u0, u1=u1, own=own: fn(*ptrs, *(t.data_ptr() for t in own), u0, u1, chunks, H, Hkv, Nq, Nk, D, Dv, cq, ck,
+                                                 group, q_start, *_band_args(band), *blocks, sgemm())
+                for (u0, u1), own in zip(ranges, grads)])
+    dq, dk, dv, dconv, dpre, dpost = (functools.reduce(Tensor.add_, parts) for parts in zip(*grads))
     block_diag = lambda per_group: torch.block_diag(*per_group.sum(0))
     return (dq, dk, dv, None if conv is None else dconv.sum(0), None if pre is None else block_diag(dpre),
             None if post is None else block_diag(dpost))

@@ -139,13 +139,16 @@ static void group_logits(const mixed_call *c, float *S, float *z, const float *q
         hide_outside_band(z + t * rows * n, rows, n, c->q_start + i0, j0, c->has_lo, c->lo, c->has_hi, c->hi);
 }
 
-/* Forward for the (batch, head group) rows [g0, g1) of B * H / ch: out (B, H, Nq, Dv) and
+/* Forward for the work units [u0, u1) of B * (H / ch) * chunks: unit u takes the
+ * (batch, group) row u / chunks and, of its blocks of BQ queries, every chunks-th from
+ * block u % chunks (chunks > 1 lets threads share a call with fewer groups than threads;
+ * interleaved, the causal blocks' growing work splits evenly). Writes out (B, H, Nq, Dv) and
  * each head's own lse before the mixing (B, H, Nq). q (B, H, Nq, D) holds the scale, k
  * (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv); the transform is w (H, cq, ck) or pre (H, H) or
  * neither (NULL; never both; cq = ck = 1 without w), post (H, H) or NULL (ch = 1).
  * Returns 0, or 1 when out of memory. */
 int ak_mixed_softmax_attention(const float *q, const float *k, const float *v, const float *w, const float *pre,
-                               const float *post, float *out, float *lse, int64_t g0, int64_t g1, int64_t H, int64_t Hkv,
+                               const float *post, float *out, float *lse, int64_t u0, int64_t u1, int64_t chunks, int64_t H, int64_t Hkv,
                                int64_t Nq, int64_t Nk, int64_t D, int64_t Dv, int64_t cq, int64_t ck, int64_t ch,
                                int64_t q_start, int has_lo, int64_t lo, int has_hi, int64_t hi, int64_t BQ, int64_t BK,
                                void *sgemm) {
@@ -160,11 +163,11 @@ int ak_mixed_softmax_attention(const float *q, const float *k, const float *v, c
     float *X = mt + max_tiles * ch * BQ;     /* a tile's heads mixed */
     float *scale = X + ch * tile, *m = scale + ch * BQ, *l = m + ch * BQ, *alpha = l + ch * BQ;
     float *Mpre = alpha + BQ, *Mpost = Mpre + ch * ch;
-    for (int64_t gr = g0; gr < g1; gr++) {
-        const int64_t b = gr / groups, grp = gr % groups, h0 = grp * ch;
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t gr = u / chunks, b = gr / groups, grp = gr % groups, h0 = grp * ch;
         if (pre) group_mix(pre, H, ch, grp, 0, Mpre);
         if (post) group_mix(post, H, ch, grp, 0, Mpost);
-        for (int64_t i0 = 0; i0 < Nq; i0 += BQ) {
+        for (int64_t i0 = u % chunks * BQ; i0 < Nq; i0 += chunks * BQ) {
             const int64_t rows = Nq - i0 < BQ ? Nq - i0 : BQ;
             int64_t jlo, jhi;
             band_keys(q_start + i0, q_start + i0 + rows - 1, Nk, has_lo, lo, has_hi, hi, &jlo, &jhi);
@@ -209,8 +212,8 @@ int ak_mixed_softmax_attention(const float *q, const float *k, const float *v, c
     return 0;
 }
 
-/* Backward of ak_mixed_softmax_attention for the (batch, head group) rows [g0, g1) of
- * B * H / ch, given dout and each head's lse. With dW_g = dO_g V^T, dP = M^T dW and
+/* Backward of ak_mixed_softmax_attention for the work units [u0, u1) (as the forward's), given
+ * dout and each head's lse. With dW_g = dO_g V^T, dP = M^T dW and
  * delta~_h = rowsum(P_h * dP_h) (no longer rowsum(dO * O) once heads are mixed):
  *   dZ = P * (dP - delta~);  dV += (M P)^T dO;  dM += dW P^T;
  *   dS = T^T(dZ), 0 where S was hidden: the transposed convolution (the flipped kernel wf
@@ -218,11 +221,11 @@ int ak_mixed_softmax_attention(const float *q, const float *k, const float *v, c
  *   or the transposed mixing with dpre += dZ S^T;  dQ += dS K, dK += dS^T Q (halo included).
  * Adds into dq (B, H, Nq, D; gradient of the scaled q), dk, dv (zeroed by the caller),
  * dw (B, H, cq, ck), dpre and dpost (B, H / ch, ch, ch); pointers for an absent transform
- * or mixing are not touched. Threads must own whole sets of groups that share key heads.
- * Returns 0, or 1 when out of memory. */
+ * or mixing are not touched. Threads need gradient buffers of their own: they may share
+ * key heads and groups. Returns 0, or 1 when out of memory. */
 int ak_mixed_softmax_attention_backward(const float *q, const float *k, const float *v, const float *dout, const float *lse,
                                         const float *w, const float *wf, const float *pre, const float *post, float *dq,
-                                        float *dk, float *dv, float *dw, float *dpre, float *dpost, int64_t g0, int64_t g1,
+                                        float *dk, float *dv, float *dw, float *dpre, float *dpost, int64_t u0, int64_t u1, int64_t chunks,
                                         int64_t H, int64_t Hkv, int64_t Nq, int64_t Nk, int64_t D, int64_t Dv, int64_t cq,
                                         int64_t ck, int64_t ch, int64_t q_start, int has_lo, int64_t lo, int has_hi, int64_t hi,
                                         int64_t BQ, int64_t BK, void *sgemm) {
@@ -239,11 +242,11 @@ int ak_mixed_softmax_attention_backward(const float *q, const float *k, const fl
     float *X = W + ch * tile;                /* ... and its mixed P */
     float *Zpad = X + ch * tile, *dS = Zpad + padded, *delta = dS + ch * sx, *dwt = delta + ch * BQ;
     float *Mpre = dwt + cq * ck, *MpreT = Mpre + ch * ch, *Mpost = MpreT + ch * ch, *MpostT = Mpost + ch * ch;
-    for (int64_t gr = g0; gr < g1; gr++) {
-        const int64_t b = gr / groups, grp = gr % groups, h0 = grp * ch;
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t gr = u / chunks, b = gr / groups, grp = gr % groups, h0 = grp * ch;
         if (pre) group_mix(pre, H, ch, grp, 0, Mpre), group_mix(pre, H, ch, grp, 1, MpreT);
         if (post) group_mix(post, H, ch, grp, 0, Mpost), group_mix(post, H, ch, grp, 1, MpostT);
-        for (int64_t i0 = 0; i0 < Nq; i0 += BQ) {
+        for (int64_t i0 = u % chunks * BQ; i0 < Nq; i0 += chunks * BQ) {
             const int64_t rows = Nq - i0 < BQ ? Nq - i0 : BQ, R = rows + cq - 1, r0 = i0 - (cq - 1);
             int64_t jlo, jhi;
             band_keys(q_start + i0, q_start + i0 + rows - 1, Nk, has_lo, lo, has_hi, hi, &jlo, &jhi);
