@@ -107,6 +107,41 @@ static inline void band_keys(int64_t first, int64_t last, int64_t Nk, int has_lo
     *jhi = b > Nk ? Nk : b;
 }
 
+/* -inf at the pairs of Z (rows x n: query positions first.., keys j0..) outside the band. */
+static inline void hide_outside_band(float *z, int64_t rows, int64_t n, int64_t first, int64_t j0, int has_lo, int64_t lo,
+                                     int has_hi, int64_t hi) {
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t c0, c1;
+        band_columns(first + r, j0, n, has_lo, lo, has_hi, hi, &c0, &c1);
+        float *row = z + r * n;
+        for (int64_t c = 0; c < c0; c++) row[c] = -INFINITY;
+        for (int64_t c = c1; c < n; c++) row[c] = -INFINITY;
+    }
+}
+
+/* ------------------------------------------------------------------ rows of exponentials */
+
+/* x <- exp(x - ref) over n entries, in place; returns their sum. */
+static inline float exp_sum(float *x, int64_t n, float ref) {
+    float sum = 0.0f;
+    int64_t i = 0;
+#ifdef AK_AVX2
+    const __m256 vr = _mm256_set1_ps(ref);
+    __m256 vs = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 p = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + i), vr));
+        _mm256_storeu_ps(x + i, p);
+        vs = _mm256_add_ps(vs, p);
+    }
+    sum = hsum_avx2(vs);
+#endif
+    for (; i < n; i++) {
+        x[i] = exp_scalar(x[i] - ref);
+        sum += x[i];
+    }
+    return sum;
+}
+
 void ak_sigmoid_into(const float *x, float *y, int64_t n, float sign, float bias);
 void ak_softcap(const float *x, float *y, int64_t n, float cap);
 void ak_online_softmax(float *s, int64_t rows, int64_t cols, float *m, float *l, float *alpha);

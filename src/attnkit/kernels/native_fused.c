@@ -158,13 +158,7 @@ int ak_softmax_attention(const float *q, const float *k, const float *v, float *
                 const int64_t n = jhi - j0 < BK ? jhi - j0 : BK;
                 gemm_abt(gemm, (int)rows, (int)n, (int)D, scale, qh + i0 * D, (int)D, kh + j0 * D, (int)D, 0.0f, s, (int)n);
                 if (softcap > 0.0f) ak_softcap(s, s, rows * n, softcap);
-                for (int64_t r = 0; r < rows; r++) {
-                    int64_t c0, c1;
-                    band_columns(first + r, j0, n, has_lo, lo, has_hi, hi, &c0, &c1);
-                    float *row = s + r * n;
-                    for (int64_t c = 0; c < c0; c++) row[c] = -INFINITY;
-                    for (int64_t c = c1; c < n; c++) row[c] = -INFINITY;
-                }
+                hide_outside_band(s, rows, n, first, j0, has_lo, lo, has_hi, hi);
                 ak_online_softmax(s, rows, n, m, l, alpha);
                 for (int64_t r = 0; r < rows; r++)
                     if (alpha[r] != 1.0f)

@@ -58,32 +58,11 @@ static void halo_logits(sgemm_fn gemm, float *S, const float *qh, const float *k
     zero_hidden(S, r0, R, c0, C, Nk, q_start, has_lo, lo, has_hi, hi);
 }
 
-/* -inf at the pairs of Z (rows x n: query positions first.., keys j0..) outside the band. */
-static void hide_outside_band(float *z, int64_t rows, int64_t n, int64_t first, int64_t j0, int has_lo, int64_t lo,
-                              int has_hi, int64_t hi) {
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t c0, c1;
-        band_columns(first + r, j0, n, has_lo, lo, has_hi, hi, &c0, &c1);
-        float *row = z + r * n;
-        for (int64_t c = 0; c < c0; c++) row[c] = -INFINITY;
-        for (int64_t c = c1; c < n; c++) row[c] = -INFINITY;
-    }
-}
-
 /* z <- exp(z - lse[row]) for the rows x n tile; 0 in rows that see no key (lse = -inf). */
 static void exp_minus_rows(float *z, int64_t rows, int64_t n, const float *lse) {
     for (int64_t r = 0; r < rows; r++) {
-        float *row = z + r * n;
-        if (lse[r] == -INFINITY) {
-            memset(row, 0, sizeof(float) * n);
-            continue;
-        }
-        int64_t j = 0;
-#ifdef AK_AVX2
-        const __m256 vl = _mm256_set1_ps(lse[r]);
-        for (; j + 8 <= n; j += 8) _mm256_storeu_ps(row + j, exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(row + j), vl)));
-#endif
-        for (; j < n; j++) row[j] = exp_scalar(row[j] - lse[r]);
+        if (lse[r] == -INFINITY) memset(z + r * n, 0, sizeof(float) * n);
+        else exp_sum(z + r * n, n, lse[r]);
     }
 }
 

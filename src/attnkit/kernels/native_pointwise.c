@@ -105,22 +105,7 @@ void ak_online_softmax(float *s, int64_t rows, int64_t cols, float *m, float *l,
             alpha[r] = 1.0f;
             continue;
         }
-        float sum = 0.0f;
-        j = 0;
-#ifdef AK_AVX2
-        const __m256 vm = _mm256_set1_ps(mx);
-        __m256 vsum = _mm256_setzero_ps();
-        for (; j + 8 <= cols; j += 8) {
-            __m256 p = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(row + j), vm));
-            _mm256_storeu_ps(row + j, p);
-            vsum = _mm256_add_ps(vsum, p);
-        }
-        sum = hsum_avx2(vsum);
-#endif
-        for (; j < cols; j++) {
-            row[j] = exp_scalar(row[j] - mx);
-            sum += row[j];
-        }
+        const float sum = exp_sum(row, cols, mx);
         alpha[r] = exp_scalar(m[r] - mx);
         l[r] = l[r] * alpha[r] + sum;
         m[r] = mx;

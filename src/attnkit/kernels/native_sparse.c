@@ -35,27 +35,6 @@ static float row_max(const float *x, int64_t n) {
     return mx;
 }
 
-/* x <- exp(x - ref) over n entries, in place; returns their sum. */
-static float exp_sum(float *x, int64_t n, float ref) {
-    float sum = 0.0f;
-    int64_t i = 0;
-#ifdef AK_AVX2
-    const __m256 vr = _mm256_set1_ps(ref);
-    __m256 vs = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) {
-        const __m256 p = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + i), vr));
-        _mm256_storeu_ps(x + i, p);
-        vs = _mm256_add_ps(vs, p);
-    }
-    sum = hsum_avx2(vs);
-#endif
-    for (; i < n; i++) {
-        x[i] = exp_scalar(x[i] - ref);
-        sum += x[i];
-    }
-    return sum;
-}
-
 static void scale_row(float *x, int64_t n, float by) {
     for (int64_t i = 0; i < n; i++) x[i] *= by;  /* vectorised by the compiler */
 }
