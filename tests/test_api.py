@@ -156,3 +156,109 @@ def test_mechanism_argument():
     assert_close(ak.attention(q, k, v, mechanism="softmax", mask=ak.causal()), ak.attention(q, k, v, mask=ak.causal()))
     with err("mechanism: unknown name 'nope'"):
         ak.attention(q, k, v, mechanism="nope")
+
+
+# ----------------------------------------------------------------- wrong numbers (issue 13)
+# The classes are covered by tests/properties; these are the reported reproducers, at the
+# default tile sizes (N = 300 crosses the 256-row query blocks).
+
+
+def _literal(q, k, v, visible=None, bias=None, scale=None, sinks=None):
+    """float64 softmax attention written out: (out, lse)."""
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = (q.double() @ k.double().mT) * scale
+    if bias is not None:
+        s = s + bias
+    if visible is not None:
+        s = s.masked_fill(~visible, -math.inf)
+    z = s if sinks is None else torch.cat([s, sinks.double().view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], -1)
+    lse = torch.logsumexp(z, -1)
+    return torch.nan_to_num(torch.exp(s - lse.unsqueeze(-1))) @ v.double(), lse
+
+
+@pytest.mark.parametrize("layout", ["mT", "every_other"])
+def test_inputs_with_a_strided_last_dimension(layout):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 300, 16, generator=g) for _ in range(3))
+    strided = q.mT.contiguous().mT if layout == "mT" else torch.stack([q, q], -1).flatten(-2)[..., ::2]
+    assert strided.stride(-1) != 1 and torch.equal(strided, q)
+    for kw in (dict(mask=ak.window(20)), dict(score=ak.alibi(2)), dict(backend="chunked")):
+        assert torch.equal(ak.attention(strided, k, v, **kw), ak.attention(q, k, v, **kw))
+
+
+def test_minus_inf_in_a_bias_hides_the_key_and_adds_no_phantom_key():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 300, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    bias = torch.randn(1, 1, 300, 300, generator=g, dtype=torch.float64)
+    bias[..., 256, 256] = -math.inf  # a query-block boundary
+    bias[..., 5, :] = -math.inf  # a row the bias hides completely
+    causal = torch.ones(300, 300, dtype=torch.bool).tril()
+    sinks = torch.tensor([0.7], dtype=torch.float64, requires_grad=True)
+    out, lse = ak.attention(q, k, v, mask=ak.causal(), score=ak.bias(bias), return_lse=True)
+    want, want_lse = _literal(q, k, v, causal, bias)
+    assert_close(out, want)
+    assert torch.isneginf(lse[0, 0, 5]) and torch.equal(out[0, 0, 5], torch.zeros(8, dtype=torch.float64))
+    finite = torch.isfinite(want_lse)
+    assert_close(lse[finite], want_lse[finite])
+    out, lse = ak.attention(q, k, v, mask=ak.causal(), score=ak.bias(bias), sinks=sinks, return_lse=True)
+    want, want_lse = _literal(q, k, v, causal, bias, sinks=sinks)
+    assert_close(lse, want_lse)
+    assert lse[0, 0, 5] == sinks.detach()[0]
+    (got_ds,) = torch.autograd.grad(out.sum() + lse.sum(), sinks)
+    (want_ds,) = torch.autograd.grad(want.sum() + want_lse.sum(), sinks)
+    assert_close(got_ds, want_ds)
+
+
+@pytest.mark.parametrize("chain", ["alibi>>temperature", "bias>>temperature", "alibi>>log_length_scale"])
+def test_learnable_scale_after_a_fixed_bias_gets_its_whole_gradient(chain):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    t = torch.tensor([1.3, 0.8], dtype=torch.float64, requires_grad=True)
+    slopes = torch.tensor([0.25, 0.0625], dtype=torch.float64)
+    dist = (torch.arange(40).view(-1, 1) - torch.arange(40)).abs().double()
+    fixed = -slopes.view(1, 2, 1, 1) * dist if chain.startswith("alibi") else torch.randn(1, 2, 40, 40, generator=g, dtype=torch.float64)
+    first = ak.alibi(slopes=slopes) if chain.startswith("alibi") else ak.bias(fixed)
+    s = (q @ k.mT) / math.sqrt(8) + fixed
+    if chain.endswith("temperature"):
+        out = ak.attention(q, k, v, score=first >> ak.temperature(t))
+        want = torch.softmax(s / t.view(1, 2, 1, 1), -1) @ v
+    else:
+        out = ak.attention(q, k, v, score=first >> ak.log_length_scale(t))
+        want = torch.softmax(s * t.view(1, 2, 1, 1) * torch.log(torch.arange(1, 41).double()).view(1, 1, -1, 1), -1) @ v
+    assert_close(out, want)
+    assert_close(torch.autograd.grad(out.sum(), t)[0], torch.autograd.grad(want.sum(), t)[0])
+
+
+def test_python_number_mods_are_float64_in_a_float64_call():
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, Nq=40, Nk=40, D=8)
+    _, lse = ak.attention(q, k, v, score=ak.temperature(0.3), return_lse=True)
+    torch.testing.assert_close(lse, torch.logsumexp((q @ k.mT) / math.sqrt(8) / 0.3, -1), atol=1e-12, rtol=1e-12)
+    _, lse = ak.attention(q, k, v, mask=ak.causal(), score=ak.log_length_scale(0.3), return_lse=True)
+    factor = 0.3 * torch.log(torch.arange(1, 41).double()).view(1, 1, -1, 1)
+    s = ((q @ k.mT) / math.sqrt(8) * factor).masked_fill(~torch.ones(40, 40, dtype=torch.bool).tril(), -math.inf)
+    torch.testing.assert_close(lse, torch.logsumexp(s, -1), atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["auto", "chunked", "reference"])
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_nan_in_padding_never_reaches_the_output(backend, where):
+    q, k, v = qkv(B=2, Hq=2, Hkv=2, Nq=300, Nk=300, D=8, dtype=torch.float32, requires_grad=True)
+    lengths = torch.tensor([300, 270])
+    visible = (torch.arange(300) < lengths.view(2, 1, 1, 1)).expand(2, 2, 300, 300)
+    want, _ = _literal(q.detach(), k.detach(), v.detach(), visible)
+    bad = {"k": k.detach().clone(), "v": v.detach().clone()}[where]
+    bad[1, :, 280] = math.nan
+    args = (q, bad.requires_grad_(), v) if where == "k" else (q, k, bad.requires_grad_())
+    out = ak.attention(*args, mask=ak.padding(lengths), backend=backend)
+    assert_close(out, want)
+    grads = torch.autograd.grad(out.sum(), args)
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("n", [1, 5, 40, 300])
+def test_a_nan_query_is_reported_at_every_size(n):
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, Nq=n, Nk=n, D=8, dtype=torch.float32)
+    q[0, 1, n // 2, 3] = math.nan
+    for backend in ("auto", "sdpa", "chunked", "reference"):
+        with err("q: contains NaN or inf"):
+            ak.attention(q, k, v, backend=backend)

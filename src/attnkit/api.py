@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .kernels import choose_backend, empty_result, explain_request, make_request
+from .kernels.finite import nonfinite_reaches_output, without_hidden_nonfinite
 from .kernels.request import Request, all_finite, nonfinite_error
 
 Tensor = torch.Tensor
@@ -66,10 +67,12 @@ def attention(
     if observers:
         from .kernels.observe_pass import observe_softmax
 
-        observe_softmax(req, lse, observers, layer)
-    # Checked on the output: one cheap reduction instead of three, and a NaN sitting in a
-    # key the mask skips is harmless.
-    if check_finite and not all_finite(out):
+        # the weights of hidden keys are 0 whatever the keys hold (NaN in padding too)
+        observe_softmax(without_hidden_nonfinite(req) or req, lse, observers, layer)
+    # Checked on the output (a NaN in a key the mask hides is harmless: run_request keeps
+    # it out), on q, and on k when an output row is exactly zero: torch's flash kernel
+    # returns zeros, not NaN, for a row whose every logit is NaN (kernels/finite.py).
+    if check_finite and nonfinite_reaches_output(req, out):
         raise nonfinite_error(req)
     return (out, lse) if return_lse else out
 
@@ -81,7 +84,17 @@ def run_request(req: Request, backend: str = "auto") -> tuple[Tensor, Tensor | N
             choose_backend(req, backend)  # raises the unknown-backend error
         return empty_result(req)
     chosen, _ = choose_backend(req, backend)
-    return chosen.run(req)
+    # NaN/inf in keys or values that no query sees (padding) must not reach the output or
+    # the gradients, though a kernel's 0 * NaN spreads them (kernels/finite.py). Training
+    # calls are cleaned first; the others only when their output comes back non-finite.
+    if req.needs_grad:
+        req = without_hidden_nonfinite(req) or req
+    out, lse = chosen.run(req)
+    if not req.needs_grad and not all_finite(out):
+        clean = without_hidden_nonfinite(req)
+        if clean is not None:
+            out, lse = chosen.run(clean)
+    return out, lse
 
 
 def explain(q: Tensor, k: Tensor, v: Tensor, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto", check_finite=True) -> str:

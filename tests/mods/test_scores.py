@@ -142,3 +142,24 @@ def test_score_type_errors():
         ak.attention(q, q, q, score=3)
     with pytest.raises(TypeError, match="mask: expected"):
         ak.attention(q, q, q, mask="causal")
+
+
+def test_python_numbers_are_kept_in_float64():
+    assert ak.temperature(0.3).t.dtype == torch.float64
+    assert ak.log_length_scale(0.3).scale.dtype == torch.float64
+    s, got = apply(ak.temperature(0.3))
+    torch.testing.assert_close(got, s / 0.3, atol=0, rtol=1e-15)  # 0.3 not rounded to float32
+
+
+def test_minus_inf_from_a_bias_stays_a_mask_under_later_row_scales():
+    B, H, Nq, Nk = 1, 2, 5, 5
+    table = torch.zeros(1, 1, Nq, Nk, dtype=torch.float64)
+    table[..., 0, :] = -math.inf  # query 0 (n = 1 key: log n = 0) fully hidden
+    table[..., 3, 1] = -math.inf
+    t = torch.tensor([0.5, 2.0], dtype=torch.float64, requires_grad=True)
+    s = torch.randn(B, H, Nq, Nk, dtype=torch.float64)
+    for later in (ak.log_length_scale(t), ak.temperature(t)):
+        _, got = apply(ak.bias(table) >> later, B, H, Nq, Nk, s)
+        assert torch.equal(torch.isneginf(got), torch.isneginf(table).expand_as(got))  # never NaN, never finite
+        (grad,) = torch.autograd.grad(got.masked_fill(torch.isneginf(got), 0.0).sum(), t)
+        assert torch.isfinite(grad).all()

@@ -76,7 +76,7 @@ def fused_unsupported(req: Request) -> str | None:
     if affine is None:
         return f"score mod {req.score!r} is not affine in s, so it is evaluated on every tile"
     if affine.bias_requires_grad and req.needs_grad:
-        return "a bias with learnable parameters needs dS, which the fused op does not expose"
+        return "a bias with learnable parameters (or a learnable row scale after a bias) needs dS, which the fused op does not expose"
     return None
 
 
@@ -86,7 +86,7 @@ def choose_engine(req: Request) -> tuple[str, str]:
     if why_not is not None:
         return "tiled", why_not
     if req.q.dtype == torch.bfloat16 and cpu_has_fast_bf16():
-        return "tiled", "this CPU has native bf16 dot products: tiles run bf16 matmuls with fp32 softmax"
+        return "tiled", "this CPU has native bf16 dot products: tiles run P V in bf16, logits and softmax in fp32"
     return "fused", "every tile runs in torch's fused CPU flash kernel; masks and biases become small tiles"
 
 

@@ -53,6 +53,8 @@ def flex_unsupported(req: Request) -> str | None:
             return "compiled FlexAttention returns no lse on CPU (needed for return_lse and sinks)"
     elif req.sinks is not None and req.needs_grad:
         return "sinks through FlexAttention need the lse gradient; use the chunked backend"
+    if req.q.device.type == "cpu" and req.q.dtype == torch.float64:
+        return "FlexAttention on CPU compiles float32, float16 and bfloat16 only (got float64)"
     if req.v_dim != req.head_dim and req.q.device.type == "cpu":
         return "FlexAttention on CPU needs Dv == D"
     if _signature(req) not in _signatures and len(_signatures) >= _recompile_limit():

@@ -25,8 +25,36 @@ from .tiles import Tile, merge_partials, neg_inf_to_pos_inf, visible
 
 Tensor = torch.Tensor
 
-_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_op_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def unit_last_stride(t: Tensor | None) -> Tensor | None:
+    """``t`` itself when its last dimension is dense (stride 1), else a contiguous copy.
+
+    The private flash op indexes the head dimension as if its stride were 1 and, unlike
+    ``F.scaled_dot_product_attention``, never checks: ``x.mT.contiguous().mT`` or
+    ``x[..., ::2]`` make it read memory it does not own. Other strides (transposed
+    (B, N, H, D) layouts, expanded batch or head dimensions, storage offsets) it honours,
+    so ordinary inputs pass through without a copy."""
+    if t is None or t.shape[-1] <= 1 or t.stride(-1) == 1:
+        return t
+    return t.contiguous()
+
+
+def flash_forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, is_causal: bool = False, *,
+                  attn_mask: Tensor | None = None, scale: float | None = None) -> tuple[Tensor, Tensor]:
+    """``aten::_scaled_dot_product_flash_attention_for_cpu`` with its inputs' layout made
+    safe (``unit_last_stride``): (out, lse). Every caller of the op goes through here."""
+    q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
+    return _flash(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+
+
+def flash_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dropout_p: float = 0.0,
+                   is_causal: bool = False, *, attn_mask: Tensor | None = None, scale: float | None = None):
+    """The op's backward (dq, dk, dv), every tensor argument's layout made safe."""
+    grad_out, q, k, v, out = (unit_last_stride(t) for t in (grad_out, q, k, v, out))
+    return _flash_backward(grad_out, q, k, v, out, lse, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
 
 
 class SegmentInputs:
@@ -57,16 +85,31 @@ def segment_inputs(
         parts = affine.separable_bias(tile.h_flat, tile.q_flat, tile.k_flat, side) if side else None
         if parts is not None:
             row, col = parts
-            return SegmentInputs(attn_mask=col.to(mask_dtype)[None, :, None, :], row_shift=row[None])
-        return SegmentInputs(attn_mask=affine.dense_bias(tile.b, tile.h, tile.q, tile.k).to(mask_dtype))
+            return SegmentInputs(attn_mask=col.to(mask_dtype)[None, :, None, :], row_shift=row[None],
+                                 dead_rows=_dead_separable(row, col))
+        attn_mask = affine.dense_bias(tile.b, tile.h, tile.q, tile.k).to(mask_dtype)
+        return SegmentInputs(attn_mask=attn_mask, dead_rows=_dead_rows(attn_mask))
     vis = visible(mask, tile)
     if has_bias:
         values = affine.dense_bias(tile.b, tile.h, tile.q, tile.k).to(mask_dtype)
     else:
         values = torch.zeros((), dtype=mask_dtype)
     attn_mask = values.masked_fill(~vis, -math.inf)
-    dead = ~vis.any(dim=-1)
-    return SegmentInputs(attn_mask=attn_mask, dead_rows=dead if bool(dead.any()) else None)
+    return SegmentInputs(attn_mask=attn_mask, dead_rows=_dead_rows(attn_mask))
+
+
+def _dead_separable(row: Tensor, col: Tensor) -> Tensor | None:
+    """``_dead_rows`` of the bias ``row[:, :, None] + col[:, None, :]`` without forming it."""
+    dead = (torch.isneginf(row) | torch.isneginf(col).all(dim=-1, keepdim=True))[None]
+    return dead if bool(dead.any()) else None
+
+
+def _dead_rows(attn_mask: Tensor) -> Tensor | None:
+    """Rows of a tile whose every logit is -inf (hidden by the mask or by a bias of -inf),
+    or None. The op reports lse = 0 for such a row, as if it held one key of logit 0: the
+    caller must turn that into -inf, or merging tiles would add a phantom key."""
+    dead = torch.isneginf(attn_mask).all(dim=-1)
+    return dead if bool(dead.any()) else None
 
 
 def fused_forward(
@@ -82,7 +125,7 @@ def fused_forward(
         parts = []
         for seg in block.segments:
             inp = segment_inputs(mask, affine, rows, H, q_start, block, seg, mask_dtype)
-            o, l = _op(qb, k[bs, :, seg.k0 : seg.k1], v[bs, :, seg.k0 : seg.k1], 0.0, inp.is_causal, attn_mask=inp.attn_mask, scale=scale)
+            o, l = flash_forward(qb, k[bs, :, seg.k0 : seg.k1], v[bs, :, seg.k0 : seg.k1], 0.0, inp.is_causal, attn_mask=inp.attn_mask, scale=scale)
             l = l.to(lse_dtype)
             if inp.row_shift is not None:
                 l = l + inp.row_shift.to(lse_dtype)
@@ -127,7 +170,7 @@ def fused_backward(
                 inp = segment_inputs(mask, affine, rows, H, q_start, block, seg, mask_dtype)
                 l = lb if inp.row_shift is None else lb - inp.row_shift.to(lb.dtype)
                 ks = (bs, slice(None), slice(seg.k0, seg.k1))
-                gq, gk, gv = _op_backward(gb, qb, k[ks], v[ks], ob, l, 0.0, inp.is_causal, attn_mask=inp.attn_mask, scale=scale)
+                gq, gk, gv = flash_backward(gb, qb, k[ks], v[ks], ob, l, 0.0, inp.is_causal, attn_mask=inp.attn_mask, scale=scale)
                 dq[rs] += gq
                 dk[ks] += gk
                 dv[ks] += gv

@@ -217,6 +217,19 @@ def _rows(s: Tensor) -> tuple[int, int]:
     return (s.numel() // cols if cols else 0), cols
 
 
+def dense(t: Tensor | None) -> Tensor | None:
+    """``t`` itself when it is contiguous, else a contiguous copy: the C loops index raw
+    pointers as dense row-major arrays, so every tensor a wrapper below hands them goes
+    through here (transposed, strided, expanded inputs and gradients included)."""
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+def _in_place(*tensors: Tensor) -> None:
+    # In-place loops cannot copy: their callers check ``usable`` first.
+    if not all(t.is_contiguous() for t in tensors):
+        raise RuntimeError("attnkit native: an in-place C loop was given a non-contiguous tensor")
+
+
 def usable(*tensors: Tensor) -> bool:
     """True when the C loops can run on these tensors in place of PyTorch's."""
     if library() is None:
@@ -230,12 +243,14 @@ def usable(*tensors: Tensor) -> bool:
 
 def sigmoid_(x: Tensor, bias: float) -> Tensor:
     """``x <- sigmoid(x + bias)`` in place (-inf gives 0)."""
+    _in_place(x)
     library().ak_sigmoid(x.data_ptr(), x.numel(), bias)
     return x
 
 
 def softcap_(x: Tensor, cap: float) -> Tensor:
     """``x <- cap * tanh(x / cap)`` in place."""
+    _in_place(x)
     library().ak_softcap(x.data_ptr(), x.data_ptr(), x.numel(), cap)
     return x
 
@@ -243,6 +258,7 @@ def softcap_(x: Tensor, cap: float) -> Tensor:
 def online_softmax_step_(s: Tensor, m: Tensor, l: Tensor) -> Tensor:
     """One online-softmax tile update, rows being all leading dims of ``s``: ``s`` becomes
     exp(s - m'), ``m`` and ``l`` are updated in place; returns alpha = exp(m - m')."""
+    _in_place(s, m, l)
     rows, cols = _rows(s)
     alpha = torch.empty_like(m)
     library().ak_online_softmax(s.data_ptr(), rows, cols, m.data_ptr(), l.data_ptr(), alpha.data_ptr())
@@ -252,6 +268,7 @@ def online_softmax_step_(s: Tensor, m: Tensor, l: Tensor) -> Tensor:
 def stick_breaking_(s: Tensor, carry: Tensor) -> Tensor:
     """One tile of stick-breaking weights, keys right to left: ``s`` (rows in all leading
     dims) becomes A, ``carry`` (one per row) the stick left for the tile on the left."""
+    _in_place(s, carry)
     rows, cols = _rows(s)
     if library().ak_stick_breaking(s.data_ptr(), rows, cols, carry.data_ptr()) != 0:
         raise MemoryError("stick_breaking: out of memory for a tile buffer")
@@ -262,6 +279,7 @@ def stick_breaking_backward_(s: Tensor, dw: Tensor, carry: Tensor, carry_w: Tens
     """One tile of the stick-breaking backward, keys right to left: ``s`` becomes A and
     ``dw`` (dO V^T) becomes dz; ``carry`` (stick) and ``carry_w`` (sum of A dW to the right)
     move to the tile's left edge. ``delta`` = rowsum(dO * O), one per row."""
+    _in_place(s, dw, carry, carry_w, delta)
     rows, cols = _rows(s)
     if library().ak_stick_breaking_backward(s.data_ptr(), dw.data_ptr(), rows, cols, carry.data_ptr(), carry_w.data_ptr(),
                                             delta.data_ptr()) != 0:
@@ -271,6 +289,7 @@ def stick_breaking_backward_(s: Tensor, dw: Tensor, carry: Tensor, carry_w: Tens
 
 def depthwise_conv2d(x: Tensor, weight: Tensor) -> Tensor:
     """Valid depthwise 2-D correlation: x (N, H, R, C), weight (H, cq, ck) -> (N, H, R-cq+1, C-ck+1)."""
+    x, weight = dense(x), dense(weight)
     N, H, R, C = x.shape
     cq, ck = weight.shape[-2:]
     y = torch.empty(N, H, max(R - cq + 1, 0), max(C - ck + 1, 0))
@@ -285,6 +304,7 @@ MAX_MIX_HEADS = 64
 def topk_rows(s: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """(values, columns) of the k largest entries of every row of s (1 <= k <= s.shape[-1]),
     unsorted; which of tied entries is kept is unspecified."""
+    s = dense(s)
     rows, cols = _rows(s)
     values = torch.empty(*s.shape[:-1], k)
     columns = torch.empty(*s.shape[:-1], k, dtype=torch.int64)
@@ -295,6 +315,7 @@ def topk_rows(s: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 def depthwise_conv2d_weight_grad(x: Tensor, dy: Tensor, kernel_size: tuple[int, int]) -> Tensor:
     """(H, cq, ck) gradient of ``depthwise_conv2d(x, weight)``'s weight for output gradient dy."""
+    x, dy = dense(x), dense(dy)
     N, H, R, C = x.shape
     cq, ck = kernel_size
     dw = torch.empty(H, cq, ck)
@@ -305,6 +326,7 @@ def depthwise_conv2d_weight_grad(x: Tensor, dy: Tensor, kernel_size: tuple[int, 
 def mix_heads(mix: Tensor, x: Tensor, row_scale: Tensor | None = None) -> Tensor:
     """``out[:, g] = sum_h mix[g, h] * row_scale[:, h, :, None] * x[:, h]`` for x (Bt, H, R, C),
     mix (G, H) and row_scale (Bt, H, R) or None."""
+    mix, x, row_scale = dense(mix), dense(x), dense(row_scale)
     bt, h, r, c = x.shape
     g = mix.shape[0]
     out = torch.empty((bt, g, r, c), dtype=x.dtype)
@@ -330,7 +352,8 @@ def _band_args(band: tuple[int | None, int | None]) -> tuple[int, int, int, int]
 def sigmoid_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: float, q_start: int,
                       band: tuple[int | None, int | None]) -> Tensor:
     """sigmoid(scale Q K^T + bias) V over the keys ``lo <= key - (q_start + query) <= hi``
-    of ``band``; q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) contiguous float32."""
+    of ``band``; q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) float32."""
+    q, k, v = dense(q), dense(k), dense(v)
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     out = torch.empty(B, H, Nq, Dv)
@@ -344,6 +367,7 @@ def sigmoid_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor
                                band: tuple[int | None, int | None]) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of ``sigmoid_attention`` for ``grad_out`` (contiguous float32). Threads
     take whole GQA groups: the query heads of a group add into the same dk, dv."""
+    grad_out, q, k, v = dense(grad_out), dense(q), dense(k), dense(v)
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -360,6 +384,7 @@ def softmax_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, q_start: in
     q (B, H, Nq, D), k (B, Hk, Nk, D), v (B, Hv, Nk, Dv) contiguous float32, D and Dv free;
     query head j reads key head ``k_heads[j]`` and value head ``v_heads[j]`` (default:
     grouped-query attention); ``softcap`` 0 means none."""
+    q, k, v = dense(q), dense(k), dense(v)
     B, H, Nq, D = q.shape
     Hk, Nk, Hv, Dv = k.shape[1], k.shape[2], v.shape[1], v.shape[-1]
     heads = torch.arange(H)
@@ -381,6 +406,7 @@ def topk_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, band: tuple[in
     """Forward of softmax attention over the ``width`` largest logits of every row within
     ``band`` (q already scaled): (out, lse, chosen, weights, kept, visible) as in
     mechanisms/topk.py, float32."""
+    q, k, v = dense(q), dense(k), dense(v)
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     out, lse = torch.empty(B, H, Nq, Dv), torch.empty(B, H, Nq)
@@ -424,7 +450,8 @@ def mixed_softmax_attention(q: Tensor, k: Tensor, v: Tensor, conv: Tensor | None
     (H, cq, ck) (multi-token attention) or a head mixing ``pre`` (H, H) (talking heads),
     never both, and its weights mixed by ``post`` (H, H); the mixings are block-diagonal in
     groups of ``group`` heads. q (B, H, Nq, D) already scaled, k (B, Hkv, Nk, D), v (B,
-    Hkv, Nk, Dv), all contiguous float32."""
+    Hkv, Nk, Dv), all float32."""
+    q, k, v, conv, pre, post = (dense(t) for t in (q, k, v, conv, pre, post))
     B, H, Hkv, Nq, Nk, D, Dv, cq, ck = _mixed_shapes(q, k, v, conv)
     out, lse = torch.empty(B, H, Nq, Dv), torch.empty(B, H, Nq)
     fn = library().ak_mixed_softmax_attention
@@ -441,6 +468,7 @@ def mixed_softmax_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: 
                                      band: tuple[int | None, int | None]):
     """(dq of the scaled q, dk, dv, dconv, dpre, dpost; None for an absent one) of
     ``mixed_softmax_attention`` for ``grad_out``, given its per-head ``lse``."""
+    grad_out, q, k, v, lse, conv, pre, post = (dense(t) for t in (grad_out, q, k, v, lse, conv, pre, post))
     B, H, Hkv, Nq, Nk, D, Dv, cq, ck = _mixed_shapes(q, k, v, conv)
     blocks = mixed_blocks(group)[1]
     chunks = _chunks(B * H // group, Nq, blocks[0])
@@ -477,6 +505,7 @@ def nsa_forward(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, g
     (blocks of ``window_block`` queries). Returns (out (B, Hq, Nq, Dv), chosen blocks
     (B, Hkv, Nq, width) int64 with -1 for empty slots, and the lse (B, Hq, Nq) of the
     compression, selection and window branches)."""
+    q, k, v, k_cmp, v_cmp, gates = (dense(t) for t in (q, k, v, k_cmp, v_cmp, gates))
     B, Hq, Nq, D = q.shape
     Hkv, Nk, Ncmp, Dv = k.shape[1], k.shape[2], k_cmp.shape[2], v.shape[-1]
     lib, gemm = library(), sgemm()

@@ -7,12 +7,13 @@ import torch.nn.functional as F
 
 from ..mods.masks import Causal
 from ..mods.scores import Temperature
+from .fused import flash_forward
 from .request import Request
 
 Tensor = torch.Tensor
 
-# Returns (output, logsumexp); SDPA itself drops the lse.
-_cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+# Returns (output, logsumexp); SDPA itself drops the lse. Through the layout-safe wrapper.
+_cpu_flash = flash_forward
 
 
 def sdpa_unsupported(req: Request) -> str | None:

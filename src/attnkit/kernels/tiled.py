@@ -7,7 +7,8 @@ recomputes each tile from the saved lse:  P = exp(S - lse),  dS = P * (dP - delt
 delta = rowsum(dO * O).  Score mods run on each tile under autograd, so their own
 parameters (a relative-bias table, learnable slopes) get exact gradients.
 
-On CPUs with native bf16 dot products the matmuls run in bf16 with fp32 softmax; the
+On CPUs with native bf16 dot products the P V products run in bf16 (P is in [0, 1],
+where bf16's relative rounding is harmless) while logits and softmax stay fp32; the
 ``matmul_dtype`` argument says which.
 """
 
@@ -77,15 +78,18 @@ def tiled_forward(
             if not block.segments:
                 continue
             bq = block.q1 - block.q0
-            # scale folded into q: one multiply per block instead of one per tile
-            qg = _grouped((q[bs, :, block.q0 : block.q1].to(cd) * scale).to(matmul_dtype), Hkv)
+            # Scale folded into q: one multiply per block instead of one per tile. The
+            # logits are computed in cd even where P V runs in bf16: bf16 logits of size
+            # ~1e3 are off by whole units (8-bit mantissa), which no fp32 softmax repairs,
+            # and the backward (always cd) would recompute other probabilities than these.
+            qg = _grouped(q[bs, :, block.q0 : block.q1].to(cd) * scale, Hkv)
             bt = qg.shape[0]
             m = torch.full((bt, H, bq), -math.inf, dtype=cd, device=q.device)
             l = torch.zeros((bt, H, bq), dtype=cd, device=q.device)
             acc = torch.zeros((bt, H, bq, v.shape[-1]), dtype=cd, device=q.device)
             for seg, t0, t1 in _tiles(block, tile_k):
                 tile = Tile.make(rows, H, q_start + block.q0, bq, t0, t1)
-                kt = k[bs, :, t0:t1].to(matmul_dtype)
+                kt = k[bs, :, t0:t1].to(cd)
                 s = _ungrouped(torch.matmul(qg, kt.transpose(-1, -2)), H).to(cd)
                 s = _modify(s, score, mask, seg.kind, tile, cd)
                 if native.usable(s, m, l):

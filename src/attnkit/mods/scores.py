@@ -68,7 +68,21 @@ class RowScale(ScoreMod):
         raise NotImplementedError
 
     def __call__(self, s, b, h, q_idx, kv_idx):
-        return s * self.factor(b, h, q_idx)
+        # Factors come in float64 (see ``_scalar_or_per_head``); rounded to the logits'
+        # dtype here so a float32 tile stays float32 and a float64 one is exact.
+        return s * self.factor(b, h, q_idx).to(s.dtype)
+
+    def scale_masked(self, s, b, h, q_idx):
+        """``s * factor`` where -inf (a bias used as a mask) stays -inf: a factor of 0
+        (log_length_scale at n = 1) would make it NaN, and a learnable factor's gradient
+        -inf * 0. Used after a bias in a chain, where s can hold -inf."""
+        return _scale_keeping_neg_inf(s, self.factor(b, h, q_idx).to(s.dtype))
+
+
+def _scale_keeping_neg_inf(s: Tensor, factor: Tensor) -> Tensor:
+    hidden = torch.isneginf(s)
+    # both branches finite where the other is taken, so neither value nor gradient is NaN
+    return torch.where(hidden, s, s.masked_fill(hidden, 0.0) * factor)
 
 
 class Bias(ScoreMod):
@@ -98,13 +112,18 @@ class Chain(ScoreMod):
         self.kind = "general" if "general" in kinds else "affine"
 
     def __call__(self, s, b, h, q_idx, kv_idx):
+        after_bias = False
         for m in self.mods:
-            s = m(s, b, h, q_idx, kv_idx)
+            # a bias's -inf is a mask: later row scales keep it -inf (RowScale.scale_masked)
+            s = m.scale_masked(s, b, h, q_idx) if after_bias and m.kind == "row_scale" else m(s, b, h, q_idx, kv_idx)
+            after_bias = after_bias or m.kind == "bias"
         return s
 
     def apply_(self, s, b, h, q_idx, kv_idx):
+        after_bias = False
         for m in self.mods:
-            s = m.apply_(s, b, h, q_idx, kv_idx)
+            s = m.scale_masked(s, b, h, q_idx) if after_bias and m.kind == "row_scale" else m.apply_(s, b, h, q_idx, kv_idx)
+            after_bias = after_bias or m.kind == "bias"
         return s
 
     def parameters(self):
@@ -162,7 +181,8 @@ class Temperature(RowScale):
             raise ValueError(f"temperature(t): must be > 0, got {t!r}")
 
     def factor(self, b, h, q_idx):
-        return 1.0 / (self.t[h] if self.t.dim() else self.t)
+        t = self.t[h] if self.t.dim() else self.t
+        return 1.0 / t.to(torch.float64)  # exact for float64 calls; callers round it to theirs
 
     def parameters(self):
         return [self.t]
@@ -196,7 +216,8 @@ class LogLengthScale(RowScale):
             if self.k_len is None:
                 raise RuntimeError("log_length_scale(causal=False) must be bound to a call first")
             n = torch.tensor(max(self.k_len, 1))
-        return scale * torch.log(n.to(torch.float64)).to(scale.dtype if scale.is_floating_point() else torch.float32)
+        # float64 whatever the parameter's dtype: callers round it to the logits' dtype
+        return scale.to(torch.float64) * torch.log(n.to(torch.float64))
 
     def parameters(self):
         return [self.scale]
@@ -367,7 +388,10 @@ class AffineForm:
 
     @property
     def bias_requires_grad(self) -> bool:
-        return any(b.requires_grad for b, _ in self.terms)
+        """True when a bias term carries a gradient: a learnable bias, or a learnable row
+        scale applied after a bias (``(s + b) * f`` has d/df = s + b: the bias's share
+        needs dS, which kernels that take biases as constant mask tiles never form)."""
+        return any(b.requires_grad or any(s.requires_grad for s in later) for b, later in self.terms)
 
     @property
     def per_head_scales(self) -> bool:
@@ -385,7 +409,7 @@ class AffineForm:
         for bias, later in self.terms:
             t = bias.bias(b, h, q_idx, kv_idx)
             for s in later:
-                t = t * s.factor(b, h, q_idx)
+                t = _scale_keeping_neg_inf(t, s.factor(b, h, q_idx))
             out = t if out is None else out + t
         return out
 
@@ -437,7 +461,9 @@ def alibi_slopes(num_heads: int) -> Tensor:
 
 
 def _scalar_or_per_head(value, name: str) -> Tensor:
-    t = value if isinstance(value, Tensor) else torch.tensor(float(value))
+    # A Python number is kept in float64: a float64 call must not see it rounded to float32
+    # (temperature(0.3) in float32 is off by 1e-8 relative, 4e-6 in a float64 lse).
+    t = value if isinstance(value, Tensor) else torch.tensor(float(value), dtype=torch.float64)
     if not t.is_floating_point() or t.dim() > 1:
         raise ValueError(f"{name}: expected a float or a 1-D float tensor (one per head), got {value!r}")
     if not torch.isfinite(t.detach()).all():
