@@ -90,3 +90,22 @@ def test_float32_inference_matches_reference(mask, monkeypatch):
     assert_close(out, mech.reference(q.double(), k.double(), v.double(), mask=mask), dtype=torch.float32)
     band = mask is None or mask.band() is not None
     assert calls == ([1] if band and native.fused_usable(q, k, v) else [])
+
+
+@pytest.mark.parametrize("learned", [False, True])
+def test_float64_call_computes_lambda_in_float64(learned):
+    """λ = 0.8 (or the re-parameterised λ from float32 vectors) enters a float64 call in
+    float64: float32's 0.800000011920929 would be off by 1e-8, far above TOL[float64]."""
+    q, k, v = qkv(B=1, Hq=2, Hkv=2, Nq=6, Nk=6, D=4)
+    mech = Differential(lambda_init=0.8, lambda_dim=3 if learned else None)  # parameters stay float32
+    lam = torch.tensor(0.8, dtype=torch.float64)
+    if learned:
+        p = {n: getattr(mech, n).detach().double() for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")}
+        lam = torch.exp(p["lambda_q1"] @ p["lambda_k1"]) - torch.exp(p["lambda_q2"] @ p["lambda_k2"]) + 0.8
+    s = 1 / math.sqrt(2)
+    p1 = torch.softmax(q[..., :2] @ k[..., :2].transpose(-1, -2) * s, dim=-1)
+    p2 = torch.softmax(q[..., 2:] @ k[..., 2:].transpose(-1, -2) * s, dim=-1)
+    want = (p1 - lam * p2) @ v
+    for out in (mech(q, k, v), mech.reference(q, k, v)):
+        assert out.dtype == torch.float64
+        torch.testing.assert_close(out, want, atol=1e-13, rtol=1e-13)

@@ -72,3 +72,20 @@ def test_rejects_bad_input():
         MultiToken(4)(q, k, v)
     with pytest.raises(ValueError, match="return_lse"):
         MultiToken(2)(q, k, v, return_lse=True)
+
+
+def test_decoding_carries_the_queries_the_convolution_looks_back_to():
+    """Rows 9.. of a causal call equal a call of those queries alone against all keys when
+    the cq - 1 queries before them come along as the state (and differ without it)."""
+    mech = conv(cq=3, ck=5, ch=2)
+    q, k, v = qkv(B=2, Hq=4, Hkv=2, Nq=12, Nk=12, D=8)
+    full = mech.reference(q, k, v, mask=ak.causal())
+    _, state = mech(q[:, :, :9], k[:, :, :9], v[:, :, :9], mask=ak.causal(), return_state=True)
+    assert torch.equal(state, q[:, :, 7:9])
+    out, state = mech(q[:, :, 9:], k, v, mask=ak.causal(), initial_state=state, return_state=True)
+    assert_close(out, full[:, :, 9:])
+    assert torch.equal(state, q[:, :, 10:])
+    assert (mech(q[:, :, 9:], k, v, mask=ak.causal()) - full[:, :, 9:]).abs().max() > 1e-6
+    for bad in (q[:, :, :3], q[:, :2, :2], q[:, :, :2, :4]):
+        with pytest.raises(ValueError, match="initial_state: expected the last m <= 2 queries"):
+            mech(q[:, :, 9:], k, v, mask=ak.causal(), initial_state=bad)

@@ -226,3 +226,44 @@ def test_a_causal_neighbourhood_accepts_the_causal_mask_it_implies():
         assert_close(mech(q, k, v, mask=ak.causal()), mech(q, k, v))
     with pytest.raises(ValueError, match="mask"):
         get_mechanism("neighborhood", kernel=3, causal=True)(q, k, v, mask=ak.window(2))
+
+
+@pytest.mark.parametrize("dilation", [1, 2])
+def test_causal_1d_window_decodes_takes_padding_and_short_sequences(dilation):
+    """A 1-D causal neighbourhood with stride 1 is a dilated sliding window: query i sees
+    keys i, i - d, ..., i - (kernel - 1) d (those that exist and are not padding), with
+    bias rpb[h, kernel - 1 - (i - j) / d]. Written out per row; the call's queries are
+    the last Nq positions (decoding against a cache)."""
+    kernel, nq, nk = 3, 4, 11
+    q, k, v = qkv(B=2, Hq=2, Hkv=1, Nq=nq, Nk=nk, D=4)
+    mech = get_mechanism("neighborhood", kernel=kernel, dilation=dilation, causal=True, rpb=True, num_heads=2).double()
+    lengths = [11, 9]
+    want = torch.zeros(2, 2, nq, 4, dtype=torch.float64)
+    for b, h, r in itertools.product(range(2), range(2), range(nq)):
+        i = nk - nq + r
+        keys = [i - t * dilation for t in range(kernel) if 0 <= i - t * dilation < lengths[b]]
+        if not keys:
+            continue
+        logits = torch.stack([q[b, h, r] @ k[b, 0, j] / 2 + mech.rpb.detach()[h, kernel - 1 - (i - j) // dilation] for j in keys])
+        want[b, h, r] = torch.softmax(logits, 0) @ v[b, 0, keys]
+    got = mech(q, k, v, mask=ak.causal() & ak.padding(lengths))
+    assert_close(got, want)
+    assert_close(mech.reference(q, k, v, mask=ak.causal() & ak.padding(lengths)), want)
+    # Rows of batch row 0 (no padding) are the last rows of the full-grid fast path.
+    full_q = torch.cat([torch.zeros(2, 2, nk - nq, 4, dtype=torch.float64), q], dim=2)
+    assert_close(mech(full_q, k, v, mask=ak.causal())[:1, :, nk - nq :], want[:1])
+    # Fewer tokens than kernel * dilation: every query sees what exists.
+    short = mech(q[:, :, :2], k[:, :, :2], v[:, :, :2], mask=ak.causal())
+    assert short.shape == (2, 2, 2, 4) and bool(torch.isfinite(short).all())
+    # Other neighbourhoods depend on the grid's end: no cache.
+    with pytest.raises(ValueError, match="only a 1-D causal neighbourhood with stride 1 decodes"):
+        get_mechanism("neighborhood", kernel=3)(q, k, v)
+
+
+def test_observers_of_the_decoding_path():
+    """Nq < Nk: the observed weights cover exactly the window (keys i-2..i for kernel 3)
+    and reproduce the output."""
+    import mechanism_contract as mc
+
+    mech = get_mechanism("neighborhood", kernel=3, causal=True).double()
+    mc.observers(mech, mask=ak.causal(), visible_mask=ak.causal() & ak.window(2))

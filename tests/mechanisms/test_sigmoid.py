@@ -52,11 +52,23 @@ def test_by_name():
     mc.by_name("sigmoid", Sigmoid())
 
 
-def test_default_bias_is_minus_log_n():
-    # zero logits: every gate is sigmoid(-log n) = 1 / (1 + n)
+@pytest.mark.parametrize("context, n", [(None, 4096), (9, 9), (256, 256)])
+def test_bias_is_minus_log_n_of_the_context_not_of_the_call(context, n):
+    # zero logits: every gate is sigmoid(-log n) = 1 / (1 + n), with n the mechanism's
+    # context (default 4096), whatever the number of keys of the call (9 and 4)
     q, k, v = qkv(B=1, Hq=2, Hkv=2, Nq=5, Nk=9, D=4)
-    out = Sigmoid()(torch.zeros_like(q), k, v)
-    assert_close(out, v.sum(dim=2, keepdim=True).expand(-1, -1, 5, -1) / 10)
+    mech = Sigmoid() if context is None else Sigmoid(context=context)
+    out = mech(torch.zeros_like(q), k, v)
+    assert_close(out, v.sum(dim=2, keepdim=True).expand(-1, -1, 5, -1) / (1 + n))
+    out = mech(torch.zeros_like(q), k[:, :, :4], v[:, :, :4])
+    assert_close(out, v[:, :, :4].sum(dim=2, keepdim=True).expand(-1, -1, 5, -1) / (1 + n))
+
+
+def test_a_given_bias_wins_over_the_context_and_bad_contexts_raise():
+    assert Sigmoid(bias=-2.0, context=100).bias == -2.0
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="sigmoid\\(context\\)"):
+            Sigmoid(context=bad)
 
 
 @pytest.mark.parametrize("lse_route", [False, True])

@@ -165,3 +165,21 @@ def test_bad_calls():
         model(torch.zeros(1, 65, dtype=torch.long))
     with pytest.raises(ValueError, match="temperature: expected >= 0"):
         model.generate(ids(B=1, N=2), 1, temperature=-1)
+
+
+def test_mechanisms_get_the_models_context_and_decode_with_its_cache():
+    """sigmoid's n and cosFormer's horizon M are the model's max_len, not the length of a
+    call: the cached forward equals the full one (decoding_contract.py holds every
+    mechanism to this; here through TransformerLM's own cache)."""
+    model = tiny(mechanism=["sigmoid", "cosformer"], mechanism_params=[{}, {}])
+    sigmoid, cosformer = (b.attn.mechanism for b in model.blocks)
+    assert sigmoid.context == 64 and sigmoid.bias == -math.log(64)
+    assert cosformer.feature_map.max_len == 64
+    idx = ids(N=12)
+    with torch.no_grad():
+        full = model(idx)
+        cache = model.new_cache()
+        steps = [model(idx[:, :5], cache=cache)] + [model(idx[:, t : t + 1], cache=cache) for t in range(5, 12)]
+    assert_close(torch.cat(steps, dim=1), full)
+    # A context given in the parameters wins.
+    assert tiny(mechanism="sigmoid", mechanism_params=dict(context=9)).blocks[0].attn.mechanism.bias == -math.log(9)

@@ -16,6 +16,25 @@ raises ``ValueError`` naming it. Mechanisms whose state is a fixed-size recurren
 (linear attention) set ``recurrent = True`` and also accept ``initial_state=`` and
 ``return_state=True`` (returning ``(out, state)``), which ``attnkit.nn`` uses in place of
 a KV cache when decoding.
+
+Decoding contract (``tests/mechanisms/test_decoding_contract.py``): a causal call's
+rows for the first n tokens do not depend on what follows, so a prefix call, the full
+call and token-by-token decoding with a KV cache (or state) agree. Quantities a paper
+ties to "the sequence length" are fixed properties of the mechanism (``context`` of
+sigmoid and cosFormer), never the key count of a call. Two kinds of mechanism need
+more than keys and values:
+
+- ``cache_state = True``: the mechanism also needs what earlier queries leave behind
+  (selective attention's accumulated selection F per key, multi-token attention's last
+  queries for its convolution over queries); it takes ``initial_state`` and
+  ``return_state=True``, ``initial_state_for(state, new_tokens)`` turns the returned
+  state into the next call's, and ``attnkit.nn`` / ``attnkit.hf`` keep it beside the
+  KV cache;
+- ``decodes = False``: a query's row depends on the other queries of the call (an
+  approximation built from the whole call: HyperAttention's LSH blocks and samples,
+  MInference's pattern estimated from the last queries), so a cached call would give
+  another model; ``attnkit.nn`` and ``attnkit.hf`` refuse to decode it with a cache
+  and say why (``decode_note``).
 """
 
 from __future__ import annotations
@@ -33,6 +52,25 @@ class Mechanism(nn.Module):
     paper: str = ""
     #: True for fixed-size-state mechanisms (decoding passes a state, not a KV cache)
     recurrent: bool = False
+    #: True when decoding also carries state left by earlier queries (see above)
+    cache_state: bool = False
+    #: False when a row depends on the other queries of the call: no cached decoding
+    decodes: bool = True
+    #: why a mechanism with ``decodes = False`` cannot decode (one sentence)
+    decode_note: str = ""
+
+    def initial_state_for(self, state, new_tokens: int):
+        """``cache_state`` mechanisms: the ``initial_state`` of a call adding ``new_tokens``
+        after the call that returned ``state`` (None: nothing cached yet)."""
+        return state
+
+    @classmethod
+    def layer_keywords(cls, params: dict) -> set[str] | None:
+        """Which of the layer's sizes (``heads``, ``num_heads``, ``head_dim``, ``kv_heads``,
+        ``value_dim``, ``v_dim``, ``context``) ``attnkit.nn`` / ``attnkit.hf`` should
+        pass when building this mechanism with ``params``; None: every one the
+        constructor accepts."""
+        return None
 
     def reference(self, q, k, v, **call):
         raise NotImplementedError(f"{type(self).__name__} has no reference implementation")

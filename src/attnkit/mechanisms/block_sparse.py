@@ -37,6 +37,7 @@ from ..mods.grid import EMPTY, FULL, classify_interval, states
 from ..mods.masks import Causal, Mask
 from ..observe import CallInfo, feed, interested
 from .base import Mechanism, register
+from .key_masks import and_parts, is_key_mask, padding_refused
 from .hyper_attention import FlashWithLse, merge_partial
 
 Tensor = torch.Tensor
@@ -100,6 +101,11 @@ class BlockSparsePrefill(Mechanism):
     """
 
     paper = "arXiv:2407.02490"
+    # The pattern comes from the call's last queries: a prefill method (the paper decodes
+    # with dense attention), whose rows depend on the rest of the call.
+    decodes = False
+    decode_note = ("block-sparse prefill estimates its pattern from the last queries of the call, so a query's row depends on "
+                   "the other queries of the call; MInference prefills only and decodes with dense attention (mechanism='softmax').")
 
     def __init__(self, block_size: int = 64, last_q: int = 64, vertical_size: int = 128, slash_size: int = 256,
                  sink_tokens: int = 30, local_tokens: int = 100):
@@ -155,6 +161,8 @@ class BlockSparsePrefill(Mechanism):
 
     def _check_call(self, q, k, v, mask, score, sinks, scale, backend):
         req = make_request(q, k, v, scale=scale)
+        if any(is_key_mask(p) for p in and_parts(mask)):
+            raise padding_refused("block-sparse prefill", "it estimates each head's pattern from the call's last queries, which padding changes.")
         if not isinstance(mask, Causal):
             raise ValueError(f"mask: block-sparse prefill is for causal models; pass mask=attnkit.causal(), got {mask!r}")
         for name, value in (("score", score), ("sinks", sinks)):

@@ -69,12 +69,16 @@ class Differential(Mechanism):
         learned = "" if self.lambda_q1 is None else f", lambda_dim={self.lambda_q1.numel()}"
         return super().extra_repr() + f", lambda_init={self.lambda_init:.4g}{learned}"
 
-    def lam(self) -> Tensor:
-        """The current lambda (a 0-d tensor; differentiable when re-parameterised)."""
+    def lam(self, dtype: torch.dtype | None = None) -> Tensor:
+        """The current lambda (a 0-d tensor; differentiable when re-parameterised), in
+        float64 for a constant, and for learned vectors in their dtype promoted with the
+        call's ``dtype``: a float64 call computes lambda in float64 even from float32
+        parameters (the float32 values are exact in float64)."""
         if self.lambda_q1 is None:
-            return torch.tensor(self.lambda_init)
-        return (torch.exp(torch.dot(self.lambda_q1, self.lambda_k1)) - torch.exp(torch.dot(self.lambda_q2, self.lambda_k2))
-                + self.lambda_init)
+            return torch.tensor(self.lambda_init, dtype=torch.float64)
+        cd = self.lambda_q1.dtype if dtype is None else torch.promote_types(self.lambda_q1.dtype, dtype)
+        q1, k1, q2, k2 = (t.to(cd) for t in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2))
+        return torch.exp(torch.dot(q1, k1)) - torch.exp(torch.dot(q2, k2)) + self.lambda_init
 
     def halves(self, q, k, v, mask, score, scale) -> tuple[Request, Request]:
         for name, t in (("q", q), ("k", k)):
@@ -97,7 +101,7 @@ class Differential(Mechanism):
             (o1, lse1), (o2, lse2) = _maps(q, k, first, second, backend, need_lse=bool(observers))
             out = self._combine(o1, o2)
             if observers:
-                lam_value = float(self.lam())
+                lam_value = float(self.lam(q.dtype))
                 call = call_info(first, layer, self.name)
                 _, union = interested(observers, call)
                 with torch.no_grad():  # both tile streams restore this mode, whatever their order
@@ -107,15 +111,15 @@ class Differential(Mechanism):
     def _combine(self, o1: Tensor, o2: Tensor) -> Tensor:
         """``o1 - lambda o2``; a constant lambda is one fused pass."""
         if self.lambda_q1 is not None:
-            return o1 - self.lam().to(o1.dtype) * o2
-        return torch.sub(o1, o2, alpha=float(self.lam()))  # the float32 value the reference uses
+            return o1 - self.lam(o1.dtype).to(o1.dtype) * o2
+        return torch.sub(o1, o2, alpha=float(self.lam()))
 
     def reference(self, q, k, v, *, mask=None, score=None, scale=None, **_):
         """The paper's Eq. (1): ``(softmax(Q1 K1^T s) - lambda softmax(Q2 K2^T s)) V``."""
         first, second = self.halves(q, k, v, mask, score, scale)
         p1, _ = dense_softmax(dense_logits(first))
         p2, _ = dense_softmax(dense_logits(second))
-        weights = p1 - self.lam().to(p1.dtype) * p2
+        weights = p1 - self.lam(p1.dtype).to(p1.dtype) * p2
         return torch.matmul(weights, dense_values(first)).to(q.dtype)
 
 

@@ -37,11 +37,11 @@ from ..kernels.request import all_finite, nonfinite_error
 from ..mods.masks import Causal
 from ..observe import AttentionTile, CallInfo, feed
 from .base import Mechanism, register
+from .key_masks import and_parts, is_key_mask, padding_refused
 
 Tensor = torch.Tensor
 
-_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_op_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+from ..kernels.fused import flash_backward as _op_backward, flash_forward as _op  # layout-safe wrappers of the private op
 
 OBSERVE_Q_BLOCK = 128
 OBSERVE_K_BLOCK = 512
@@ -190,6 +190,11 @@ class HyperAttention(Mechanism):
     """
 
     paper = "arXiv:2310.05869"
+    # The LSH blocks and the samples are drawn over the queries and keys of the whole
+    # call, so a query's row depends on the rest of the call.
+    decodes = False
+    decode_note = ("HyperAttention's LSH blocks and samples are drawn over the whole call, so a query's row depends on the other "
+                   "queries and keys of the call and a call against a KV cache would compute another model.")
 
     def __init__(self, block_size: int = 256, sample_size: int = 256, min_seq_len: int = 4096, lsh_num_projs: int = 7, seed: int = 0):
         super().__init__()
@@ -270,6 +275,8 @@ class HyperAttention(Mechanism):
 
     def _check_call(self, q, k, v, mask, score, sinks, scale, backend):
         req = make_request(q, k, v, scale=scale)
+        if any(is_key_mask(p) for p in and_parts(mask)):
+            raise padding_refused("HyperAttention", "its LSH blocks and samples are drawn over every query and key of the call, padded ones included.")
         if mask is not None and not isinstance(mask, Causal):
             raise ValueError(f"mask: HyperAttention supports no mask or attnkit.causal() (causal by recursive halving), got {mask!r}")
         for name, value in (("score", score), ("sinks", sinks)):

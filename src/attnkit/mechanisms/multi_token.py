@@ -88,6 +88,8 @@ class MultiToken(MixedSoftmaxMechanism):
     """Key-query convolution of the logits (per head) and head mixing of the weights (per group)."""
 
     paper = "arXiv:2504.00927"
+    # The convolution looks back cq - 1 queries: decoding carries them beside the cache.
+    cache_state = True
 
     def __init__(self, num_heads: int | None = None, query_kernel: int = 6, key_kernel: int = 11, head_kernel: int = 2):
         super().__init__()
@@ -115,6 +117,30 @@ class MultiToken(MixedSoftmaxMechanism):
             raise ValueError("multi_token: no kernels; build MultiToken(num_heads=H) (they start as the identity)")
         if req.heads != self.num_heads:
             raise ValueError(f"multi_token: kernels for {self.num_heads} heads but the call has Hq={req.heads}")
+
+    def forward(self, q, k, v, *, initial_state=None, return_state=False, return_lse=False, **call):
+        """``initial_state`` (B, Hq, m, D), m <= cq - 1: the last queries before this call
+        (decoding with a KV cache), which the convolution over queries looks back to; they
+        run again as the call's first rows (queries stay bottom-right aligned, so they
+        sit at their own positions, and observers see them too) and are dropped from the
+        output. ``return_state=True`` also returns the call's last cq - 1 queries."""
+        m = 0
+        if initial_state is not None:
+            m = initial_state.shape[2] if isinstance(initial_state, Tensor) and initial_state.dim() == 4 else -1
+            if m < 0 or m > self.cq - 1 or initial_state.shape[:2] != q.shape[:2] or initial_state.shape[3] != q.shape[3] \
+                    or m + q.shape[2] > k.shape[2]:
+                raise ValueError(
+                    f"initial_state: expected the last m <= {self.cq - 1} queries before the call, (B, Hq, m, D) = "
+                    f"({q.shape[0]}, {q.shape[1]}, m, {q.shape[3]}) with m + Nq <= Nk = {k.shape[2]}, got {getattr(initial_state, 'shape', initial_state)!r}"
+                )
+            q = torch.cat((initial_state.to(q.dtype), q), dim=2)
+        result = super().forward(q, k, v, return_lse=return_lse, **call)
+        out, lse = result if return_lse else (result, None)
+        out = out[:, :, m:]
+        result = (out, lse[:, :, m:]) if return_lse else (out,)
+        if return_state:
+            result += (q[:, :, max(q.shape[2] - (self.cq - 1), 0) :].detach(),)
+        return result if len(result) > 1 else result[0]
 
     def mixing_matrix(self) -> Tensor | None:
         """The (H x H) block-diagonal matrix of the per-group head mixing."""

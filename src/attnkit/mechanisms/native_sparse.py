@@ -68,11 +68,11 @@ from ..mods.masks import Causal, Mask
 from ..observe import AttentionTile, CallInfo, feed
 from .base import Mechanism, register
 from .hyper_attention import FlashWithLse
+from .key_masks import is_right_padding, padding_refused, split_key_masks
 
 Tensor = torch.Tensor
 
-_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_op_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+from ..kernels.fused import flash_backward as _op_backward, flash_forward as _op  # layout-safe wrappers of the private op
 
 # Query rows per chunk when scoring blocks: little causal waste, and the scores of a chunk
 # (4 MiB at N=16384, H=8) stay in cache through the softmax and the block sums.
@@ -580,8 +580,16 @@ class NativeSparseAttention(Mechanism):
 
     def _check_call(self, q, k, v, mask, score, sinks, return_lse, scale, backend):
         req = make_request(q, k, v, scale=scale)
+        rest, keep = split_key_masks(mask, req.batch, req.heads, req.q_len, req.k_len)
+        if keep is not None and len(rest) == 1 and isinstance(rest[0], Causal):
+            # Right padding sits after every real token, where the causal mask already
+            # hides it from real queries: the call is the causal one. Left padding would
+            # move the compression and selection blocks, which sit at absolute positions.
+            if not is_right_padding(keep):
+                raise padding_refused("NSA", "its compression and selection blocks sit at absolute key positions, so left padding moves them.", right_ok=True)
+            mask = rest[0]
         if not isinstance(mask, Causal):
-            raise ValueError(f"mask: NSA is causal (arXiv 2502.11089); pass mask=attnkit.causal(), got {mask!r}")
+            raise ValueError(f"mask: NSA is causal (arXiv 2502.11089); pass mask=attnkit.causal() (and-ed with right padding, if any), got {mask!r}")
         for name, value in (("score", score), ("sinks", sinks)):
             if value is not None:
                 raise ValueError(f"{name}: NSA takes no {name}, got {value!r}")

@@ -34,10 +34,11 @@ from ..kernels.request import all_finite, nonfinite_error
 from ..mods.masks import Causal, Neighborhood
 from ..observe import AttentionTile, CallInfo, feed
 from .base import Mechanism, register
+from .key_masks import and_parts, is_key_mask, split_key_masks
 
 Tensor = torch.Tensor
 
-_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+from ..kernels.fused import flash_forward as _op  # layout-safe wrapper of the private op
 
 # Query boxes per grid rank. On a 128 x 128 grid with kernel 13, 8 x 8 measured fastest
 # (of 4x16, 8x16, 16x16, 4x32): it reads 20 x 20 keys, 2.4x the 169 it needs, in a call
@@ -251,9 +252,23 @@ class NeighborhoodAttention(Mechanism):
             normal, std 0.02).
         num_heads: query heads; required with ``rpb=True``.
         tile: query box per axis of the fast path (default: ``DEFAULT_TILE``).
+
+    In a decoder (``attnkit.nn``, ``attnkit.hf``) the call's causal mask needs
+    ``causal=True``. A 1-D causal neighbourhood with stride 1 (any dilation) is a
+    dilated sliding window whose keys depend on the query's position only, so it also
+    decodes against a KV cache (Nq < Nk, queries bottom-right), runs sequences shorter
+    than ``kernel * dilation``, and takes key masks (padding); these calls run the dense
+    formula on the call's rows. Every other neighbourhood shifts its windows at the
+    borders of the whole grid, so it is self-attention over one complete grid (Nq = Nk)
+    and refuses a cache with a ValueError.
     """
 
     paper = "arXiv:2204.07143"
+
+    @classmethod
+    def layer_keywords(cls, params: dict) -> set[str]:
+        # The layer's head count sizes the bias table; without one it is not wanted.
+        return {"num_heads"} if params.get("rpb") else set()
 
     def __init__(self, kernel=7, grid=None, dilation=1, stride=1, causal=False, rpb: bool = False,
                  num_heads: int | None = None, tile=None):
@@ -288,30 +303,86 @@ class NeighborhoodAttention(Mechanism):
             raise ValueError(f"q, k, v: neighborhood attention over grid {grid} needs Nq == Nk == {math.prod(grid)} tokens, got {n}")
         return self._neighborhood(grid)
 
+    @property
+    def sliding(self) -> bool:
+        """1-D, causal, stride 1: a dilated sliding window that depends on the query's
+        position only (so it decodes with a cache and takes padding)."""
+        return self.grid is None and all(_axis_flags(self.causal, 1)) and _axis_values(self.stride, 1, "stride") == (1,)
+
     def _check_call(self, q, k, v, mask, score, scale, sinks, backend):
+        """(request, Neighborhood mask or None for the dense sliding-window path, key mask (B, Nk) or None)."""
         req = make_request(q, k, v, scale=scale)
-        if self.causal and isinstance(mask, Causal) and q.shape[-2] == k.shape[-2]:
-            # A causal neighbourhood hides every later token (on a grid, in raster order
-            # too), so a decoder's causal mask adds nothing: accept it.
-            mask = None
-        for name, value in (("mask", mask), ("score", score), ("sinks", sinks)):
+        keep, rest = None, []
+        for part in and_parts(mask):
+            if isinstance(part, Causal):
+                # A causal neighbourhood hides every later token (on a grid, in raster
+                # order too), so a decoder's causal mask adds nothing: accept it.
+                if not all(_axis_flags(self.causal, len(self.grid or (1,)))):
+                    raise ValueError(f"mask: got causal() (a decoder) but this neighborhood attention has causal={self.causal!r}; "
+                                     "build it with causal=True so that no query sees a later token")
+            elif is_key_mask(part) and self.sliding:
+                _, kept = split_key_masks(part, req.batch, req.heads, req.q_len, req.k_len)
+                keep = kept if keep is None else keep & kept
+            else:
+                rest.append(part)
+        for name, value in (("mask", rest[0] if rest else None), ("score", score), ("sinks", sinks)):
             if value is not None:
                 raise ValueError(f"{name}: neighborhood attention defines its own visibility and bias (kernel, dilation, stride, causal, rpb); got {name}={value!r}")
         if backend not in ("auto", "reference"):
             raise ValueError(f"backend: neighborhood attention runs 'auto' (its fast path) or 'reference', got {backend!r}")
-        if req.q_len != req.k_len:
-            raise ValueError(f"q, k: neighborhood attention is self-attention over a grid: Nq={req.q_len} must equal Nk={req.k_len}")
-        nbh = self.mask(req.k_len)
         if self.rpb is not None and self.rpb.shape[0] != req.heads:
             raise ValueError(f"rpb: table has {self.rpb.shape[0]} heads but the call has Hq={req.heads}")
-        return req, nbh
+        if req.q_len > req.k_len or (req.q_len < req.k_len and not self.sliding):
+            raise ValueError(f"q, k: neighborhood attention is self-attention over a grid: Nq={req.q_len} must equal Nk={req.k_len} "
+                             "(only a 1-D causal neighbourhood with stride 1 decodes against a cache: its windows do not depend on the grid's end)")
+        span = _axis_values(self.kernel, 1, "kernel")[0] * _axis_values(self.dilation, 1, "dilation")[0] if self.grid is None else 0
+        if self.sliding and (keep is not None or req.q_len < req.k_len or req.k_len < span):
+            return req, None, keep
+        return req, self.mask(req.k_len), None
+
+    def _sliding(self, req, keep, cd) -> tuple[Tensor, Tensor]:
+        """Logits (B, Hq, Nq, Nk) with the bias and -inf outside the window or the key mask,
+        for the call's queries at key positions Nk - Nq + i (dense: decoding, padding,
+        short sequences)."""
+        kernel, dilation = _axis_values(self.kernel, 1, "kernel")[0], _axis_values(self.dilation, 1, "dilation")[0]
+        G = req.heads // req.kv_heads
+        s = torch.matmul(req.q.to(cd), req.k.to(cd).repeat_interleave(G, 1).transpose(-1, -2)) * req.scale
+        qp = torch.arange(req.k_len - req.q_len, req.k_len, device=s.device)[:, None]
+        kp = torch.arange(req.k_len, device=s.device)[None, :]
+        back = qp - kp  # how far back the key is
+        visible = (back >= 0) & (back % dilation == 0) & (back // dilation <= kernel - 1)
+        if self.rpb is not None:
+            s = s + self.rpb[:, (kernel - 1 - back // dilation).clamp(0, 2 * kernel - 2)].to(cd)
+        visible = visible[None, None]
+        if keep is not None:
+            visible = visible & keep[:, None, None, :]
+        return s.masked_fill(~visible, -math.inf), visible
+
+    def _dense_rows(self, req, keep) -> tuple[Tensor, Tensor]:
+        cd = torch.float64 if req.q.dtype == torch.float64 else torch.float32
+        s, visible = self._sliding(req, keep, cd)
+        lse = torch.logsumexp(s, dim=-1)
+        # Rows that see no key (padding) give zeros and lse = -inf, never NaN.
+        p = torch.where(visible, torch.exp(s - lse.clamp(min=torch.finfo(cd).min).unsqueeze(-1)), torch.zeros((), dtype=cd))
+        out = torch.matmul(p, req.v.to(cd).repeat_interleave(req.heads // req.kv_heads, 1)).to(req.q.dtype)
+        return out, lse
 
     def forward(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto",
                 check_finite=True, observers=None, layer=None):
-        req, nbh = self._check_call(q, k, v, mask, score, scale, sinks, backend)
+        req, nbh, keep = self._check_call(q, k, v, mask, score, scale, sinks, backend)
         if backend == "reference" and observers:
             raise ValueError("observers: the dense reference (backend='reference') feeds no observers; use backend='auto'")
-        if backend == "reference":
+        if nbh is None:
+            out, lse = self._dense_rows(req, keep)
+            if observers:
+                call = CallInfo(req.batch, req.heads, req.q_len, req.k_len, req.k_len - req.q_len, layer, self.name)
+                cd = torch.float64 if req.q.dtype == torch.float64 else torch.float32
+                with torch.no_grad():
+                    s, visible = self._sliding(req, keep, cd)
+                    p = torch.where(visible, torch.exp(s - lse.detach().clamp(min=torch.finfo(cd).min).unsqueeze(-1)), torch.zeros((), dtype=cd))
+                feed(observers, call, [AttentionTile(call, torch.arange(req.batch), torch.arange(req.k_len - req.q_len, req.k_len),
+                                                     torch.arange(req.k_len), p, s)])
+        elif backend == "reference":
             out, lse = self.reference(q, k, v, scale=scale, return_lse=True)
         else:
             groups = self._groups(nbh)
@@ -345,10 +416,13 @@ class NeighborhoodAttention(Mechanism):
                         rows = slice(i * B, (i + 1) * B)
                         yield AttentionTile(call, torch.arange(B), q_index[i], k_index[i], p[rows], s[rows])
 
-    def reference(self, q, k, v, *, scale=None, return_lse=False, **_):
+    def reference(self, q, k, v, *, scale=None, return_lse=False, mask=None, **_):
         """Dense literal formula: softmax(q k^T * scale + rpb[h, offset]) over the
         neighbourhood of every query, O(N^2) memory."""
-        req = make_request(q, k, v, scale=scale)
+        req, nbh, keep = self._check_call(q, k, v, mask, None, scale, None, "reference")
+        if nbh is None:
+            out, lse = self._dense_rows(req, keep)
+            return (out, lse) if return_lse else out
         nbh = self.mask(req.k_len)
         cd = torch.float64 if q.dtype == torch.float64 else torch.float32
         G = req.heads // req.kv_heads
@@ -372,6 +446,10 @@ class NeighborhoodAttention(Mechanism):
         if self.rpb is not None:
             parts.append(f"rpb={tuple(self.rpb.shape)}")
         return ", ".join(parts)
+
+
+def _axis_flags(value, n: int) -> tuple[bool, ...]:
+    return tuple(bool(x) for x in value) if isinstance(value, (tuple, list)) else (bool(value),) * n
 
 
 def _axis_values(value, n: int, name: str) -> tuple[int, ...]:

@@ -14,6 +14,11 @@ carry plus an exclusive cumulative sum over the block's rows. The backward visit
 last to first: F is the forward total minus the sums still ahead, and the gradient of F
 (``dS_i'j = -sum_{i > i'} sum_h dZ_hij``) is a suffix sum over rows carried the same way.
 
+The first key of a row, <BOS>, is never selected; in a padded batch it is the row's
+first key that the padding keeps (``first_keys``). Decoding with a KV cache carries F
+over the cached keys (``cache_state``: ``initial_state`` / ``return_state``), which
+``attnkit.nn`` and ``attnkit.hf`` keep beside the cache.
+
 Because F only grows, a key with a large F will never matter again: ``prune_context``
 applies the paper's context-pruning rule (keep a fixed memory budget, evict the kept
 entry with the highest F) and says which KV entries remain.
@@ -31,17 +36,18 @@ from ..kernels.engine import (
 )
 from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish, request
 from ..kernels.request import Request
+from .key_masks import split_key_masks
 from .base import Mechanism, register
 
 Tensor = torch.Tensor
 
 
-def _selection(blk: Block, s: Tensor, head: int, k0: int, k1: int) -> Tensor:
+def _selection(blk: Block, s: Tensor, head: int, k0: int, k1: int, bos: Tensor) -> Tensor:
     """S of one tile: ReLU of the selector head's logits, 0 on <BOS> and on each query's
     own key (hidden pairs are -inf, so ReLU makes them 0 too). (Bt, BQ, span)."""
     sel = torch.relu(s[:, head])
-    if k0 == 0:
-        sel[..., 0] = 0.0
+    at_bos = torch.arange(k0, k1, device=sel.device)[None, :] == bos[blk.bs, None]
+    sel = sel.masked_fill(at_bos[:, None, :], 0.0)
     q_pos = blk.q_positions
     if q_pos[0] < k1 and q_pos[-1] >= k0:
         own = q_pos[:, None] == torch.arange(k0, k1)[None, :]
@@ -57,9 +63,10 @@ def _exclusive_rows(x: Tensor) -> Tensor:
 class SelectiveKernel(SoftmaxKernel):
     reverse_queries_backward = True
 
-    def __init__(self, head: int, initial: Tensor | None):
+    def __init__(self, head: int, initial: Tensor | None, bos: Tensor):
         self.head = head
         self.initial = initial
+        self.bos = bos  # (B,) position of <BOS> per batch row
         self.total: Tensor | None = None  # F as the next query would see it, (B, Nk) float64
 
     def begin(self, prob: Problem, phase: str) -> None:
@@ -76,7 +83,7 @@ class SelectiveKernel(SoftmaxKernel):
     def _forward_tiles(self, blk: Block):
         for kind, k0, k1 in blk.tiles():
             s = blk.logits(kind, k0, k1)
-            sel = _selection(blk, s, self.head, k0, k1)
+            sel = _selection(blk, s, self.head, k0, k1, self.bos)
             cols = (blk.bs, slice(k0, k1))
             f = self.carry[cols].to(s.dtype).unsqueeze(1) + _exclusive_rows(sel)
             self.carry[cols] += sel.sum(dim=-2).to(torch.float64)
@@ -99,7 +106,7 @@ class SelectiveKernel(SoftmaxKernel):
         for kind, k0, k1 in blk.tiles():
             s, tracked = blk.tracked_logits(kind, k0, k1)
             sd = s.detach()
-            sel = _selection(blk, sd, self.head, k0, k1)
+            sel = _selection(blk, sd, self.head, k0, k1, self.bos)
             cols = (blk.bs, slice(k0, k1))
             col_sel = sel.sum(dim=-2)
             before = self.total[cols] - self.ahead_s[cols] - col_sel.to(torch.float64)  # F at this block's first row
@@ -123,6 +130,8 @@ class Selective(Mechanism):
     """Softmax over ``logits - F`` with F the accumulated ReLU selection of one head."""
 
     paper = "arXiv:2410.02703"
+    # F of earlier queries travels beside the KV cache (initial_state / return_state).
+    cache_state = True
 
     def __init__(self, selector_head: int = 0):
         super().__init__()
@@ -132,6 +141,10 @@ class Selective(Mechanism):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", selector_head={self.selector_head}"
+
+    def initial_state_for(self, state, new_tokens: int):
+        """F over the cached keys, extended with zeros for the call's new keys."""
+        return None if state is None else torch.nn.functional.pad(state, (0, new_tokens))
 
     def _check(self, req: Request, initial_state) -> None:
         if self.selector_head >= req.heads:
@@ -154,12 +167,12 @@ class Selective(Mechanism):
         if backend == "reference":
             out, lse, state = self._dense(req, initial_state)
         else:
-            kernel = SelectiveKernel(self.selector_head, initial_state)
+            kernel = SelectiveKernel(self.selector_head, initial_state, first_keys(req))
             out, stats = run_kernel(req, kernel)
             lse = stats["lse"]
             state = kernel.total if kernel.total is not None else _initial(req, initial_state)
         if observers:
-            observe_kernel(req, SelectiveKernel(self.selector_head, initial_state), {"lse": lse}, observers, layer, self.name)
+            observe_kernel(req, SelectiveKernel(self.selector_head, initial_state, first_keys(req)), {"lse": lse}, observers, layer, self.name)
         finish(req, out, check_finite)
         result = (out, lse) if return_lse else (out,)
         if return_state:
@@ -177,8 +190,8 @@ class Selective(Mechanism):
         F = cumsum(roll(S, 1 row), rows) with the first row zeroed; softmax(logits - F)."""
         logits = dense_logits(req)
         S = torch.relu(logits[:, self.selector_head])
-        bos = torch.arange(req.k_len) == 0
-        S = S.masked_fill(bos, 0.0)  # do not mask <BOS>
+        bos = torch.arange(req.k_len)[None, :] == first_keys(req)[:, None]
+        S = S.masked_fill(bos[:, None, :], 0.0)  # do not mask <BOS>
         own = torch.arange(req.q_len)[:, None] + req.q_start == torch.arange(req.k_len)[None, :]
         S = S.masked_fill(own, 0.0)  # do not mask self
         state = _initial(req, initial_state) + S.detach().sum(dim=-2).to(torch.float64)  # F of the next query
@@ -193,6 +206,16 @@ class Selective(Mechanism):
     def prune(self, q, k, budget: int, *, mask=None, score=None, scale=None) -> Tensor:
         """See ``prune_context``."""
         return prune_context(q, k, budget, mask=mask, score=score, scale=scale, selector_head=self.selector_head)
+
+
+def first_keys(req: Request) -> Tensor:
+    """Where <BOS> sits in each batch row, (B,): the first key that the key-only parts of
+    the mask (padding) keep, 0 without them. A left-padded row starts after its padding,
+    so it computes what the same row without padding computes."""
+    _, keep = split_key_masks(req.mask, req.batch, req.heads, req.q_len, req.k_len)
+    if keep is None:
+        return torch.zeros(req.batch, dtype=torch.long)
+    return torch.where(keep.any(-1), keep.to(torch.int8).argmax(-1), 0)
 
 
 def _initial(req: Request, initial_state) -> Tensor:

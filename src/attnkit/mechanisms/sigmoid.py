@@ -2,8 +2,13 @@
 Sigmoid Self-Attention", arXiv 2409.04431).
 
 Each weight is an independent gate, ``w_ij = sigmoid(s_ij + b)``, with no normalisation
-over the row; ``b = -log n`` (n = number of keys) keeps the initial output norm close to
-softmax attention's. Without a row normaliser the chunked path needs no running max and
+over the row; ``b = -log n`` keeps the initial output norm close to softmax attention's.
+The paper's n is the sequence length the model trains at, a constant of the model: here
+``context`` (default ``DEFAULT_CONTEXT``), never the number of keys a call happens to
+hold, so a prefix call, a full call and token-by-token decoding with a KV cache give the
+same rows. ``attnkit.hf.use`` sets ``context`` from the model config's
+``max_position_embeddings`` and ``attnkit.nn.TransformerLM`` from its ``max_len``;
+``bias=`` fixes b directly. Without a row normaliser the chunked path needs no running max and
 no rescaling: every tile adds ``sigmoid(S + b) V`` to the output and is done.
 
 For inference it also runs through FlexAttention (``backend="flex"``): FlexAttention
@@ -35,6 +40,9 @@ Tensor = torch.Tensor
 
 
 LOG2E = 1.0 / math.log(2.0)
+#: n of b = -log n when neither ``bias`` nor ``context`` is given: the paper's language
+#: models train at 4096 tokens (arXiv 2409.04431, Sec. 5)
+DEFAULT_CONTEXT = 4096
 
 
 def sigmoid_(s: Tensor, bias: float) -> Tensor:
@@ -137,19 +145,35 @@ class SigmoidKernel(TileKernel):
 
 @register("sigmoid")
 class Sigmoid(Mechanism):
-    """``sigmoid(s + b) V`` with no row normalisation; ``bias=None`` means ``b = -log(Nk)``."""
+    """``sigmoid(s + b) V`` with no row normalisation.
+
+    Args:
+        bias: b itself; None means the paper's ``b = -log n`` with n = ``context``.
+        context: n, the context length the model trains at (default ``DEFAULT_CONTEXT``);
+            a property of the model, not of a call, so every call (prefix, full, cached
+            decoding, padded batch) uses the same b. ``attnkit.hf.use`` passes the
+            config's ``max_position_embeddings``, ``attnkit.nn.TransformerLM`` its
+            ``max_len``. Ignored when ``bias`` is given.
+    """
 
     paper = "arXiv:2409.04431"
 
-    def __init__(self, bias: float | None = None):
+    def __init__(self, bias: float | None = None, context: int | None = None):
         super().__init__()
         if bias is not None and (isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias)):
             raise ValueError(f"sigmoid(bias): expected a finite number or None (for -log n), got {bias!r}")
-        self.bias = None if bias is None else float(bias)
+        if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context < 1):
+            raise ValueError(f"sigmoid(context): expected an int >= 1 (n of b = -log n, the training context length) or None, got {context!r}")
+        self.context = DEFAULT_CONTEXT if context is None else context
+        self.bias = -math.log(self.context) if bias is None else float(bias)
         self._flex_mods: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def bias_for(self, k_len: int) -> float:
-        return -math.log(max(k_len, 1)) if self.bias is None else self.bias
+    def bias_for(self, k_len: int | None = None) -> float:
+        """b for a call; the same for every call whatever its number of keys ``k_len``."""
+        return self.bias
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", bias={self.bias:.6g}"
 
     def forward(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto",
                 check_finite=True, observers=None, layer=None):

@@ -50,13 +50,16 @@ class Attention(nn.Module):
         latent: a LatentConfig (or its dict) for multi-head latent attention.
         causal: causal masking (default True). window: sliding window (keys within
             ``window`` positions before the query). alibi: add ALiBi's distance bias.
+        context: the context length the model is built for, given to mechanisms whose
+            constructor takes ``context`` (sigmoid's n of b = -log n, cosFormer's horizon
+            M) so that they do not depend on the length of each call.
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, head_dim: int | None = None,
                  mechanism: str | Mechanism = "softmax", rope=None, qk_norm: bool = False, gate: str | None = None,
                  sinks: bool = False, bias: bool = False, dropout: float = 0.0, latent: LatentConfig | dict | None = None,
                  *, causal: bool = True, window: int | None = None, alibi: bool = False, mechanism_params: dict | None = None,
-                 norm_eps: float = 1e-6):
+                 norm_eps: float = 1e-6, context: int | None = None):
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         head_dim = d_model // n_heads if head_dim is None else head_dim
@@ -104,7 +107,7 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None
         self.o_proj = nn.Linear(n_heads * v_dim, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
-        self.mechanism = build_mechanism(mechanism, mechanism_params or {}, n_heads, head_dim, n_kv_heads, v_dim)
+        self.mechanism = build_mechanism(mechanism, mechanism_params or {}, n_heads, head_dim, n_kv_heads, v_dim, context)
 
     @property
     def recurrent(self) -> bool:
@@ -136,6 +139,8 @@ class Attention(nn.Module):
             positions = torch.arange(start, start + N, device=x.device)
         score = alibi(self.n_heads) if self.alibi else None
         full_mask = self.mask(mask)
+        if cache is not None:
+            check_decodes(self.mechanism)
         if self.latent is not None:
             out = self.latent(x, positions, cache, self.mechanism, full_mask, score, self.sinks)
         else:
@@ -164,6 +169,12 @@ class Attention(nn.Module):
         if cache is not None:
             held = cache.extend(k=k, v=v)
             k, v = held["k"], held["v"]
+            if getattr(self.mechanism, "cache_state", False):
+                # What earlier queries left (selective attention's F, multi-token's last
+                # queries) goes in beside the keys.
+                initial = self.mechanism.initial_state_for(cache.decode_state, N)
+                out, cache.decode_state = self.mechanism(q, k, v, initial_state=initial, return_state=True, **_present(call))
+                return out
         return attention(q, k, v, mechanism=self.mechanism, **call)
 
     def extra_repr(self) -> str:
@@ -181,11 +192,15 @@ class Attention(nn.Module):
         return ", ".join(parts)
 
 
-def build_mechanism(mechanism, params: dict, heads: int, head_dim: int, kv_heads: int, value_dim: int) -> Mechanism:
+def build_mechanism(mechanism, params: dict, heads: int, head_dim: int, kv_heads: int, value_dim: int,
+                    context: int | None = None) -> Mechanism:
     """A mechanism instance for a layer. Mechanisms whose constructor takes the layer's
     sizes (``heads``/``num_heads``, ``head_dim``, ``kv_heads``, ``value_dim``/``v_dim``;
     those with learnable weights) get them now, so their parameters exist before the
-    first call (and before loading saved weights)."""
+    first call (and before loading saved weights); those that take ``context`` get the
+    model's context length (when known). A mechanism narrows what it wants with the
+    classmethod ``layer_keywords(params)`` (neighborhood: ``num_heads`` only with a bias
+    table). Keywords in ``params`` always win."""
     if isinstance(mechanism, Mechanism):
         return get_mechanism(mechanism, **params)
     if not isinstance(mechanism, str):
@@ -193,7 +208,12 @@ def build_mechanism(mechanism, params: dict, heads: int, head_dim: int, kv_heads
     cls = mechanism_class(mechanism)
     # The names mechanisms use for their sizes (the linear family's, and the aliases others use).
     shapes = dict(heads=heads, num_heads=heads, head_dim=head_dim, kv_heads=kv_heads, value_dim=value_dim, v_dim=value_dim)
+    if context is not None:
+        shapes["context"] = context
     accepted = _init_keywords(cls)
+    wanted = cls.layer_keywords(params) if hasattr(cls, "layer_keywords") else None
+    if wanted is not None:
+        accepted &= set(wanted)
     params = {**{k: v for k, v in shapes.items() if k in accepted and k not in params}, **params}
     return get_mechanism(mechanism, **params)
 
@@ -211,6 +231,15 @@ def _init_keywords(cls) -> set[str]:
         if not any(p.kind == p.VAR_KEYWORD for p in params) or klass is nn.Module:
             break
     return names
+
+
+def check_decodes(mechanism) -> None:
+    """Refuse a KV cache for a mechanism whose rows depend on the rest of the call."""
+    if not getattr(mechanism, "decodes", True):
+        raise ValueError(
+            f"cache: mechanism {mechanism.name!r} cannot decode with a cache: {mechanism.decode_note} "
+            "Run every step on the whole sequence (no cache) instead."
+        )
 
 
 def _present(call: dict) -> dict:

@@ -5,7 +5,10 @@ values for softmax-like mechanisms, the compressed latent and rotary key for MLA
 for mechanisms with ``recurrent = True`` (linear attention), the fixed-size state the
 mechanism returns (``mech(..., initial_state=state, return_state=True)``). Either way the
 layer asks the same object, and ``length`` counts the tokens seen, which is where the
-next token's position starts.
+next token's position starts. A mechanism with ``cache_state = True`` also keeps what
+its earlier queries leave behind in ``decode_state``, beside its keys and values
+(selective attention: the selection F per cached key; multi-token attention: the last
+queries its convolution looks back to), batch rows first.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ class LayerCache:
     def __init__(self):
         self.tensors: dict[str, Tensor] = {}
         self.state = None
+        #: what a ``cache_state`` mechanism returned after the cached tokens (batch first), or None
+        self.decode_state: Tensor | None = None
         self.length = 0
 
     def extend(self, **new: Tensor) -> dict[str, Tensor]:
@@ -48,6 +53,8 @@ class LayerCache:
     def select(self, index: Tensor) -> None:
         """Keep batch rows ``index`` (beam search reordering, dropping finished rows)."""
         self.tensors = {k: t.index_select(0, index.to(t.device)) for k, t in self.tensors.items()}
+        if self.decode_state is not None:
+            self.decode_state = self.decode_state.index_select(0, index.to(self.decode_state.device))
         if self.state is not None:
             self.state = self.state.select(index)
 

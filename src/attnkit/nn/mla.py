@@ -130,7 +130,14 @@ class LatentAttention(nn.Module):
         if absorb:
             return self.absorbed(q_nope, q_rope, latent, k_rope, call)
         k, v = self.expand(latent, k_rope)
-        return attention(torch.cat((q_nope, q_rope), dim=-1), k, v, mechanism=mechanism, **call)
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        if cache is not None and getattr(mechanism, "cache_state", False):
+            # What earlier queries left (selective attention's F...), as in Attention.
+            initial = mechanism.initial_state_for(cache.decode_state, x.shape[1])
+            present = {name: value for name, value in call.items() if value is not None}
+            out, cache.decode_state = mechanism(q, k, v, initial_state=initial, return_state=True, **present)
+            return out
+        return attention(q, k, v, mechanism=mechanism, **call)
 
     def absorbed(self, q_nope: Tensor, q_rope: Tensor, latent: Tensor, k_rope: Tensor, call: dict) -> Tensor:
         """Attention against the latent: q_C . (W_UK c) = (W_UK^T q_C) . c, and

@@ -126,7 +126,7 @@ class Block(nn.Module):
             c.d_model, c.n_heads, c.n_kv_heads, head_dim, mechanism=c.layer_value("mechanism", i), rope=rope,
             qk_norm=c.qk_norm, gate=c.gate, sinks=bool(c.layer_value("sinks", i)), bias=c.bias, dropout=c.dropout, latent=c.latent,
             window=c.layer_value("window", i), alibi=c.positions == "alibi",
-            mechanism_params=dict(c.layer_value("mechanism_params", i) or {}), norm_eps=c.norm_eps,
+            mechanism_params=dict(c.layer_value("mechanism_params", i) or {}), norm_eps=c.norm_eps, context=c.max_len,
         )
         self.mlp_norm = nn.RMSNorm(c.d_model, eps=c.norm_eps)
         self.mlp = SwiGLU(c.d_model, c.ff_dim, c.bias)

@@ -71,10 +71,23 @@ class Performer(_Preset):
 @register("cosformer")
 class CosFormer(_Preset):
     """cosFormer (Qin et al. 2022): ReLU features re-weighted by cos(π/2·(i-j)/M), normalised.
-    Pass ``feature_map=CosReweight(max_len)`` for calls with states."""
+
+    ``context`` fixes the horizon M (same as ``feature_map=CosReweight(context)``): then
+    every call — a prefix, the full sequence, cached or stateful decoding — re-weights a
+    pair at distance i - j the same way. Without it M is the length of each call (the
+    paper's choice), so a prefix call differs from the full call's rows and calls with
+    states are refused. ``attnkit.hf.use`` passes the config's ``max_position_embeddings``
+    and ``attnkit.nn.TransformerLM`` its ``max_len``."""
 
     paper = "arXiv:2202.08791"
     defaults: ClassVar[dict] = {"feature_map": lambda: CosReweight(), "normalize": True}
+
+    def __init__(self, context: int | None = None, **overrides):
+        if context is not None:
+            if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+                raise ValueError(f"cosformer(context): expected an int >= 1 (the horizon M) or None, got {context!r}")
+            overrides.setdefault("feature_map", CosReweight(context))
+        super().__init__(**overrides)
 
 
 @register("fast_weight")
