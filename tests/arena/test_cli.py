@@ -78,19 +78,120 @@ def test_resume_continues_from_checkpoints(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["mqar", "--mechanisms", "nope"], "unknown mechanism"),
-    (["mqar", "--param", "pairs=3"], "has no pairs"),
-    (["mqar", "--param", "oops"], "KEY=VALUE"),
-    (["associative", "--layers", "2"], "1-layer probe"),
-    (["mqar", "--d-model", "6"], "multiple of heads"),
-    (["mqar", "--d-model", "a,b"], "comma-separated integers"),
-    (["mqar", "--target", "high"], "--target"),
-    (["mqar", "--seeds", "0"], "--seeds"),
-    (["associative", "--mechanisms", "softmax,nsa"], "nsa cannot run the associative task"),  # before any training
+    (["mqar", "--heads", "0"], "--heads: expected a positive integer, got '0'"),  # was a ZeroDivisionError
+    (["mqar", "--heads", "-2"], "--heads: expected a positive integer"),
+    (["mqar", "--heads", "two"], "--heads: expected a positive integer"),
+    (["mqar", "--layers", "0"], "--layers: expected a positive integer"),
+    (["mqar", "--seeds", "0"], "--seeds: expected a positive integer"),
+    (["mqar", "--steps", "0"], "--steps: expected a positive integer"),
+    (["mqar", "--batch-size", "-1"], "--batch-size: expected a positive integer"),
+    (["mqar", "--eval-every", "0"], "--eval-every: expected a positive integer"),
+    (["mqar", "--eval-examples", "0"], "--eval-examples: expected a positive integer"),
+    (["mqar", "--checkpoint-every", "0"], "--checkpoint-every: expected a positive integer"),
+    (["mqar", "--threads", "0"], "--threads: expected a positive integer"),
+    (["mqar", "--lr", "0"], "--lr: expected a positive finite number"),
+    (["mqar", "--lr", "nan"], "--lr: expected a positive finite number"),
+    (["mqar", "--lr", "fast"], "--lr: expected a positive number"),
+    (["mqar", "--target", "high"], "--target: expected an accuracy in (0, 1] or 'none'"),
+    (["mqar", "--target", "1.5"], "--target: expected an accuracy in (0, 1]"),
+    (["mqar", "--target", "0"], "--target: expected an accuracy in (0, 1]"),
+    (["mqar", "--d-model", "a,b"], "--d-model: expected comma-separated integers"),
+    (["mqar", "--d-model", "64,0"], "--d-model: expected positive integers"),
+    (["mqar", "--d-model", "6"], "--d-model: each width must be a multiple of heads=4"),
+    (["mqar", "--d-model", "6", "--heads", "4"], "--d-model: each width must be a multiple of heads=4 (--heads), got 6"),
+    (["mqar", "--seq-len", "0"], "--seq-len: expected positive integers"),
+    (["mqar", "--seq-len", "64,4"], "--seq-len: 4 does not fit the mqar task"),
+    (["mqar", "--mechanisms", "nope"], "--mechanisms: unknown mechanism 'nope'"),
+    (["mqar", "--mechanisms", "softmax:bogus=1"], "--mechanisms: softmax has no parameter 'bogus'"),  # was a TypeError
+    (["mqar", "--mechanisms", "deltanet:gate=1"], "--mechanisms: deltanet has no parameter 'gate'"),
+    (["mqar", "--mechanisms", "deltanet:heads=2"], "--mechanisms: 'heads' in 'deltanet:heads=2' is set by the model"),
+    (["mqar", "--mechanisms", "linear:rule"], "--mechanisms: expected name:key=value"),
+    (["mqar", "--mechanisms", "softmax,softmax"], "--mechanisms: each may appear once"),
+    (["mqar", "--mechanisms", ","], "--mechanisms: expected a comma-separated list"),
+    (["mqar", "--mechanisms", "linear:rule=bogus", "--d-model", "8"], "--mechanisms: linear:rule=bogus cannot run the mqar task: rule:"),
+    (["associative", "--mechanisms", "softmax,nsa"], "--mechanisms: nsa cannot run the associative task"),  # before any training
+    (["mqar", "--param", "pairs=3"], "--param: mqar has no pairs"),
+    (["mqar", "--param", "oops"], "--param: expected KEY=VALUE"),
+    (["mqar", "--param", "seq_len=3"], "--param: seq_len: expected an int >= 4"),
+    (["mqar", "--param", "num_kv_pairs=[1,2,3]"], "--param: num_kv_pairs: expected an int or a (low, high) pair"),
+    (["mqar", "--param", "seq_len=64", "--param", "power_a=steep"], "--param: power_a: expected 0 < a <= 1, got 'steep'"),
+    (["associative", "--layers", "2"], "--layers: the associative task is a 1-layer probe, got 2"),
+    (["bogus"], "task: invalid choice: 'bogus'"),
+    (["mqar", "--steps"], "--steps: expected one argument"),
 ])
-def test_bad_input_exits_2_naming_the_problem(tmp_path, capsys, args, message):
-    assert main(["arena", *args, "--out", str(tmp_path / "x"), "--quiet"]) == 2
-    assert message in capsys.readouterr().err
+def test_bad_input_exits_2_naming_the_option(tmp_path, capsys, args, message):
+    out = tmp_path / "x"
+    assert main(["arena", *args, "--out", str(out), "--quiet"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"attnkit arena: error: {message}"), captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+    assert not (out / "results.csv").exists()
+
+
+def test_an_unusable_out_directory_is_refused_before_training(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for out, message in ((afile, f"--out: {afile} exists and is not a directory"),
+                         (afile / "sub", f"--out: cannot create directory {afile / 'sub'}")):
+        assert main(["arena", "mqar", *TINY_MQAR, "--d-model", "8", "--out", str(out)]) == 2
+        captured = capsys.readouterr()
+        assert captured.err.startswith(f"attnkit arena: error: {message}") and "arena mqar" not in captured.err  # no progress
+
+
+def test_a_read_only_out_directory_is_refused(tmp_path, capsys, monkeypatch):
+    """A directory nothing can be written in (root writes everywhere, so the refusal the
+    file system would give is played by the probe file's creation)."""
+    import attnkit.cli.options as options
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real = options.tempfile.TemporaryFile
+
+    def refuse_in_locked(*args, dir=None, **kwargs):
+        if dir is not None and os.path.samefile(dir, locked):
+            raise PermissionError(13, "Permission denied")
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(options.tempfile, "TemporaryFile", refuse_in_locked)
+    assert main(["arena", "mqar", *TINY_MQAR, "--d-model", "8", "--out", str(locked)]) == 2
+    assert capsys.readouterr().err.startswith(f"attnkit arena: error: --out: cannot write in {locked}: Permission denied")
+
+
+def test_the_delta_rule_needs_bounded_keys(tmp_path, capsys):
+    """docs/arena.md: with unbounded elu+1 features the delta rule's state overflows on the
+    pre-training check; the L2-normalised map trains."""
+    # the task's default length (64) and a width of 32: the check runs two examples, no training
+    assert main(["arena", "mqar", "--d-model", "32", "--mechanisms", "linear:rule=delta:feature_map=elu+1",
+                 "--out", str(tmp_path / "a"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("attnkit arena: error: --mechanisms: linear:rule=delta:feature_map=elu+1 cannot run the mqar task")
+    assert "overflow" in err
+    assert not (tmp_path / "a" / "results.csv").exists()
+    assert main(["arena", "mqar", *TINY_MQAR, "--d-model", "8", "--heads", "2", "--layers", "1", "--quiet", "--no-plots",
+                 "--mechanisms", "linear:rule=delta:feature_map=silu+l2", "--out", str(tmp_path / "b")]) == 0
+    rows = read_csv(tmp_path / "b" / "results.csv")
+    assert rows[0]["mechanism"] == "linear:rule=delta:feature_map=silu+l2" and rows[0]["steps"] == "4"
+    capsys.readouterr()
+
+
+def test_mechanism_specs_check_constructor_keywords():
+    from attnkit.arena.models import MechanismSpec
+
+    spec = MechanismSpec.parse("linear:rule=delta:feature_map=silu+l2:chunk_size=16")
+    assert (spec.name, spec.params) == ("linear", {"rule": "delta", "feature_map": "silu+l2", "chunk_size": 16})
+    assert MechanismSpec.parse("delta:beta=null").params == {"beta": None}  # presets take LinearAttention's keywords
+    assert MechanismSpec.parse("sigmoid:bias=-2").params == {"bias": -2}
+    with pytest.raises(ValueError, match=r"^mechanisms: topk has no parameter 'K' \(in 'topk:K=4'\); it takes k$"):
+        MechanismSpec.parse("topk:K=4")
+    with pytest.raises(ValueError, match="softmax has no parameter 'scale'.*it takes no parameters"):
+        MechanismSpec.parse("softmax:scale=2")
+    with pytest.raises(ValueError, match="'num_heads' in 'talking_heads:num_heads=2' is set by the model"):
+        MechanismSpec.parse("talking_heads:num_heads=2")
+
+
+def test_help_exits_0(capsys):
+    assert main(["arena", "--help"]) == 0
+    assert "--eval-every N" in capsys.readouterr().out
 
 
 def test_plan_orders_runs_and_format_table_averages_seeds():

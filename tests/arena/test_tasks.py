@@ -99,6 +99,13 @@ def test_mqar_query_slots_follow_the_power_law():
         assert abs(observed - expected) < 5 * math.sqrt(expected * (1 - expected) / n), (g, observed, expected)
 
 
+@pytest.mark.parametrize("name, param", [("mqar", "power_a"), ("regression", "tolerance")])
+@pytest.mark.parametrize("value", ["steep", None, True])
+def test_real_valued_parameters_of_the_wrong_type_are_named(name, param, value):
+    with pytest.raises(ValueError, match=param):
+        make_task(name, **{param: value})
+
+
 def test_mqar_pair_counts_are_validated_against_vocabulary_and_length():
     with pytest.raises(ValueError, match="vocab_size"):
         make_task("mqar", vocab_size=16, num_kv_pairs=8)
@@ -171,6 +178,60 @@ def test_induction_repeats_a_segment_of_distinct_tokens_and_asks_the_next_one(re
 def test_induction_needs_a_vocabulary_as_large_as_the_segment():
     with pytest.raises(ValueError, match="vocab_size"):
         make_task("induction", vocab_size=10, seq_len=32)
+
+
+@pytest.mark.parametrize("repeats", [2, 3])
+def test_induction_min_segment_varies_the_copies_length_and_place_among_filler(repeats):
+    task = make_task("induction", vocab_size=20, seq_len=10 * repeats, repeats=repeats, min_segment=3, max_segment=8)
+    N = task.seq_len
+    batch = task.sample(400, gen())
+    lengths, offsets, tails = set(), set(), set()
+    for b in range(400):
+        x, y = batch.inputs[b].tolist(), batch.targets[b].tolist()
+        asked = [p for p in range(N) if y[p] != IGNORE]
+        # The scored positions run from the second copy's start to the last copy's second-to-last token.
+        assert asked == list(range(asked[0], asked[-1] + 1))
+        length = (len(asked) + 1) // (repeats - 1)
+        start = asked[0] - length
+        assert 3 <= length <= 8 and (len(asked) + 1) % (repeats - 1) == 0 and start >= 0
+        segment = x[start:start + length]
+        assert len(set(segment)) == length and x[start:start + repeats * length] == segment * repeats
+        outside = x[:start] + x[start + repeats * length:]
+        assert not set(outside) & set(segment)  # filler never holds a segment token
+        for p in asked:
+            # The induction rule, read off the tokens: every earlier occurrence of x[p] is
+            # followed by the answer.
+            earlier = [j for j in range(p) if x[j] == x[p]]
+            assert earlier and all(x[j + 1] == y[p] for j in earlier)
+        lengths.add(length)
+        offsets.add(start)
+        tails.add(N - start - repeats * length)
+    assert lengths == set(range(3, 9))  # every length of [min_segment, max_segment] comes up
+    assert len(offsets) > 5 and len(tails) > 5  # filler before and after the copies, in varying amounts
+    assert task.segment == 10
+
+
+def test_induction_min_segment_filler_is_drawn_with_replacement():
+    # 14 or more filler tokens from the 17 or 18 symbols outside the segment: drawn with
+    # replacement, nearly every example repeats one (without, none could).
+    task = make_task("induction", vocab_size=20, seq_len=20, min_segment=2, max_segment=3)
+    batch = task.sample(200, gen())
+    repeats_a_filler = 0
+    for x, y in zip(batch.inputs.tolist(), batch.targets.tolist()):
+        segment = {x[p] for p in range(20) if y[p] != IGNORE} | {t for t in y if t != IGNORE}
+        filler = [t for t in x if t not in segment]
+        repeats_a_filler += len(filler) > len(set(filler))
+    assert repeats_a_filler > 180
+
+
+@pytest.mark.parametrize("params, name", [
+    (dict(min_segment=1), "min_segment"), (dict(min_segment=17), "min_segment"), (dict(min_segment=2.5), "min_segment"),
+    (dict(max_segment=8), "max_segment"), (dict(min_segment=4, max_segment=17), "max_segment"),
+    (dict(min_segment=9, max_segment=8), "min_segment"), (dict(min_segment=4, max_segment="8"), "max_segment"),
+])
+def test_induction_bad_segment_range_raises(params, name):
+    with pytest.raises(ValueError, match=f"^{name}"):
+        make_task("induction", vocab_size=32, seq_len=32, **params)
 
 
 # ---------------------------------------------------------------- regression (arXiv 2208.01066)
@@ -277,3 +338,4 @@ def test_needle_evaluates_at_longer_lengths():
         make_task("needle", seq_len=33)
     with pytest.raises(ValueError, match="test_factors"):
         make_task("needle", test_factors=(1, 0))
+

@@ -15,6 +15,7 @@ A mechanism spec is a registered name with optional parameters, written
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass, field
 
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from ..api import attention
-from ..mechanisms import available
+from ..mechanisms import available, mechanism_class
 from ..nn import Block, LearnedPositions, TransformerConfig, TransformerLM, build_mechanism
 from ..nn.transformer import _init_weights
 
@@ -54,7 +55,41 @@ class MechanismSpec:
             if pair is None:
                 raise ValueError(f"mechanisms: expected name:key=value:..., got {text!r}")
             params[pair[0]] = pair[1]
+        check_parameters(name, params, text)
         return cls(text, name, params)
+
+
+#: constructor keywords the model sets from its own sizes (``attnkit.nn.build_mechanism``)
+SIZE_KEYWORDS = ("heads", "num_heads", "head_dim", "kv_heads", "value_dim", "v_dim")
+
+
+def constructor_keywords(cls) -> set[str] | None:
+    """Keyword names ``cls(...)`` accepts, following ``**overrides`` up to the parent
+    constructors they are passed to; None when a constructor takes any keyword."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        if klass in (nn.Module, object):
+            return names
+        params = inspect.signature(init).parameters.values()
+        names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"self"}
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            return names
+    return None
+
+
+def check_parameters(name: str, params: dict, text: str) -> None:
+    """Refuse, before any model is built, a parameter the mechanism's constructor does
+    not take (it would be a TypeError deep inside the first build) or one the model sets."""
+    accepted = constructor_keywords(mechanism_class(name))
+    for key in params:
+        if key in SIZE_KEYWORDS:
+            raise ValueError(f"mechanisms: {key!r} in {text!r} is set by the model (d_model and heads); leave it out")
+        if accepted is not None and key not in accepted:
+            takes = ", ".join(sorted(accepted - set(SIZE_KEYWORDS))) or "no parameters"
+            raise ValueError(f"mechanisms: {name} has no parameter {key!r} (in {text!r}); it takes {takes}")
 
 
 def parse_assignment(item: str) -> tuple[str, object] | None:

@@ -10,6 +10,7 @@ import os
 
 from .figures import write_figures
 from .html import choose_token_heads, render_html
+from .probe import render_probe_html, write_probe_report
 
 
 def write_report(profile, out_dir: str, *, token_heads=None, figures: bool = True, title: str | None = None) -> dict:
@@ -23,4 +24,4 @@ def write_report(profile, out_dir: str, *, token_heads=None, figures: bool = Tru
     return {"html": path, "figures": pngs}
 
 
-__all__ = ["choose_token_heads", "render_html", "write_figures", "write_report"]
+__all__ = ["choose_token_heads", "render_html", "render_probe_html", "write_figures", "write_probe_report", "write_report"]

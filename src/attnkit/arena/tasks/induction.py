@@ -10,6 +10,22 @@ two-layer circuit an induction head implements. The rules:
   answer (needs ``vocab_size >= seq_len / repeats``);
 - the target at position ``p`` is the token at ``p + 1``, for every ``p`` from the start
   of the second copy to the second-to-last position.
+
+At one segment length the copy always sits exactly ``segment`` positions back, and a
+model with relative positions (RoPE) can learn that distance instead of the content
+match (it then fails on every other length). ``min_segment`` takes the distance away:
+
+- each example's segment length is drawn uniformly from ``[min_segment, max_segment]``
+  (``max_segment`` defaults to ``segment = seq_len / repeats``; a smaller one keeps
+  longer segments out of training, to test on lengths never seen),
+  the copies start at a uniform random offset, and the positions before and after
+  them hold filler: tokens drawn with replacement from the vocabulary less the
+  segment's own tokens (so the lookup still has one answer);
+- only positions inside the later copies are scored (from the start of the second copy
+  to the second-to-last token of the last copy), as above.
+
+``min_segment=None`` (the default) is the fixed-length task. ``segment`` stays
+``seq_len / repeats`` either way (the longest segment a prompt of ``seq_len`` holds).
 """
 
 from __future__ import annotations
@@ -26,6 +42,8 @@ class Induction(Task):
     vocab_size: int = 64
     seq_len: int = 64
     repeats: int = 2
+    min_segment: int | None = None
+    max_segment: int | None = None
 
     name = "induction"
     paper = "arXiv:2209.11895"
@@ -38,16 +56,55 @@ class Induction(Task):
             raise ValueError(f"seq_len: must be a multiple of repeats={self.repeats}, got {self.seq_len}")
         if self.vocab_size < self.segment:
             raise ValueError(f"vocab_size: a segment of {self.segment} distinct tokens needs vocab_size >= {self.segment}, got {self.vocab_size}")
+        if self.max_segment is not None:
+            if self.min_segment is None:
+                raise ValueError("max_segment: only with min_segment (segment lengths drawn from [min_segment, max_segment])")
+            check_int(self.max_segment, "max_segment", 2)
+            if self.max_segment > self.segment:
+                raise ValueError(f"max_segment: expected at most seq_len / repeats = {self.segment}, got {self.max_segment}")
+        if self.min_segment is not None:
+            # Two tokens at least: the second copy must ask something.
+            check_int(self.min_segment, "min_segment", 2)
+            if self.min_segment > self.longest:
+                raise ValueError(f"min_segment: expected at most max_segment (default seq_len / repeats) = {self.longest}, "
+                                 f"got {self.min_segment}")
 
     @property
     def segment(self) -> int:
+        """The segment's length (with ``min_segment``: the longest a prompt of ``seq_len`` holds)."""
         return self.seq_len // self.repeats
+
+    @property
+    def longest(self) -> int:
+        """The longest segment training draws (``max_segment``, else ``segment``)."""
+        return self.segment if self.max_segment is None else self.max_segment
 
     def sample(self, n: int, generator: torch.Generator) -> Batch:
         check_count(n)
+        if self.min_segment is not None:
+            return self._sample_varied(n, generator)
         segment = distinct(n, self.segment, self.vocab_size, generator)
         inputs = segment.repeat(1, self.repeats)
         targets = torch.full_like(inputs, IGNORE)
         start = self.segment
         targets[:, start:-1] = inputs[:, start + 1:]
+        return Batch(inputs, targets, targets != IGNORE)
+
+    def _sample_varied(self, n: int, generator: torch.Generator) -> Batch:
+        """Segments of ``[min_segment, max_segment]`` tokens at random offsets among filler."""
+        N, R, V = self.seq_len, self.repeats, self.vocab_size
+        length = torch.randint(self.min_segment, self.longest + 1, (n, 1), generator=generator)
+        span = R * length
+        offset = (torch.rand(n, 1, generator=generator, dtype=torch.float64) * (N - span + 1)).long()
+        # Per example a random order of the vocabulary: its first ``length`` tokens are the
+        # segment, the rest the filler's pool (never a segment token).
+        order = torch.rand(n, V, generator=generator).argsort(dim=1)
+        filler = length + (torch.rand(n, N, generator=generator, dtype=torch.float64) * (V - length)).long()
+        rel = torch.arange(N) - offset  # position relative to the first copy's start
+        inside = (rel >= 0) & (rel < span)
+        index = torch.where(inside, rel.clamp_min(0) % length, filler.clamp_max(V - 1))
+        inputs = order.gather(1, index)
+        targets = torch.full_like(inputs, IGNORE)
+        asked = (rel >= length) & (rel <= span - 2)  # inside a later copy, its next token inside too
+        targets[:, :-1] = torch.where(asked[:, :-1], inputs[:, 1:], IGNORE)
         return Batch(inputs, targets, targets != IGNORE)

@@ -45,7 +45,7 @@ class MQAR(Task):
         check_int(self.seq_len, "seq_len", 4)
         low, high = int_range(self.num_kv_pairs, "num_kv_pairs")
         object.__setattr__(self, "num_kv_pairs", low if low == high else (low, high))
-        if not 0 < self.power_a <= 1:
+        if isinstance(self.power_a, bool) or not isinstance(self.power_a, (int, float)) or not 0 < self.power_a <= 1:
             raise ValueError(f"power_a: expected 0 < a <= 1, got {self.power_a!r}")
         if self.vocab_size // 2 - 1 < high:
             raise ValueError(f"vocab_size: {high} keys need vocab_size >= {2 * high + 2} (keys from [1, V/2)), got {self.vocab_size}")

@@ -1,0 +1,50 @@
+"""Probes: tests of a model's behaviour and its attention side by side, on any local
+transformers model, through attnkit's kernels (no eager attention, O(N) memory).
+
+A probe is a function ``(model, tokenizer, **params) -> ProbeResult``; ``model`` may also
+be a directory (an arena export, any transformers model) or None for the bundled
+all-MiniLM-L6-v2 where the probe fits an encoder.
+
+    from attnkit import probes
+    result = probes.run("heads", "path/to/model")
+    print(result.table("layer", "head", "induction"))
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .model import ProbeModel, as_probe_model, load_probe_model
+from .result import ProbeResult, Table
+from .scoring import string_match_all, string_match_part
+
+#: probe name -> "module:function" inside attnkit.probes (imported on first use)
+PROBES = {
+    "needle": "needle:needle",
+    "kv-retrieval": "kv_retrieval:kv_retrieval",
+    "ruler": "ruler:ruler",
+    "heads": "heads:heads",
+    "position-bias": "position_bias:position_bias",
+    "interference": "interference:interference",
+}
+
+
+def available() -> list[str]:
+    return list(PROBES)
+
+
+def get_probe(name: str):
+    """The probe function registered as ``name``."""
+    if name not in PROBES:
+        raise ValueError(f"probe: unknown probe {name!r}; expected one of {', '.join(PROBES)}")
+    module, function = PROBES[name].split(":")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), function)
+
+
+def run(name: str, model=None, tokenizer=None, **params) -> ProbeResult:
+    """Run probe ``name`` on ``model`` (a model, a directory, or None for the default)."""
+    return get_probe(name)(model, tokenizer, **params)
+
+
+__all__ = ["PROBES", "ProbeModel", "ProbeResult", "Table", "as_probe_model", "available", "get_probe", "load_probe_model",
+           "run", "string_match_all", "string_match_part"]
