@@ -80,6 +80,9 @@ class KeyMask(Mask):
     """Key j of batch row b is visible iff ``keep[b, j]`` (any padding pattern, left or right)."""
 
     batch_dependent = True
+    #: it depends on the key alone: mechanisms without a dense mask (linear attention's
+    #: recurrence) read it as "this key does not exist", as they read attnkit.padding
+    key_only = True
 
     def __init__(self, keep: Tensor):
         if keep.dim() != 2 or keep.dtype != torch.bool:

@@ -60,7 +60,16 @@ class Switch:
     mechanisms: dict[int | None, Mechanism] = field(default_factory=dict)
     #: True when the mechanism is softmax: attnkit's exact kernels run it directly
     plain: bool = False
+    #: the model's context length (config ``max_position_embeddings``), given to mechanisms
+    #: that take ``context`` (sigmoid's n, cosFormer's horizon)
+    context: int | None = None
+    #: per layer, (state, tokens seen) a ``cache_state`` mechanism left after its last call
+    decode_states: dict[int | None, tuple[Tensor, int]] = field(default_factory=dict)
     _layer_of: dict[int, int] = field(default_factory=dict)
+    #: a torch.distributed group: every attention call is sharded over it by sequence
+    #: (attnkit.distributed), with ``context_layout`` cutting the sequence
+    context_parallel: object = None
+    context_layout: str = "zigzag"
 
     def applies_to(self, layer: int | None) -> bool:
         return self.layers is None or layer in self.layers
@@ -76,10 +85,25 @@ class Switch:
         if layer not in self.mechanisms:
             from ..nn.attention import build_mechanism
 
-            mech = build_mechanism(self.mechanism, self.params, q.shape[1], q.shape[-1], k.shape[1], v.shape[-1])
+            mech = build_mechanism(self.mechanism, self.params, q.shape[1], q.shape[-1], k.shape[1], v.shape[-1], self.context)
             # Parameters follow the model's device and float dtype.
             self.mechanisms[layer] = mech.to(device=q.device, dtype=q.dtype)
         return self.mechanisms[layer]
+
+    def decode_state_before(self, layer: int | None, batch: int, past: int, name: str) -> Tensor | None:
+        """The state the layer's previous calls left after ``past`` cached tokens (None for
+        a call without cached keys)."""
+        if past == 0:
+            return None
+        state, seen = self.decode_states.get(layer, (None, 0))
+        if state is None or seen != past or state.shape[0] != batch:
+            held = "none" if state is None else f"one after {seen} tokens for a batch of {state.shape[0]}"
+            raise ValueError(
+                f"mechanism: {name!r} decodes with state its earlier queries leave behind, but this call continues a cache of "
+                f"{past} tokens for a batch of {batch} and the switch holds {held} for layer {layer}; fill the cache (the "
+                "prefill and every step before this one) inside the same attnkit.hf.use block"
+            )
+        return state
 
     def sinks_for(self, layer: int | None, num_heads: int, device) -> Tensor | None:
         sinks = self.sinks
@@ -128,6 +152,8 @@ def use(
     heads: Iterable[int] | None = None,
     observers=None,
     sinks: Tensor | Mapping[int, Tensor] | None = None,
+    context_parallel=None,
+    context_layout: str = "zigzag",
     **params,
 ):
     """Run ``model`` (a transformers >= 5 model) on attnkit inside the ``with`` block.
@@ -149,13 +175,33 @@ def use(
             tagged with its layer index.
         sinks: extra learned sink logits (Hq,), or a mapping layer -> (Hq,); they join
             the model's own sinks, if it has any. Gradients reach them.
+        context_parallel: a torch.distributed process group: every attention call is
+            sharded over it by sequence (``attnkit.distributed``). Each rank passes its
+            shard of ``input_ids`` (``attnkit.distributed.shard(ids, 1, group,
+            context_layout)``), the global ``position_ids`` of those tokens
+            (``attnkit.distributed.positions``) and ``use_cache=False``; no padding mask.
+            Its logits are its shard of the single-process logits (training too).
+        context_layout: "zigzag" (default) or "contiguous", as in ``attnkit.distributed``.
 
     The model's own behaviour — its scaling, sliding-window layers, logit soft-capping,
     sinks and position biases — is carried over from what it passes, not dropped.
+    Padded slots (of a padding mask) are zeroed before any mechanism sees them, so
+    NaN or inf there never reaches an output. A mechanism whose constructor takes
+    ``context`` (sigmoid's n of b = -log n, cosFormer's horizon M) gets the config's
+    ``max_position_embeddings`` unless ``params`` set it, so prefix, full and cached
+    calls agree. Decoding with ``use_cache`` works for every mechanism but those with
+    ``decodes = False`` (``hyper_attention``, ``block_sparse``), which refuse a cache
+    with a ValueError. What earlier queries leave behind (selective attention's F,
+    multi-token attention's last queries) is kept in the switch, so the prefill and
+    the decoding steps of one generation belong in one ``with`` block.
     Yields the ``Switch``, whose ``mechanisms`` maps layers to the mechanisms built.
     """
     _check_model(model)
     switch = _make_switch(model, mechanism, mask, score, layers, heads, observers, sinks, params)
+    if context_parallel is not None:
+        from ..distributed.layout import check_layout
+
+        switch.context_parallel, switch.context_layout = context_parallel, check_layout(context_layout)
     register()
     configs = _configs(model)
     saved_impl = {id(c): (c, c._attn_implementation_internal) for c in configs}
@@ -228,7 +274,7 @@ def _make_switch(model, mechanism, mask, score, layers, heads, observers, sinks,
     if sinks is not None and not isinstance(sinks, (Tensor, Mapping)):
         raise ValueError(f"sinks: expected a tensor (Hq,) or a mapping layer -> tensor, got {type(sinks).__name__}")
     return Switch(model, mechanism, dict(params), user_mask, user_score, layer_set, head_list,
-                  list(observers) if observers else None, sinks, plain=plain)
+                  list(observers) if observers else None, sinks, plain=plain, context=_text_config_int(model, "max_position_embeddings"))
 
 
 def _validate_named(model, mechanism: str, params: dict) -> Mechanism:
@@ -242,7 +288,7 @@ def _validate_named(model, mechanism: str, params: dict) -> Mechanism:
         return get_mechanism(mechanism, **params)
     kv_heads = _text_config_int(model, "num_key_value_heads") or heads
     head_dim = _text_config_int(model, "head_dim") or (hidden // heads if hidden else 64)
-    return build_mechanism(mechanism, params, heads, head_dim, kv_heads, head_dim)
+    return build_mechanism(mechanism, params, heads, head_dim, kv_heads, head_dim, _text_config_int(model, "max_position_embeddings"))
 
 
 def _text_config_int(model, name: str) -> int | None:
