@@ -2,7 +2,7 @@
 
     python benchmarks/run.py [SUITE ...] [--quick] [--json out.json]
 
-SUITE is one of ``attnkit.bench.SUITES`` (kernels, hf, inspect, linear, sparse, mechanisms).
+SUITE is one of ``attnkit.bench.SUITES`` (kernels, hf, inspect, linear, sparse, mechanisms, probes).
 """
 
 import sys

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..bench import SUITES, format_table, machine_info, run_suite, suite_module, write_json
+from .options import output_file
 from .progress import Progress
 
 
@@ -17,7 +18,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    suites = args.suite or list(SUITES)
+    if args.json:
+        output_file(args.json, "--json")  # before minutes of timing, not after
+    suites = list(dict.fromkeys(args.suite or SUITES))  # a suite named twice runs once
     rows = []
     for name in suites:
         progress = Progress(suite_module(name).STEPS, f"bench {name}", enabled=not args.quiet)

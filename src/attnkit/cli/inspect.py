@@ -14,6 +14,7 @@ import warnings
 from collections import Counter
 
 from ..observe import LABELS, METERS
+from .options import options_named, output_dir, positive_int, read_utf8
 from .progress import Progress
 
 
@@ -33,8 +34,8 @@ def add_parser(sub) -> None:
     p.add_argument("--span", action="append", metavar="NAME=START:END", help="a named span of token positions for the spans meter (repeatable)")
     p.add_argument("--token-heads", metavar="L.H,...", help="heads shown in the token view, e.g. 0.3,2.7 (default: the clearest of each class)")
     p.add_argument("--mechanism", default="softmax", help="attention mechanism to run the model with (default: softmax)")
-    p.add_argument("--top-k", type=int, default=8, metavar="K", help="keys kept per query for the token view (default: 8)")
-    p.add_argument("--max-tokens", type=int, metavar="N", help="truncate longer inputs to N tokens (with a warning)")
+    p.add_argument("--top-k", type=positive_int, default=8, metavar="K", help="keys kept per query for the token view (default: 8)")
+    p.add_argument("--max-tokens", type=positive_int, metavar="N", help="truncate longer inputs to N tokens (with a warning)")
     p.add_argument("--out", default="attnkit-report", metavar="DIR", help="output directory (default: ./attnkit-report)")
     p.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
     p.add_argument("--json", action="store_true", help="print a JSON summary (paths, tokens, head classes) instead of text")
@@ -53,7 +54,7 @@ def parse_indices(spec: str | None, name: str) -> list[int] | None:
             if "-" in part:
                 a, b = part.split("-", 1)
                 lo, hi = int(a), int(b)
-                if hi < lo:
+                if hi < lo or hi - lo > 100_000:  # no model has that many layers or heads
                     raise ValueError
                 out += range(lo, hi + 1)
             else:
@@ -72,9 +73,12 @@ def parse_queries(spec: str | None) -> tuple[int | None, int | None] | None:
     try:
         if not sep:
             raise ValueError
-        return (int(lo) if lo.strip() else None, int(hi) if hi.strip() else None)
+        lo, hi = (int(lo) if lo.strip() else None, int(hi) if hi.strip() else None)
     except ValueError:
         raise ValueError(f"--queries: expected LO:HI token positions (either may be empty, negative counts from the end), got {spec!r}") from None
+    if lo is not None and hi is not None and (lo < 0) == (hi < 0) and lo >= hi:
+        raise ValueError(f"--queries: LO:HI selects no query (HI is exclusive and must exceed LO), got {spec!r}")
+    return lo, hi
 
 
 def parse_spans(specs: list[str] | None) -> dict | None:
@@ -115,27 +119,40 @@ def read_text(args) -> str:
         return args.prompt
     if args.text is None:
         return sample_text()
-    if not os.path.isfile(args.text):
-        raise FileNotFoundError(f"--text: no such file: {args.text}")
-    with open(args.text, encoding="utf-8") as f:
-        return f.read()
+    return read_utf8(args.text, "--text")
 
 
 def run(args) -> int:
+    layers, heads = parse_indices(args.layers, "--layers"), parse_indices(args.heads, "--heads")
+    queries, spans, token_heads = parse_queries(args.queries), parse_spans(args.span), parse_heads(args.token_heads)
+    if args.meters and "spans" in args.meters and not spans:
+        raise ValueError("--meters spans: needs at least one --span NAME=START:END")
+    source = "--prompt" if args.prompt is not None else "--text"
+    text = read_text(args)
+    if not text.strip():
+        raise ValueError(f"{source}: the text is empty")
+    from ..mechanisms import available
+
+    if args.mechanism not in available():
+        raise ValueError(f"--mechanism: unknown mechanism {args.mechanism!r}; registered: {', '.join(available())}")
+    output_dir(args.out)
+    # The library's errors name its arguments; on the command line they are options.
+    names = {"mechanism": "--mechanism", "layers": "--layers", "heads": "--heads", "queries": "--queries", "spans": "--span",
+             "meters": "--layers/--heads/--queries", "max_tokens": "--max-tokens", "top_k": "--top-k", "token_heads": "--token-heads"}
+    if args.model is not None:
+        names["model"] = "--model"
+    if args.prompt is not None or args.text is not None:
+        names["inputs"] = source
+    with options_named(names):
+        return measure(args, text, layers, heads, queries, spans, token_heads)
+
+
+def measure(args, text: str, layers, heads, queries, spans, token_heads) -> int:
     from .. import hf
     from ..inspect import inspect, load_local_model
     from ..inspect.run import model_shape
     from ..report import write_report
 
-    layers, heads = parse_indices(args.layers, "--layers"), parse_indices(args.heads, "--heads")
-    queries, spans, token_heads = parse_queries(args.queries), parse_spans(args.span), parse_heads(args.token_heads)
-    if args.meters and "spans" in args.meters and not spans:
-        raise ValueError("--meters spans: needs at least one --span NAME=START:END")
-    if args.top_k < 1:
-        raise ValueError(f"--top-k: expected an int >= 1, got {args.top_k}")
-    text = read_text(args)
-    if not text.strip():
-        raise ValueError(f"{'--prompt' if args.prompt is not None else '--text'}: the text is empty")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own progress line is the one on stderr
@@ -154,7 +171,6 @@ def run(args) -> int:
         if "truncated" in str(w.message):
             print(f"attnkit inspect: warning: {w.message}", file=sys.stderr)
     profile.meta["model"] = name
-    os.makedirs(args.out, exist_ok=True)
     paths = write_report(profile, args.out, token_heads=token_heads, figures=not args.no_figures, title=f"attnkit inspect — {name}")
     paths["csv"] = os.path.join(args.out, "profile.csv")
     paths["json"] = os.path.join(args.out, "profile.json")
