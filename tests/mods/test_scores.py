@@ -99,11 +99,11 @@ def test_affine_form_splits_scales_and_biases():
 def test_alibi_separable_form_equals_dense_bias():
     mod = ak.alibi(4).bind(1, 4, 8, 8)
     h, q, k = torch.arange(4), torch.arange(20, 28), torch.arange(0, 20)
-    row, col = mod.separable(h, q, k, "left")
+    row, col = mod.separable(None, h, q, k, "left")
     dense = mod.bias(None, h.view(1, -1, 1, 1), q.view(1, 1, -1, 1), k.view(1, 1, 1, -1))[0]
     torch.testing.assert_close(row[:, :, None] + col[:, None, :], dense)
     k = torch.arange(30, 40)
-    row, col = mod.separable(h, q, k, "right")
+    row, col = mod.separable(None, h, q, k, "right")
     dense = mod.bias(None, h.view(1, -1, 1, 1), q.view(1, 1, -1, 1), k.view(1, 1, 1, -1))[0]
     torch.testing.assert_close(row[:, :, None] + col[:, None, :], dense)
 

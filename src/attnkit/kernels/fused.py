@@ -82,10 +82,11 @@ def segment_inputs(
     if seg.kind == FULL_SEG:
         q_first, q_last = q_start + block.q0, q_start + block.q1 - 1
         side = "left" if seg.k1 - 1 <= q_first else "right" if seg.k0 >= q_last else None
-        parts = affine.separable_bias(tile.h_flat, tile.q_flat, tile.k_flat, side) if side else None
+        parts = affine.separable_bias(tile.b.view(-1), tile.h_flat, tile.q_flat, tile.k_flat, side) if side else None
         if parts is not None:
             row, col = parts
-            return SegmentInputs(attn_mask=col.to(mask_dtype)[None, :, None, :], row_shift=row[None],
+            per_key = col[None, :, None, :] if col.dim() == 2 else col[:, :, None, :]
+            return SegmentInputs(attn_mask=per_key.to(mask_dtype), row_shift=row[None],
                                  dead_rows=_dead_separable(row, col))
         attn_mask = affine.dense_bias(tile.b, tile.h, tile.q, tile.k).to(mask_dtype)
         return SegmentInputs(attn_mask=attn_mask, dead_rows=_dead_rows(attn_mask))
@@ -100,7 +101,8 @@ def segment_inputs(
 
 def _dead_separable(row: Tensor, col: Tensor) -> Tensor | None:
     """``_dead_rows`` of the bias ``row[:, :, None] + col[:, None, :]`` without forming it."""
-    dead = (torch.isneginf(row) | torch.isneginf(col).all(dim=-1, keepdim=True))[None]
+    dead = torch.isneginf(row) | torch.isneginf(col).all(dim=-1, keepdim=True)
+    dead = dead if dead.dim() == 3 else dead[None]
     return dead if bool(dead.any()) else None
 
 

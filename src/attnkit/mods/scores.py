@@ -93,10 +93,11 @@ class Bias(ScoreMod):
     def bias(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         raise NotImplementedError
 
-    def separable(self, h: Tensor, q_idx: Tensor, kv_idx: Tensor, side: str) -> tuple[Tensor, Tensor] | None:
+    def separable(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor, side: str) -> tuple[Tensor, Tensor] | None:
         """(row, col) with bias == row[..., :, None] + col[..., None, :] for every pair in
-        the tile, when every key is on ``side`` ("left": kv <= q, "right": kv >= q) of
-        every query; None when the bias has no such form. Shapes (H|1, len)."""
+        the tile of batch rows ``b``, when every key is on ``side`` ("left": kv <= q,
+        "right": kv >= q) of every query; None when the bias has no such form. Shapes:
+        row (H|1, BQ), col (H|1, span) or (Bt, H|1, span) for a bias that differs by row."""
         return None
 
     def __call__(self, s, b, h, q_idx, kv_idx):
@@ -248,7 +249,7 @@ class ALiBi(Bias):
     def bias(self, b, h, q_idx, kv_idx):
         return -self.slopes[h].double() * (q_idx - kv_idx).abs().double()
 
-    def separable(self, h, q_idx, kv_idx, side):
+    def separable(self, b, h, q_idx, kv_idx, side):
         # Measured from the first query of the tile so that terms stay small and the
         # sum keeps full float precision near the diagonal.
         origin = q_idx[0]
@@ -413,11 +414,12 @@ class AffineForm:
             out = t if out is None else out + t
         return out
 
-    def separable_bias(self, h, q_idx, kv_idx, side) -> tuple[Tensor, Tensor] | None:
-        """(row (H|1, BQ), col (H|1, span)) or None; q_idx and kv_idx are 1-D positions."""
+    def separable_bias(self, b, h, q_idx, kv_idx, side) -> tuple[Tensor, Tensor] | None:
+        """(row (H|1, BQ), col (H|1, span) or (Bt, H|1, span)) or None; b, h, q_idx and
+        kv_idx are 1-D."""
         row = col = None
         for bias, later in self.terms:
-            parts = bias.separable(h, q_idx, kv_idx, side)
+            parts = bias.separable(b, h, q_idx, kv_idx, side)
             if parts is None or not all(s.per_head for s in later):
                 return None
             r, c = parts

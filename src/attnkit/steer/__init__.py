@@ -1,0 +1,26 @@
+"""``attnkit.steer``: training-free interventions on attention, applied through attnkit's
+attention function (score mods and output transforms inside the kernels, never a
+materialised attention matrix).
+
+    with attnkit.steer.apply(model, steer.emphasize([(3, 7)], {1: [0, 2]}, alpha=0.01)):
+        out = model(ids)
+"""
+
+from .apply import Steering, apply
+from .base import Intervention
+from .calibrate import PositionCalibration, calibrate_positions
+from .contrastive import contrastive_generate, inducing_heads
+from .emphasize import Emphasize, emphasize
+from .head_ops import Ablate, Disperse, Scale, Temperature, ablate, disperse, scale, temperature
+from .prune import LayerPruning, coupling_scores, prune_layers
+from .rerank import rerank
+from .selection import HeadRanking, profile_heads, rank_heads
+from .targets import resolve_heads
+
+__all__ = [
+    "apply", "Steering", "Intervention", "resolve_heads",
+    "emphasize", "Emphasize", "ablate", "Ablate", "scale", "Scale", "temperature", "Temperature",
+    "disperse", "Disperse", "contrastive_generate", "inducing_heads",
+    "calibrate_positions", "PositionCalibration", "prune_layers", "LayerPruning", "coupling_scores",
+    "rerank", "rank_heads", "profile_heads", "HeadRanking",
+]
