@@ -48,6 +48,8 @@ def test_every_key_is_updated_n_times_and_the_answer_is_the_last_value(tiny, n):
         for key in keys:
             values = [v for k, v in updates if k == key]
             assert len(values) == n and len(set(values)) == n  # n distinct values per key
+        # distinct over the whole stream: naming another key's value never scores
+        assert len({v for _, v in updates}) == len(updates)
         history = [v for k, v in updates if k == asked]
         assert it.answer == history[-1] and it.extra["stale"] == history[:-1]
         (s, e), = it.spans["last"]

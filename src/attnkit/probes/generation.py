@@ -12,7 +12,7 @@ and the rows that produce the answer are positions ``P - 1`` onwards in every ro
 from __future__ import annotations
 
 import inspect as _pyinspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,9 @@ class Generation:
     prompts: Prompts
     tokens: Tensor
     texts: list[str]
+    #: per batch row, the tokens it generated up to and including its end-of-sequence
+    #: token: its answer's query rows (the last prompt row and steps - 1 decoding rows)
+    steps: list[int] = field(default_factory=list)
 
 
 def pad_id(tokenizer) -> int:
@@ -102,6 +105,10 @@ def greedy_generate(model, tokenizer, prompts, max_new_tokens: int, *, observers
                 done |= token == eos
             if bool(done.all()) or step == max_new_tokens - 1:
                 break
+            # a finished row is still decoded with its batch; meters that can, stop counting it
+            for observer in observers or ():
+                if hasattr(observer, "set_active"):
+                    observer.set_active(~done)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             positions = positions[:, -1:] + 1
             kwargs = {"input_ids": token[:, None], "attention_mask": mask, "use_cache": True, cache_arg: _cache_of(out)}
@@ -109,8 +116,10 @@ def greedy_generate(model, tokenizer, prompts, max_new_tokens: int, *, observers
                 kwargs["position_ids"] = positions
             out = model(**kwargs)
     tokens = torch.stack(produced, dim=1)
-    texts = [decode(tokenizer, row, eos) for row in tokens.tolist()]
-    return Generation(batch, tokens, texts)
+    rows = tokens.tolist()
+    texts = [decode(tokenizer, row, eos) for row in rows]
+    steps = [row.index(eos) + 1 if eos is not None and eos in row else len(row) for row in rows]
+    return Generation(batch, tokens, texts, steps)
 
 
 def _cache_of(out):

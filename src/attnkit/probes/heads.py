@@ -46,6 +46,8 @@ from .target_mass import TargetMass
 
 Tensor = torch.Tensor
 
+#: heads ``meta["top"]`` lists per score unless ``top`` says otherwise (fewer on a smaller model)
+DEFAULT_TOP = 5
 SCORES = ("previous_token", "duplicate_token", "induction", "retrieval", "sink")
 _TITLES = {"previous_token": "previous-token score", "duplicate_token": "duplicate-token score",
            "induction": "induction score (repeated random tokens)", "retrieval": "retrieval score (Wu et al.)",
@@ -266,7 +268,7 @@ def retrieval_scores(pm, prompts, spans, answers, batch_size: int, progress) -> 
 
 
 def heads(model=None, tokenizer=None, *, length: int | None = None, repeats: int | None = None, samples: int = 8,
-          needle: int | None = None, context: int | None = None, scores: list[str] | None = None, top: int = 5, seed: int = 0,
+          needle: int | None = None, context: int | None = None, scores: list[str] | None = None, top: int | None = None, seed: int = 0,
           progress=None, batch_size: int = 8) -> ProbeResult:
     """Score every (layer, head) of a causal LM as previous-token, duplicate-token,
     induction, retrieval and sink head (see the module docstring for the definitions).
@@ -281,7 +283,8 @@ def heads(model=None, tokenizer=None, *, length: int | None = None, repeats: int
         context: tokens per retrieval prompt (``--context``; default: 128, the task's
             ``seq_len`` or the model's positions, less the tokens copied).
         scores: which scores to compute (``--scores``; default all of ``SCORES``).
-        top: how many heads ``meta["top"]`` lists per score (``--top``).
+        top: how many heads ``meta["top"]`` lists per score (``--top``; default 5, or every
+            head of a model with fewer).
 
     Rows: metric = score name, at (layer, head). ``meta["copy_accuracy"]``: fraction of
     needle tokens the model copied right during the retrieval prompts."""
@@ -296,7 +299,7 @@ def heads(model=None, tokenizer=None, *, length: int | None = None, repeats: int
     if progress is not None and not callable(progress):
         raise ValueError(f"progress: expected a callable taking a line of text, got {type(progress).__name__}")
     n_heads = pm.layers * pm.heads
-    top = _int(top, "--top", 1, "how many heads to list per score")
+    top = min(DEFAULT_TOP, n_heads) if top is None else _int(top, "--top", 1, "how many heads to list per score")
     if top > n_heads:
         raise ValueError(f"--top: expected at most the model's {n_heads} heads ({pm.layers} layers x {pm.heads}), got {top}")
 

@@ -6,7 +6,7 @@ true; the earlier ones interfere, and in the paper accuracy falls roughly log-li
 as ``n`` grows, with the wrong answers drifting to earlier values.
 
 The probe's rules: ``keys`` keys (one is asked, the others interleave with it), each
-updated ``n`` times with values distinct per key; the updates of all keys come in a
+updated ``n`` times with values distinct over the stream; the updates of all keys come in a
 random order; the asked key is drawn per sample. From the same greedy run, a
 ``RowSpanMass`` meter measures how much attention the answer's query rows put on the
 asked key's last value and on its stale (earlier) values, per layer and head.
@@ -27,10 +27,9 @@ import random
 import time
 
 from .haystack import encode
-from .model import as_probe_model
 from .result import ProbeResult
 from .retrieval import (Item, add_accuracy_rows, add_mass_rows, arena_symbols, check_int, check_ints,
-                        check_max_positions, check_progress, check_seed, examples, run_items, score)
+                        check_max_positions, check_run, examples, run_items, score)
 
 DEFAULT_UPDATES = (1, 2, 4, 8)
 INTRO = "Below is a stream of updates, one per line: each sets a key to a new value. Only the latest value of a key counts."
@@ -52,16 +51,10 @@ def interference(model=None, tokenizer=None, *, updates=DEFAULT_UPDATES, keys: i
         batch_size: prompts per forward pass
         max_new_tokens: default the answer's tokens + 4 (1 on an arena export)"""
     start = time.perf_counter()
-    pm = as_probe_model(model, tokenizer)
-    pm.require("causal", "interference")
+    pm, samples, seed, batch_size, say, max_new_tokens = check_run(model, tokenizer, "interference", samples, seed, batch_size,
+                                                               progress, max_new_tokens)
     updates = check_ints(updates, "--updates", 1)
     keys = check_int(keys, "--keys")
-    samples = check_int(samples, "--samples")
-    seed = check_seed(seed)
-    batch_size = check_int(batch_size, "--batch-size")
-    say = check_progress(progress)
-    if max_new_tokens is not None:
-        max_new_tokens = check_int(max_new_tokens, "--max-new-tokens")
     params = {"updates": updates, "keys": keys, "samples": samples, "seed": seed, "batch_size": batch_size,
               "max_new_tokens": max_new_tokens}
     if pm.task is not None:
@@ -107,10 +100,16 @@ def interference(model=None, tokenizer=None, *, updates=DEFAULT_UPDATES, keys: i
 
 
 def _stream(rng: random.Random, names: list, values: list, keys: int, n: int):
-    """(asked key, updates as (key, value) in stream order): every key set n times to
-    values distinct per key, in a random order."""
+    """(asked key, updates as (key, value) in stream order): every key set n times, in a
+    random order. Values are distinct over the whole stream where there are enough (so
+    an answer naming another key's value never scores), else distinct per key (the few
+    value symbols of an arena task)."""
     chosen = rng.sample(names, keys)
-    per_key = {k: rng.sample(values, n) for k in chosen}
+    if len(values) >= keys * n:
+        drawn = rng.sample(values, keys * n)
+        per_key = {k: drawn[i * n:(i + 1) * n] for i, k in enumerate(chosen)}
+    else:
+        per_key = {k: rng.sample(values, n) for k in chosen}
     order = [k for k in chosen for _ in range(n)]
     rng.shuffle(order)
     used = {k: 0 for k in chosen}

@@ -22,10 +22,9 @@ import time
 import uuid
 
 from .haystack import encode
-from .model import as_probe_model
 from .result import ProbeResult
-from .retrieval import (Item, add_accuracy_rows, add_mass_rows, arena_symbols, check_fractions, check_int, check_ints,
-                        check_max_positions, check_progress, check_seed, examples, run_items)
+from .retrieval import (Item, add_accuracy_rows, add_mass_rows, arena_symbols, check_fractions, check_ints,
+                        check_max_positions, check_run, examples, run_items)
 
 DEFAULT_PAIRS = (10,)
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -45,15 +44,9 @@ def kv_retrieval(model=None, tokenizer=None, *, pairs: list[int] | None = None, 
         batch_size: prompts per forward pass
         max_new_tokens: tokens to generate (default the answer's tokens + 4; 1 on an arena export)"""
     start = time.perf_counter()
-    pm = as_probe_model(model, tokenizer)
-    pm.require("causal", "kv-retrieval")
+    pm, samples, seed, batch_size, say, max_new_tokens = check_run(model, tokenizer, "kv-retrieval", samples, seed, batch_size,
+                                                               progress, max_new_tokens)
     depths = check_fractions(depths, "--depths")
-    samples = check_int(samples, "--samples")
-    seed = check_seed(seed)
-    batch_size = check_int(batch_size, "--batch-size")
-    say = check_progress(progress)
-    if max_new_tokens is not None:
-        max_new_tokens = check_int(max_new_tokens, "--max-new-tokens")
     params = {"pairs": pairs, "depths": depths, "samples": samples, "seed": seed, "batch_size": batch_size,
               "max_new_tokens": max_new_tokens}
     if pm.task is not None:

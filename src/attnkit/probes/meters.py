@@ -42,11 +42,27 @@ class RowSpanMass(Meter):
         self.spans = {k: [(int(a), int(b)) for a, b in v] for k, v in spans.items()}
         self.batch = widths.pop()
         self._mass: dict = {}  # layer -> (S, B, H) summed over rows
+        self._count: dict = {}  # layer -> (B,) query rows counted per batch row
+        # Batch rows still answering: a row that has finished (its end-of-sequence token is
+        # out) keeps being decoded while the rest of its batch answers, and those rows are
+        # not part of its answer, so they are not counted (its mass does not depend on the
+        # prompts it was batched with).
+        self.active = torch.ones(self.batch, dtype=torch.bool)
+
+    def set_active(self, active) -> None:
+        """Count only the batch rows where ``active`` (B bools) is true from the next call on
+        (``greedy_generate`` calls it when rows reach their end-of-sequence token)."""
+        active = torch.as_tensor(active, dtype=torch.bool).flatten()
+        if active.shape[0] != self.batch:
+            raise ValueError(f"active: expected {self.batch} flags (one per batch row), got {active.shape[0]}")
+        self.active = active.clone()
 
     def begin_call(self, call: CallInfo, n_heads: int, row_lo: int, row_hi: int) -> None:
         if call.batch != self.batch:
             raise ValueError(f"spans: ranges for {self.batch} batch rows, but layer {call.layer}'s call has {call.batch}")
         self._mass.setdefault(call.layer, torch.zeros(len(self.spans), call.batch, n_heads, dtype=torch.float64))
+        count = self._count.setdefault(call.layer, torch.zeros(call.batch, dtype=torch.float64))
+        count += self.active.double() * (row_hi - row_lo)
 
     def update_view(self, call: CallInfo, view: TileView) -> None:
         mass = self._mass[call.layer]
@@ -54,13 +70,16 @@ class RowSpanMass(Meter):
         rows = range(view.batch.start, view.batch.stop)
         for i, ranges in enumerate(self.spans.values()):
             for j, b in enumerate(rows):
+                if not self.active[b]:
+                    continue
                 a, e = ranges[b]
                 lo, hi = max(a - k0, 0), min(e - k0, width)
                 if lo < hi:
                     mass[i, b] += view.w[j, :, :, lo:hi].sum((1, 2)).double()
 
-    def rows_per_layer(self, layer) -> int:
-        return self._rows_seen[layer] // self.batch
+    def rows_per_layer(self, layer) -> torch.Tensor:
+        """(B,): the query rows counted for each batch row at ``layer``."""
+        return self._count[layer]
 
     @property
     def layers_seen(self) -> list:
@@ -69,12 +88,13 @@ class RowSpanMass(Meter):
     def per_example(self, name: str) -> Tensor:
         """(B, L, H): mean over the observed query rows of the mass on span ``name``."""
         i = list(self.spans).index(name)
-        return torch.stack([self._mass[layer][i] / self.rows_per_layer(layer) for layer in self.layers_seen], dim=1)
+        return torch.stack([self._mass[layer][i] / self.rows_per_layer(layer).clamp_min(1)[:, None]
+                            for layer in self.layers_seen], dim=1)
 
     def rows(self):
         out = []
         for layer, heads, _ in self.measured():
-            n = self.rows_per_layer(layer)
+            n = self.rows_per_layer(layer).clamp_min(1)[:, None]
             for i, name in enumerate(self.spans):
                 mean = (self._mass[layer][i] / n).mean(0).tolist()
                 out += [(layer, h, f"rowspan.{name}", mean[j]) for j, h in enumerate(heads)]

@@ -29,10 +29,9 @@ import random
 import time
 
 from .haystack import Haystack, build_context, encode
-from .model import as_probe_model
 from .result import ProbeResult
-from .retrieval import (Item, add_accuracy_rows, add_mass_rows, arena_symbols, check_fractions, check_int, check_ints,
-                        check_max_positions, check_progress, check_seed, check_text, examples, run_items)
+from .retrieval import (Item, add_accuracy_rows, add_mass_rows, arena_symbols, check_fractions, check_ints,
+                        check_max_positions, check_run, check_text, examples, run_items)
 
 DEFAULT_LENGTHS = (1024, 2048, 4096)
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -54,8 +53,8 @@ def needle(model=None, tokenizer=None, *, lengths: list[int] | None = None, dept
     """The needle-in-a-haystack grid (see the module docstring).
 
     Args:
-        lengths: prompt lengths in tokens (default 1024, 2048, 4096 where they fit; on an arena
-            export, the task's evaluation lengths)
+        lengths: prompt lengths in tokens (default 1024, 2048, 4096 where they fit with the answer's
+            rows, the longest shortened to fit; on an arena export, the task's evaluation lengths)
         depths: where the needle goes, fractions 0..1 of the haystack
         samples: prompts per cell (each its own key, value and haystack, shared by the depths of a sample)
         seed: the same seed gives the same prompts
@@ -69,15 +68,9 @@ def needle(model=None, tokenizer=None, *, lengths: list[int] | None = None, dept
     A custom ``needle`` gets no answer prefix ("Answer:" ends the prompt); the default
     one's prompt ends "Answer: The special code of the KEY is"."""
     start = time.perf_counter()
-    pm = as_probe_model(model, tokenizer)
-    pm.require("causal", "needle")
+    pm, samples, seed, batch_size, say, max_new_tokens = check_run(model, tokenizer, "needle", samples, seed, batch_size,
+                                                               progress, max_new_tokens)
     depths = check_fractions(depths, "--depths")
-    samples = check_int(samples, "--samples")
-    seed = check_seed(seed)
-    batch_size = check_int(batch_size, "--batch-size")
-    say = check_progress(progress)
-    if max_new_tokens is not None:
-        max_new_tokens = check_int(max_new_tokens, "--max-new-tokens")
     params = {"lengths": lengths, "depths": depths, "samples": samples, "seed": seed, "batch_size": batch_size,
               "needle": needle, "question": question, "answer": answer,
               "haystack": None if haystack is None else str(haystack), "max_new_tokens": max_new_tokens}
@@ -91,9 +84,20 @@ def needle(model=None, tokenizer=None, *, lengths: list[int] | None = None, dept
         items = arena_items(pm, lengths, depths, samples, seed)
         new_tokens = max_new_tokens or 1
     else:
-        lengths = check_ints(_default_lengths(pm) if lengths is None else lengths, "--lengths")
+        default = lengths is None
+        lengths = check_ints(_default_lengths(pm) if default else lengths, "--lengths")
         items, needed = text_items(pm, lengths, depths, samples, seed, needle, question, answer, haystack)
         new_tokens = max_new_tokens or needed + 4
+        for _ in range(3):
+            if not (default and pm.max_positions is not None and max(lengths) + new_tokens - 1 > pm.max_positions):
+                break
+            # The default grid leaves room for the answer's rows inside the model's positions
+            # (GPT-2's 1024 positions give a 1024 - answer rows prompt, not an error); the
+            # rebuilt prompts have other values, so their answer may need another token.
+            room = pm.max_positions - (new_tokens - 1)
+            lengths = sorted({min(n, room) for n in lengths})
+            items, needed = text_items(pm, lengths, depths, samples, seed, needle, question, answer, haystack)
+            new_tokens = max_new_tokens or needed + 4
     params["lengths"] = lengths
     for length in lengths:
         check_max_positions(pm, length, new_tokens)

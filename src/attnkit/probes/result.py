@@ -147,10 +147,10 @@ class ProbeResult:
         return text
 
     @classmethod
-    def from_json(cls, text_or_path: str) -> ProbeResult:
+    def from_json(cls, text_or_path) -> ProbeResult:
         """Read what ``to_json`` wrote (JSON text, or the path of a file holding it)."""
         text = text_or_path
-        if not text_or_path.lstrip().startswith("{"):
+        if not isinstance(text_or_path, str) or not text_or_path.lstrip().startswith("{"):  # a path (str or PathLike)
             with open(text_or_path, encoding="utf-8") as f:
                 text = f.read()
         data = json.loads(text)

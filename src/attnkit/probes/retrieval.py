@@ -95,6 +95,22 @@ def check_progress(progress):
     return progress or (lambda line: None)
 
 
+def check_run(model, tokenizer, probe: str, samples, seed, batch_size, progress, max_new_tokens):
+    """What every generative probe checks first: (probe model, samples, seed, batch size,
+    progress callable, max_new_tokens or None), each bad value an error naming its option."""
+    from .model import as_probe_model
+
+    pm = as_probe_model(model, tokenizer)
+    pm.require("causal", probe)
+    samples = check_int(samples, "--samples")
+    seed = check_seed(seed)
+    batch_size = check_int(batch_size, "--batch-size")
+    say = check_progress(progress)
+    if max_new_tokens is not None:
+        max_new_tokens = check_int(max_new_tokens, "--max-new-tokens")
+    return pm, samples, seed, batch_size, say, max_new_tokens
+
+
 def check_max_positions(pm, length: int, new_tokens: int, option: str = "--lengths") -> None:
     """A prompt longer than the model's positions (with the rows its answer needs) is an error naming ``option``."""
     pm.check_length(length, option)
@@ -197,8 +213,8 @@ def run_items(pm, items: list[Item], max_new_tokens: int, batch_size: int, progr
         gen = greedy_generate(pm.model, pm.tokenizer, prompts, max_new_tokens, observers=[meter])
         layers = meter.layers_seen
         per_name = {key: meter.per_example(key) for key in flat}  # (B, L, H)
-        rows = gen.tokens.shape[1]  # answer rows observed: the last prompt row and rows - 1 generated
         for b, (i, item) in enumerate(zip(batch, chosen)):
+            rows = gen.steps[b]  # answer rows observed: the last prompt row and rows - 1 generated
             length = len(item.ids)  # a row at offset r past the prompt's end sees length + r keys
             visible = sum(1.0 / (length + r) for r in range(rows)) / rows
             mass, uniform = {}, {}
@@ -206,6 +222,10 @@ def run_items(pm, items: list[Item], max_new_tokens: int, batch_size: int, progr
                 mass[name] = sum(per_name[f"{name}#{j}"][b] for j in range(len(ranges)))
                 uniform[name] = sum(e - s for s, e in ranges) * visible
             output = gen.texts[b]
+            if pm.task is not None:
+                # An arena export pads with one of its own symbols (the filler), which
+                # skip_special_tokens would drop from the answer: read every symbol generated.
+                output = pm.tokenizer.decode(gen.tokens[b, :gen.steps[b]].tolist(), skip_special_tokens=False)
             outcomes[i] = Outcome(item, output, score(output, item.answer, item.words), mass, uniform)
     return outcomes, layers
 

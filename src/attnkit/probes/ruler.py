@@ -209,6 +209,8 @@ def _check_tasks(tasks) -> tuple[str, ...]:
         tasks = list(tasks)
     except TypeError:
         raise ValueError(f"--tasks: expected task names, got {tasks!r}") from None
+    if tasks == ["all"]:  # the command line's --tasks all arrives as a list of one name
+        tasks = list(ALL)
     if not tasks:
         raise ValueError(f"--tasks: expected at least one of {', '.join(ALL)}")
     for task in tasks:
