@@ -1,0 +1,304 @@
+"""``PolicyCache``: a transformers ``Cache`` whose layers a KV policy prunes.
+
+transformers gives a cache only keys and values (``update``), while a policy needs more:
+which tokens are padding, the attention weights of some queries, and a mask that hides
+evicted entries per head. So ``policy_cache`` also installs hooks on the model (once;
+they do nothing unless the forward's cache is a ``PolicyCache``):
+
+* on the model: records the 2-D padding mask of the forward and, for policies that read
+  attention weights, runs the forward under ``attnkit.hf.use`` with an observer
+  (``ReceivedMass``) on the query rows the policy asks for;
+* before each attention module: replaces the mask transformers built (sized for a full
+  cache) with the layer's own — causal over positions, the model's sliding window, each
+  head's kept entries, Quest's pages — and, for StreamingLLM's cache positions, the RoPE
+  tables;
+* after each attention module: evicts (prefill, and decoding steps for the policies that
+  say so) and gathers the kept entries into smaller tensors.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from transformers.cache_utils import Cache
+
+from . import budget as budgets
+from .layer import PolicyLayer
+from .model_parts import attention_modules, recompute_queries, rotary_module, rotate, sliding_window
+from .policies.base import Policy, Step
+from .policies.quest import page_mask
+from .scores import ReceivedMass
+
+Tensor = torch.Tensor
+HOOKS_ATTR = "_attnkit_kv_hooks"
+# While decoding, evicted entries are masked at once and the layer is gathered when more
+# than max(MIN, length // DIV) of its slots are holes: the copy is amortised over that
+# many tokens, at the price of holding up to 1/DIV more slots than the budget.
+DECODE_SLACK_MIN, DECODE_SLACK_DIV = 16, 16
+
+
+class PolicyCache(Cache):
+    """A cache for ``model.generate(..., past_key_values=cache)`` (or ``cache=``) that keeps
+    what ``policy`` selects within ``budget``. Build it with ``attnkit.kv.policy_cache``."""
+
+    def __init__(self, model, policy, budget_spec: tuple[str, float], num_layers: int):
+        super().__init__(layers=[PolicyLayer() for _ in range(num_layers)])
+        self.policy = policy
+        self.budget = budget_spec
+        self.num_layers = num_layers
+        self.scorer = ReceivedMass() if policy.needs_weights else None
+        self._model = weakref.ref(model)
+        self._padding: Tensor | None = None  # the 2-D mask of the forward in progress
+        self._armed: dict[int, Tensor] = {}  # layer -> RoPE positions of its pending update
+        self._weighed: dict[int, bool] = {}  # layer -> its call was asked for attention weights
+        self._extra: dict[int, dict | None] = {}  # layer -> what the policy's `before` gathered
+        self._switch = None
+        rot = rotary_module(model)
+        self._rotary = rot
+        self._inv_freq = None if rot is None else rot.inv_freq
+
+    # ------------------------------------------------------------------ transformers API
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        rope = self._armed.pop(layer_idx, None)
+        if rope is None:
+            raise ValueError(
+                "cache: this policy cache was used with a model that policy_cache did not prepare (its attention "
+                "layers have no attnkit.kv hooks); build the cache with attnkit.kv.policy_cache(model, ...) for this model"
+            )
+        layer = self.layers[layer_idx]
+        B, _, N, _ = key_states.shape
+        return layer.append(key_states, value_states, self._real(layer.seen, N, B, key_states.device), rope)
+
+    def _real(self, seen: int, n: int, batch: int, device) -> Tensor:
+        pad = self._padding
+        if pad is None or pad.shape[-1] < seen + n:
+            return torch.ones(batch, n, dtype=torch.bool, device=device)
+        return pad[:, seen : seen + n].to(device=device, dtype=torch.bool)
+
+    # ------------------------------------------------------------------ what it holds
+
+    def nbytes(self) -> int:
+        """Bytes actually allocated by every layer (keys, values and bookkeeping)."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def kv_nbytes(self) -> int:
+        """Bytes of the keys and values alone."""
+        return sum(layer.kv_nbytes() for layer in self.layers)
+
+    def lengths(self, layer: int) -> Tensor:
+        """Entries kept per (row, KV head) in ``layer``, (B, Hkv)."""
+        return self.layers[layer].lengths()
+
+    def kept_positions(self, layer: int) -> list[list[list[int]]]:
+        """Token positions (indices in the padded sequence) kept by each row and KV head."""
+        lay = self.layers[layer]
+        return [[lay.pos[b, h][lay.valid[b, h]].tolist() for h in range(lay.pos.shape[1])] for b in range(lay.pos.shape[0])]
+
+    def kept_mask(self, layer: int, length: int | None = None) -> Tensor:
+        """(B, Hkv, length) bool: which positions ``layer`` holds (length: tokens seen)."""
+        lay = self.layers[layer]
+        n = lay.seen if length is None else length
+        out = torch.zeros(*lay.pos.shape[:2], n + 1, dtype=torch.bool)
+        out.scatter_(2, torch.where(lay.valid, lay.pos, n).cpu(), True)
+        return out[..., :n]
+
+    # ------------------------------------------------------------------ hooks
+
+    def begin_forward(self, model, kwargs: dict) -> None:
+        mask = kwargs.get("attention_mask")
+        self._padding = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
+        # weights are read at prefill, and while decoding only by policies that evict then
+        if self.scorer is not None and (self.layers[0].calls == 0 or self.policy.decodes):
+            self._switch = _observe(model, self.scorer)
+
+    def end_forward(self) -> None:
+        self._padding = None
+        self._armed.clear()
+        self._weighed.clear()
+        self._extra.clear()
+        if self.scorer is not None:
+            self.scorer.wanted.clear()
+            self.scorer.mass.clear()
+        if self._switch is not None:
+            switch, self._switch = self._switch, None
+            switch()
+
+    def before_attention(self, module, args, kwargs) -> tuple:
+        idx = module.layer_idx
+        layer = self.layers[idx]
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        B, Nq = hidden.shape[:2]
+        phase = "prefill" if layer.calls == 0 else "decode"
+        seen = layer.seen
+        rope = kwargs.get("position_ids")
+        rope = (torch.arange(seen, seen + Nq, device=hidden.device)[None] if rope is None else rope).expand(B, Nq)
+        if getattr(self.policy, "positions", None) == "cache" and layer.calls > 0:
+            # StreamingLLM: the new tokens sit right after the entries held
+            rope = layer.lengths()[:, :1] + torch.arange(Nq, device=hidden.device)[None]
+            kwargs["position_embeddings"] = self._rotary(hidden, rope)
+        self._armed[idx] = rope
+        if self.scorer is not None and self.policy.evicts(phase):
+            rows = self.policy.rows(phase, Nq)
+            if rows is not None:
+                self.scorer.wanted[idx] = rows
+                self._weighed[idx] = True
+        if self.policy.evicts(phase):
+            self._extra[idx] = self.policy.before(module, layer, kwargs, phase)
+        if layer.calls > 0:
+            if Nq == 1 and layer.full and self.policy.name != "quest" and sliding_window(module) is None:
+                # one query and every slot a kept entry: nothing to hide, so no mask (the
+                # path transformers takes for a full cache, no O(L) mask per step)
+                kwargs["attention_mask"] = None
+            else:
+                kwargs["attention_mask"] = self._mask(module, layer, hidden, kwargs, Nq)
+        return args, kwargs
+
+    def _mask(self, module, layer: PolicyLayer, hidden: Tensor, kwargs: dict, n_new: int) -> Tensor:
+        """The layer's mask for this call: cached entries then the call's own tokens."""
+        dev = hidden.device
+        B, Hkv, L = layer.valid.shape
+        Hq = module.config.num_attention_heads
+        g = Hq // Hkv
+        q_pos = layer.seen + torch.arange(n_new, device=dev)
+        window = sliding_window(module)
+        old = layer.valid[:, :, None, :].expand(B, Hkv, n_new, L)
+        if window is not None:
+            old = old & (q_pos[None, None, :, None] - layer.pos[:, :, None, :] < window)
+        old = old.repeat_interleave(g, 1)
+        policy = self.policy
+        if policy.name == "quest" and module.layer_idx >= policy.dense_layers and L:
+            q = recompute_queries(module, hidden, kwargs["position_embeddings"])
+            old = old & page_mask(q, layer.keys, layer.valid, layer.capacity[:, 0], policy.page_size)
+        j = torch.arange(n_new, device=dev)
+        new = (j[None, :] <= j[:, None])[None, None]
+        if window is not None:
+            new = new & (j[:, None] - j[None, :] < window)
+        real = self._real(layer.seen, n_new, B, dev)
+        new = (new & real[:, None, None, :]) | torch.eye(n_new, dtype=torch.bool, device=dev)  # a padded query sees itself
+        mask = torch.cat([old, new.expand(B, Hq, n_new, n_new)], dim=-1)
+        impl = module.config._attn_implementation
+        if impl == "eager":
+            dtype = hidden.dtype
+            return torch.where(mask, torch.zeros((), dtype=dtype), torch.finfo(dtype).min)
+        if impl in ("sdpa", "attnkit"):
+            return mask
+        raise ValueError(f"model: attn_implementation {impl!r} cannot take a policy cache's per-head masks; use 'sdpa', 'eager' or attnkit")
+
+    def after_attention(self, module) -> None:
+        idx = module.layer_idx
+        layer = self.layers[idx]
+        phase = "prefill" if layer.calls == 0 else "decode"
+        layer.calls += 1
+        B, Hkv = layer.valid.shape[:2]
+        if phase == "prefill":
+            tokens = budgets.tokens(self.budget, layer.valid[:, 0].sum(-1))
+            cap = self.policy.capacity(tokens, idx, self.num_layers)
+            layer.capacity = cap[:, None].expand(B, Hkv).clone()
+        if not self.policy.evicts(phase):
+            return
+        mass = None
+        if self._weighed.pop(idx, False):
+            mass = self.scorer.mass.pop(idx, None)
+            if mass is not None:
+                mass = mass.to(layer.device)
+            else:
+                raise ValueError(
+                    f"model: policy {self.policy.name!r} reads attention weights, but none arrived from layer {idx}; the "
+                    "model must run its attention through attnkit (pass the cache as a keyword: cache= or past_key_values=)"
+                )
+        extra = self._extra.pop(idx, None)
+        step = Step(idx, self.num_layers, phase, layer.keys, layer.valid, layer.pos, layer.capacity, mass, layer.score,
+                    layer.seen, extra)
+        keep = self.policy.select(step)
+        rerotates = getattr(self.policy, "positions", None) == "cache"
+        if phase == "decode" and type(self.policy).after is Policy.after and not rerotates:
+            # nothing outside the cache follows the layout (Selective's F does; StreamingLLM's
+            # cache positions turn every kept key each step anyway): evict by masking, gather rarely
+            layer.drop(keep, max(DECODE_SLACK_MIN, layer.length // DECODE_SLACK_DIV))
+        else:
+            order = layer.compact(keep)
+            self.policy.after(module, layer, order, extra)
+        if getattr(self.policy, "positions", None) == "cache":
+            target = torch.where(layer.valid, layer.valid.cumsum(-1) - 1, layer.rope)
+            layer.keys = rotate(layer.keys, target - layer.rope, self._inv_freq)
+            layer.rope = torch.where(layer.valid, target, -1)
+
+
+def _observe(model, scorer) -> callable:
+    """Run the model's attention through attnkit with ``scorer`` watching; returns the
+    function that undoes it. Inside an ``attnkit.hf.use`` block the scorer joins it."""
+    from ..hf.switch import active_switch, use
+
+    modules = attention_modules(model)
+    outer, _ = active_switch(modules[0])
+    if outer is not None:
+        before = outer.observers
+        outer.observers = list(before or []) + [scorer]
+
+        def undo():
+            outer.observers = before
+
+        return undo
+    ctx = use(model, observers=[scorer])
+    ctx.__enter__()
+    return lambda: ctx.__exit__(None, None, None)
+
+
+# ---------------------------------------------------------------------- hook installation
+
+
+def _cache_of(kwargs: dict):
+    cache = kwargs.get("cache")
+    if cache is None:
+        cache = kwargs.get("past_key_values")
+    return cache if isinstance(cache, PolicyCache) else None
+
+
+def _model_pre(model, args, kwargs):
+    cache = _cache_of(kwargs)
+    if cache is not None:
+        cache.begin_forward(model, kwargs)
+
+
+def _model_post(model, args, kwargs, output):
+    cache = _cache_of(kwargs)
+    if cache is not None:
+        cache.end_forward()
+
+
+def _attn_pre(module, args, kwargs):
+    cache = _cache_of(kwargs)
+    if cache is not None:
+        return cache.before_attention(module, args, kwargs)
+    return None
+
+
+def _attn_post(module, args, kwargs, output):
+    cache = _cache_of(kwargs)
+    if cache is not None:
+        cache.after_attention(module)
+
+
+def install_hooks(model) -> None:
+    """Hook ``model`` once; the hooks act only on forwards whose cache is a PolicyCache."""
+    if getattr(model, HOOKS_ATTR, None):
+        return
+    handles = [
+        model.register_forward_pre_hook(_model_pre, with_kwargs=True),
+        model.register_forward_hook(_model_post, with_kwargs=True, always_call=True),
+    ]
+    for m in attention_modules(model):
+        handles.append(m.register_forward_pre_hook(_attn_pre, with_kwargs=True))
+        handles.append(m.register_forward_hook(_attn_post, with_kwargs=True))
+    object.__setattr__(model, HOOKS_ATTR, handles)
+
+
+def detach(model) -> None:
+    """Remove the hooks ``policy_cache`` installed on ``model`` (policy caches then stop
+    working with it)."""
+    for handle in getattr(model, HOOKS_ATTR, None) or ():
+        handle.remove()
+    if hasattr(model, HOOKS_ATTR):
+        object.__delattr__(model, HOOKS_ATTR)

@@ -1,0 +1,28 @@
+"""The kv benchmark suite runs and its rows carry what the caches really hold (no
+timing is asserted: only the wiring of rows, targets and byte counts)."""
+
+from attnkit.bench import SUITES, kv
+
+
+def test_kv_suite_rows_at_a_small_size():
+    assert "kv" in SUITES
+    n = 64
+    model = kv.tiny_llama(n)
+    rows = kv.measure("knorm", {}, n, repeats=1, decode_steps=2, decode_repeats=1, model=model)
+    held, decode, prefill = rows
+    # 4 layers x (keys + values) x 2 KV heads x 32 dims x 4 bytes (float32) per prompt token
+    per_token = 4 * 2 * 2 * 32 * 4
+    assert held.extra["full_bytes"] == per_token * n
+    # key norm keeps floor(budget * n) entries in every head after the prefill
+    assert held.extra["policy_bytes"] == {"0.1": per_token * 6, "0.25": per_token * 16, "0.5": per_token * 32}
+    assert held.ok is None and held.attnkit_ms is None
+    assert decode.target == ">= 1.5x tokens/s" and decode.attnkit_ms > 0 and decode.baseline_ms > 0
+    assert decode.ok == (decode.baseline_ms / decode.attnkit_ms >= 1.5)
+    assert prefill.target == "<= 1.2x" and prefill.ok == (prefill.attnkit_ms / prefill.baseline_ms <= 1.2)
+    assert "DynamicCache" in prefill.baseline and "sdpa" in prefill.baseline
+
+
+def test_quest_holds_every_entry_in_the_bench():
+    n = 64
+    rows = kv.measure("quest", {}, n, repeats=1, decode_steps=1, decode_repeats=1, model=kv.tiny_llama(n))
+    assert set(rows[0].extra["policy_bytes"].values()) == {rows[0].extra["full_bytes"]}  # Quest evicts nothing

@@ -1,0 +1,71 @@
+"""While decoding, an evicted entry becomes a masked hole and the layer is gathered only
+once enough holes have gathered (``PolicyLayer.drop``): the kept sets and the model's
+outputs must be those of gathering at every step, across several gathers."""
+
+import pytest
+import torch
+from eager_reference import padded_batch, positions
+from tiny_models import build
+
+import attnkit.kv as kv
+import attnkit.kv.cache as kv_cache
+
+
+def _teacher_forced(model, name, params, budget, prompt, mask, forced):
+    cache = kv.policy_cache(model, name, budget=budget, **params)
+    outs = [model(prompt, attention_mask=mask, position_ids=positions(mask), cache=cache).logits]
+    full, kept, lengths = mask, [], []
+    for s in range(forced.shape[1]):
+        full = torch.cat([full, torch.ones(mask.shape[0], 1, dtype=full.dtype)], 1)
+        outs.append(model(forced[:, s : s + 1], attention_mask=full, position_ids=positions(full)[:, -1:], cache=cache).logits)
+        kept.append(cache.kept_positions(0))
+        lengths.append(cache.layers[0].length)
+    return torch.cat(outs, 1), kept, lengths
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name,params", [("streaming", {"sinks": 2}), ("h2o", {})])
+def test_holes_then_gathers_match_gathering_every_step(name, params, monkeypatch):
+    budget, steps = 6, 40  # 40 steps of one eviction each: a gather after every 16 holes
+    model = build("llama", "sdpa").double()
+    prompt, mask = padded_batch(seed=3, n=10, pads=(0, 2, 5))
+    forced = torch.randint(1, 97, (3, steps), generator=torch.Generator().manual_seed(4))
+    lazy, lazy_kept, lazy_len = _teacher_forced(model, name, params, budget, prompt, mask, forced)
+    slack = kv_cache.DECODE_SLACK_MIN  # layers this short gather after more than 16 holes
+    monkeypatch.setattr(kv_cache, "DECODE_SLACK_MIN", 0)
+    monkeypatch.setattr(kv_cache, "DECODE_SLACK_DIV", 10**9)  # any hole: gather at once
+    eager, eager_kept, eager_len = _teacher_forced(model, name, params, budget, prompt, mask, forced)
+    assert lazy_kept == eager_kept
+    # float64, same kept entries: only the order of summation over masked slots differs
+    torch.testing.assert_close(lazy, eager, atol=1e-10, rtol=1e-10)
+    assert max(eager_len) == budget  # gathered every step: exactly the budget
+    assert max(lazy_len) == budget + slack  # holes accumulate up to the slack
+    assert any(b < a for a, b in zip(lazy_len, lazy_len[1:]))  # and a gather shrank the layer
+    if name == "streaming":
+        for s, kept in enumerate(lazy_kept):
+            seen = 10 + s + 1
+            for b, pad in enumerate((0, 2, 5)):
+                real = list(range(pad, seen))
+                assert kept[b] == [real[:2] + real[-(budget - 2):]] * 2  # the sinks and the most recent, both heads
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name,params", [("knorm", {}), ("snapkv", {"window": 4}), ("streaming", {"sinks": 2})])
+def test_unmasked_single_token_steps_match_the_masked_path(name, params, monkeypatch):
+    """One row, heads of equal length, no holes: a decoding step runs with no mask (as
+    with a full cache); its logits must be the masked path's."""
+    model = build("llama", "sdpa").double()
+    prompt = torch.randint(1, 97, (1, 20), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(prompt)
+    forced = torch.randint(1, 97, (1, 6), generator=torch.Generator().manual_seed(6))
+    built = []
+    original = kv_cache.PolicyCache._mask
+    monkeypatch.setattr(kv_cache.PolicyCache, "_mask", lambda self, *a: built.append(1) or original(self, *a))
+    fast, fast_kept, _ = _teacher_forced(model, name, params, 8, prompt, mask, forced)
+    if name != "streaming":  # streaming's evictions leave holes, which need the mask
+        assert not built
+    monkeypatch.setattr(kv_cache, "sliding_window", lambda module: 10**9)  # a window that hides nothing forces the mask
+    built.clear()
+    masked, masked_kept, _ = _teacher_forced(model, name, params, 8, prompt, mask, forced)
+    assert built and fast_kept == masked_kept
+    torch.testing.assert_close(fast, masked, atol=1e-10, rtol=1e-10)

@@ -1,0 +1,104 @@
+"""Quest (arXiv 2406.10774): the page bound is an upper bound of every true logit in the
+page; the page selection equals the literal rule; nothing is evicted; a decoding step
+equals dense attention restricted to the selected pages."""
+
+import torch
+from eager_reference import LayerMasks, attention_layers, padded_batch, positions
+from tiny_models import build
+
+import attnkit.kv as kv
+from attnkit.kv.policies import Quest, page_bounds, page_extremes, page_mask
+
+
+def test_page_bound_is_an_upper_bound_of_every_logit_in_the_page():
+    g = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, Nq, L, D, P = 2, 4, 2, 3, 21, 8, 4
+    q = torch.randn(B, Hq, Nq, D, generator=g, dtype=torch.float64) * 3
+    k = torch.randn(B, Hkv, L, D, generator=g, dtype=torch.float64) * 2
+    valid = torch.rand(B, Hkv, L, generator=g) > 0.3
+    kmin, kmax, has = page_extremes(k, valid, P)
+    bound = page_bounds(q, kmin, kmax)  # (B, Hq, Nq, pages)
+    checked = 0
+    for b in range(B):
+        for h in range(Hq):
+            for i in range(Nq):
+                for j in range(L):
+                    if valid[b, h // 2, j]:
+                        logit = float((q[b, h, i] * k[b, h // 2, j]).sum())
+                        assert logit <= float(bound[b, h, i, j // P]) + 1e-12
+                        checked += 1
+    assert checked > 100
+    # and the bound is attained by some channel pattern: it is the max over the box's corners
+    b, h, i, p = 0, 1, 2, 3
+    members = [j for j in range(p * P, min((p + 1) * P, L)) if valid[b, 0, j]]
+    lo = torch.stack([k[b, 0, j] for j in members]).min(0).values
+    hi = torch.stack([k[b, 0, j] for j in members]).max(0).values
+    corner = torch.where(q[b, h, i] > 0, hi, lo)
+    torch.testing.assert_close(bound[b, h, i, p], (q[b, h, i] * corner).sum(), atol=1e-12, rtol=1e-12)
+
+
+def test_page_selection_equals_the_literal_rule():
+    g = torch.Generator().manual_seed(1)
+    B, Hq, Hkv, Nq, L, D = 2, 4, 2, 2, 19, 6
+    q = torch.randn(B, Hq, Nq, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, Hkv, L, D, generator=g, dtype=torch.float64)
+    valid = torch.rand(B, Hkv, L, generator=g) > 0.25
+    tokens = torch.tensor([7, 10])
+    policy = Quest(page_size=3)
+    assert torch.equal(page_mask(q, k, valid, tokens, 3), policy.reference_pages(q, k, valid, tokens))
+
+
+@torch.no_grad()
+def test_decoding_step_equals_dense_attention_on_the_selected_pages():
+    model = build("llama", "sdpa").double()
+    ids, mask = padded_batch(seed=9, n=16, pads=(0, 3, 5))
+    cache = kv.policy_cache(model, "quest", budget=4, page_size=2, dense_layers=1)
+    model(ids, attention_mask=mask, position_ids=positions(mask), cache=cache)
+    before = cache.kv_nbytes()
+    assert [int(cache.lengths(0)[b, 0]) for b in range(3)] == [16, 13, 11]  # only padding goes
+
+    captured = {}
+    hooks = [a.register_forward_pre_hook(lambda m, a_, kw: captured.__setitem__(m.layer_idx, (kw["hidden_states"], kw["position_embeddings"])), with_kwargs=True)
+             for a in attention_layers(model)]
+    x = torch.tensor([[3], [4], [5]])
+    full = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
+    got = model(x, attention_mask=full, position_ids=positions(full)[:, -1:], cache=cache).logits[:, -1]
+    for h in hooks:
+        h.remove()
+    assert cache.kv_nbytes() > before  # nothing evicted: the cache only grew
+
+    # The reference: each layer's queries from its inputs (q_proj, RoPE), the literal page
+    # rule on the keys held before the step, and dense attention over those entries.
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    policy = Quest(page_size=2, dense_layers=1)
+    seq = torch.cat([ids, x], 1)
+    N = seq.shape[1]
+    real = full.bool()
+    j = torch.arange(N)
+    masks = LayerMasks(model)
+    try:
+        for layer in attention_layers(model):
+            i = layer.layer_idx
+            see = ((j[:, None] >= j[None, :])[None] & real[:, None, :]) | torch.eye(N, dtype=torch.bool)
+            see = see[:, None].repeat(1, 4, 1, 1)
+            if i >= policy.dense_layers:
+                hidden, (cos, sin) = captured[i]
+                q = layer.q_proj(hidden).view(3, 1, 4, 16).transpose(1, 2)
+                q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+                lay = cache.layers[i]
+                held = lay.valid.clone()
+                held[..., -1] = held[..., -1] & (lay.pos[..., -1] < N - 1)  # entries before the step
+                L = lay.length - 1
+                chosen = policy.reference_pages(q, lay.keys[:, :, :L], held[:, :, :L], torch.tensor([4, 4, 4]))
+                row = torch.zeros(3, 4, N, dtype=torch.bool)
+                for b in range(3):
+                    for h in range(4):
+                        row[b, h, lay.pos[b, h // 2, :L][chosen[b, h, 0]]] = True
+                row[:, :, -1] = True
+                see[:, :, -1] = row
+            masks.masks[i] = see
+        want = model(seq, attention_mask=full, position_ids=positions(full)).logits[:, -1]
+    finally:
+        masks.remove()
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)

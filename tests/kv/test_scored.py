@@ -1,0 +1,112 @@
+"""Every scored policy keeps what its ``reference`` rule (written from the paper) keeps
+when run on transformers' eager attention weights: tiny Llama / Qwen2 / Mistral (GQA,
+sliding-window layers), a left-padded batch of 3, at prefill and after decoding steps.
+The policy cache gets its weights from attnkit's observers; the reference from
+``output_attentions`` with its own kept sets carried step to step."""
+
+import math
+
+import pytest
+import torch
+from eager_reference import fraction_capacity, padded_batch, positions, simulate
+from tiny_models import build
+
+import attnkit.kv as kv
+
+CASES = [
+    ("h2o", {}, 0.5),
+    ("h2o", {"recent": 0.25}, 0.6),
+    ("snapkv", {"window": 3, "kernel": 3}, 0.5),
+    ("snapkv", {"window": 4, "kernel": 5, "pooling": "avg"}, 0.6),
+    ("tova", {}, 0.5),
+    ("pyramid", {"window": 2, "kernel": 3, "beta": 2}, 0.5),
+    ("adakv", {"window": 2, "kernel": 3, "floor": 0.25}, 0.5),
+    ("knorm", {}, 0.4),
+    ("streaming", {"sinks": 2}, 0.5),
+]
+
+
+def capacity_for(name, params, f, num_layers):
+    base = fraction_capacity(f)
+    if name != "pyramid":
+        return base
+
+    def pyramid(layer, real):
+        # PyramidKV, arXiv 2406.02069: k_min = k / beta at the top, k_max = 2k - k_min at the bottom, linear between
+        out = []
+        for k in base(layer, real).tolist():
+            k_min = k / params["beta"]
+            k_max = 2 * k - k_min
+            out.append(max(1, math.floor(k_max - (k_max - k_min) * layer / (num_layers - 1))))
+        return torch.tensor(out)
+
+    return pyramid
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("model_name", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("name,params,f", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_kept_sets_equal_reference(model_name, name, params, f):
+    eager = build(model_name, "eager").double()
+    ids, mask = padded_batch(seed=1, n=12, pads=(0, 3, 5))
+    steps = torch.randint(1, 97, (3, 3), generator=torch.Generator().manual_seed(2))
+    policy = kv.POLICIES[name](**params)
+    expected = simulate(eager, policy, ids, mask, capacity_for(name, params, f, eager.config.num_hidden_layers), steps)
+
+    model = build(model_name, "sdpa").double()  # the same weights; attnkit for the policies that read weights
+
+    cache = kv.policy_cache(model, name, budget=f, **params)
+    model(ids, attention_mask=mask, position_ids=positions(mask), cache=cache, use_cache=True)
+    full = mask
+    for s in range(steps.shape[1] + 1):
+        for layer, want in expected[s].items():
+            got = cache.kept_mask(layer)
+            assert torch.equal(got, want), f"{name} step {s} layer {layer}:\n{got.int()}\nvs\n{want.int()}"
+        if s == steps.shape[1]:
+            break
+        full = torch.cat([full, torch.ones(3, 1, dtype=full.dtype)], dim=1)
+        model(steps[:, s : s + 1], attention_mask=full, position_ids=positions(full)[:, -1:], cache=cache, use_cache=True)
+    assert model.config._attn_implementation == "sdpa"  # the switch for the weights was undone
+
+
+@torch.no_grad()
+def test_adakv_heads_keep_different_lengths_and_match_masked_dense_attention():
+    """AdaKV's per-head lengths differ, are stored compactly, and the cache's next-token
+    logits equal a dense eager forward of the whole sequence where the new token sees
+    exactly the kept entries of each layer and head."""
+    model = build("llama", "sdpa").double()  # the dense reference: torch SDPA in float64, per-layer masks
+    cached = build("llama", "sdpa").double()
+    ids, mask = padded_batch(seed=3, n=14, pads=(0, 2, 4))
+    cache = kv.policy_cache(cached, "adakv", budget=0.4, window=2, kernel=3, floor=0.0)
+    cached(ids, attention_mask=mask, position_ids=positions(mask), cache=cache, use_cache=True)
+    lengths = torch.stack([cache.lengths(i) for i in range(3)])
+    assert (lengths[..., 0] != lengths[..., 1]).any(), lengths  # heads of one layer and row keep different counts
+    for i in range(3):
+        assert cache.layers[i].keys.shape[2] == int(cache.lengths(i).max())  # no longer than the longest head
+    x = torch.tensor([[5], [7], [11]])
+    full = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
+    got = cached(x, attention_mask=full, position_ids=positions(full)[:, -1:], cache=cache, use_cache=True).logits[:, -1]
+
+    from eager_reference import LayerMasks, attention_layers, layer_window
+
+    seq = torch.cat([ids, x], 1)
+    N = seq.shape[1]
+    masks = LayerMasks(model)
+    try:
+        real = full.bool()
+        causal = torch.tril(torch.ones(N, N, dtype=torch.bool))
+        for i, layer in enumerate(attention_layers(model)):
+            m = (causal[None] & real[:, None, :]).clone()  # prompt rows: the model's own mask
+            w = layer_window(layer)
+            m = m[:, None].repeat(1, 4, 1, 1)
+            kept = cache.kept_mask(i, N - 1).repeat_interleave(2, 1)  # (B, Hq, N-1)
+            m[:, :, -1, :-1] = kept
+            m[:, :, -1, -1] = True
+            if w is not None:
+                q = torch.arange(N)
+                m &= (q[:, None] - q[None, :] < w)
+            masks.masks[i] = m | torch.eye(N, dtype=torch.bool)  # a padded query sees itself (no empty rows)
+        want = model(seq, attention_mask=full, position_ids=positions(full)).logits[:, -1]
+    finally:
+        masks.remove()
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
