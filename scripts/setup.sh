@@ -11,8 +11,8 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 # torch first and pinned: the CPU wheel 2.13.0. A looser requirement can pull a CUDA build.
 .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null \
   || pip install torch==2.13.0
-extra=""
-[ "${1:-}" = "--test" ] && extra="[test]"
+extra="[diffusion]"
+[ "${1:-}" = "--test" ] && extra="[test,diffusion]"
 stamp=".venv/.attnkit-installed${extra}"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   pip install -e ".${extra}"

@@ -27,9 +27,10 @@ from .inspect import AttentionProfile, inspect  # noqa: E402
 
 __version__ = "0.1.0"
 
-# Subpackages with heavy imports (transformers), loaded on first attribute access so that
-# `import attnkit` stays fast: `attnkit.hf.use(...)` works after a plain `import attnkit`.
-_LAZY_SUBPACKAGES = ("hf", "nn", "report", "arena")
+# Subpackages loaded on first attribute access (some import transformers) so that
+# `import attnkit` stays fast: `attnkit.hf.use(...)` and `attnkit.mechanisms.available()`
+# work after a plain `import attnkit`.
+_LAZY_SUBPACKAGES = ("mechanisms", "hf", "nn", "report", "arena", "probes", "bench", "kv", "diffusion")
 
 
 def __getattr__(name):

@@ -10,11 +10,13 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("bench", "inspect", "arena")
+from .options import Parser, UsageError
+
+COMMANDS = ("bench", "inspect", "arena", "probe", "rerank", "kv")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="attnkit", description="Attention mechanisms, instruments and benchmarks.")
+    parser = Parser(prog="attnkit", description="Attention mechanisms, instruments and benchmarks.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
         importlib.import_module(f"{__name__}.{name}").add_parser(sub)
@@ -22,7 +24,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one sub-command; returns the exit status. A bad value is one line on stderr,
+    ``attnkit <cmd>: error: --option: ...``, and status 2 (no traceback)."""
+    try:
+        args, extra = build_parser().parse_known_args(argv)
+        if extra:  # name the sub-command and the option, not just "unrecognized arguments"
+            raise UsageError(f"attnkit {args.command}", f"{extra[0]}: unrecognized arguments: {' '.join(extra)} "
+                                                        f"(attnkit {args.command} --help lists the options)")
+    except UsageError as e:
+        print(f"{e.prog}: error: {e}\n{e.usage}", end="", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else 0
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:
