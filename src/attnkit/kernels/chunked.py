@@ -98,7 +98,7 @@ def make_chunked_plan(req: Request, engine: str, tiling: Tiling = TILING) -> Pla
         return make_plan(req.mask, req.batch, req.q_len, req.k_len, tiling.tiled_q_block, tiling.tiled_k_block, tiling.tiled_tile_k)
     plan = partial(make_plan, req.mask, req.batch, req.q_len, req.k_len, k_block=tiling.fused_k_block, max_masked_span=tiling.fused_max_masked_span)
     affine = affine_form(req.score)
-    if affine is not None and affine.terms:
+    if affine is not None and affine.terms and not affine.key_only:
         # Dense bias tiles grow with the square of the block: keep blocks moderate.
         return plan(q_block=tiling.fused_q_block_bias)
     fine = plan(q_block=tiling.fused_q_block)

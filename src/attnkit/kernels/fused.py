@@ -79,6 +79,14 @@ def segment_inputs(
     if seg.kind == CAUSAL_SEG and not has_bias:
         return SegmentInputs(is_causal=True)
     tile = Tile.make(batch_rows, heads, q_start + block.q0, block.q1 - block.q0, seg.k0, seg.k1)
+    if seg.kind in (FULL_SEG, CAUSAL_SEG) and affine.key_only:
+        # A per-key offset row: the op broadcasts it over the queries and applies it with
+        # its own causal mask (checked against the dense formula), so no dense tile is
+        # formed. A -inf offset could hide a causal row wholly: left to the dense path.
+        row, col = affine.separable_bias(tile.b.view(-1), tile.h_flat, tile.q_flat, tile.k_flat, "left")
+        if not bool(torch.isneginf(col).any()):
+            per_key = col[None, :, None, :] if col.dim() == 2 else col[:, :, None, :]
+            return SegmentInputs(attn_mask=per_key.to(mask_dtype), is_causal=seg.kind == CAUSAL_SEG)
     if seg.kind == FULL_SEG:
         q_first, q_last = q_start + block.q0, q_start + block.q1 - 1
         side = "left" if seg.k1 - 1 <= q_first else "right" if seg.k0 >= q_last else None

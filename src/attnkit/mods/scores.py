@@ -89,6 +89,10 @@ class Bias(ScoreMod):
     """``s + bias(b, h, q, kv)``."""
 
     kind = "bias"
+    #: True when the bias depends on (b, h, kv) only, never on the query: ``separable``
+    #: then returns a zero row on any side of the diagonal, and fused kernels add it as a
+    #: row of per-key offsets even on tiles the causal mask cuts
+    key_only = False
 
     def bias(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         raise NotImplementedError
@@ -413,6 +417,11 @@ class AffineForm:
                 t = _scale_keeping_neg_inf(t, s.factor(b, h, q_idx))
             out = t if out is None else out + t
         return out
+
+    @property
+    def key_only(self) -> bool:
+        """Every bias term is key-only and every later row scale per head (no query term)."""
+        return bool(self.terms) and all(b.key_only and all(s.per_head for s in later) for b, later in self.terms)
 
     def separable_bias(self, b, h, q_idx, kv_idx, side) -> tuple[Tensor, Tensor] | None:
         """(row (H|1, BQ), col (H|1, span) or (Bt, H|1, span)) or None; b, h, q_idx and

@@ -38,6 +38,8 @@ class KeyBias(Bias):
     """``s + table[b, h, kv]`` with ``table`` (B, Hq, Nk): one offset per row, head and key,
     the same for every query (O(B H N) memory, never N x N)."""
 
+    key_only = True
+
     def __init__(self, table: Tensor):
         self.table = table
 
