@@ -79,8 +79,7 @@ def flux():
     return model, inputs
 
 
-#: name -> builder; the latent grid (h, w) of each model's image tokens at full resolution,
-#: and where text sits in its joint sequence
+#: name -> builder
 MODELS = {
     "unet": unet,
     "dit": dit,
@@ -91,6 +90,62 @@ MODELS = {
 }
 
 
+def cross_only(grids):
+    """The map layout of a model whose text arrives by cross-attention (``attn2``
+    modules): every query row is an image token, every key a text token; ``grids`` maps
+    a call's number of image tokens to its (h, w)."""
+
+    def layout(name, nq, nk):
+        return (slice(None), slice(None), grids[nq]) if name.endswith("attn2") else None
+
+    return layout
+
+
+def sd3_layout(name, nq, nk):
+    n_img = nq - TEXT  # [image; text], 16 image tokens (8x8 latent, patch 2)
+    return slice(0, n_img), slice(n_img, n_img + TEXT), (4, 4)
+
+
+def flux_layout(name, nq, nk):
+    return slice(TEXT, None), slice(0, TEXT), (4, 6)  # [text; image], double- and single-stream blocks
+
+
+#: name -> (layout, grid): where image queries and text keys sit in each attention call
+#: of the model (``layout(module path, Nq, Nk)`` -> (image rows, text columns, (h, w)) or
+#: None for a call without text keys; see ``diffusion_reference.dense_maps``) and the
+#: latent grid of its image tokens at full resolution. DiT has no text.
+MAP_LAYOUTS = {
+    "unet": (cross_only({48: (8, 6), 12: (4, 3)}), (8, 6)),
+    "pixart": (cross_only({16: (4, 4)}), (4, 4)),
+    "sd3": (sd3_layout, (4, 4)),
+    "sd3_qknorm": (sd3_layout, (4, 4)),
+    "flux": (flux_layout, (4, 6)),
+}
+
+
 def run(model, inputs) -> torch.Tensor:
     out = model(**inputs, return_dict=False)
     return out[0]
+
+
+def pipeline():
+    """A tiny StableDiffusionPipeline: the tiny UNet, a small AutoencoderKL (16x16 pixels
+    <-> 8x8 latents), DDIM, no tokenizer/text encoder/safety checker. Returns (pipeline,
+    kwargs of one call): ``prompt_embeds`` and ``negative_prompt_embeds`` (1, TEXT, 12),
+    2 steps, guidance_scale 3, 16x16, ``output_type="latent"`` (pass a generator for
+    reproducible noise). A call runs in well under a second on CPU."""
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline
+
+    model, _ = unet()
+    torch.manual_seed(0)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 8), latent_channels=4,
+                        norm_num_groups=4, layers_per_block=1, sample_size=16).eval()
+    pipe = StableDiffusionPipeline(vae=vae, text_encoder=None, tokenizer=None, unet=model,
+                                   scheduler=DDIMScheduler(clip_sample=False, steps_offset=1), safety_checker=None,
+                                   feature_extractor=None, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    g = torch.Generator().manual_seed(2)
+    call = dict(prompt_embeds=torch.randn(1, TEXT, 12, generator=g), negative_prompt_embeds=torch.randn(1, TEXT, 12, generator=g),
+                num_inference_steps=2, guidance_scale=3.0, height=16, width=16, output_type="latent")
+    return pipe, call

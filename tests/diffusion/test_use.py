@@ -11,7 +11,7 @@ pytest.importorskip("diffusers")
 
 import attnkit.diffusion as ad  # noqa: E402
 import diffusion_tiny as tiny  # noqa: E402
-from diffusion_reference import Record  # noqa: E402
+from diffusion_reference import recorded, restored  # noqa: E402
 from helpers import assert_close  # noqa: E402
 
 HALF = lambda s, b, h, q, kv: s * 0.5  # noqa: E731  a score mod that changes every row
@@ -25,29 +25,21 @@ def built(request):
     return request.param, model, inputs, ref
 
 
-def _unwrapped(model):
-    return all("forward" not in layer.module.__dict__ for layer in ad.attention_layers(model))
-
-
 def test_no_change_equals_default(built):
     name, model, inputs, ref = built
     with torch.no_grad(), ad.use(model) as switch:
         out = tiny.run(model, inputs)
     assert len(switch.layers) == len(ad.attention_layers(model)) > 0
     assert_close(out, ref, torch.float32)
-    assert _unwrapped(model)
+    assert restored(model)
 
 
 def test_changed_score_equals_dense_reference(built):
     """Halved logits on every layer equal the model run with a literal float64 softmax
     of halved logits in place of each SDPA call."""
     name, model, inputs, ref = built
-    rec = Record(model, logits=lambda s: s * 0.5)
-    try:
-        with torch.no_grad(), rec:
-            expected = tiny.run(model, inputs)
-    finally:
-        rec.close()
+    with torch.no_grad():
+        expected, _ = recorded(model, lambda: tiny.run(model, inputs), logits=lambda s: s * 0.5)
     with torch.no_grad(), ad.use(model, score=HALF):
         out = tiny.run(model, inputs)
     assert (expected - ref).abs().max() > 1e-4  # the change is visible
@@ -62,12 +54,8 @@ def test_heads_gate_the_change(built):
         s[:, 0] = s[:, 0] * 0.5
         return s
 
-    rec = Record(model, logits=head0)
-    try:
-        with torch.no_grad(), rec:
-            expected = tiny.run(model, inputs)
-    finally:
-        rec.close()
+    with torch.no_grad():
+        expected, _ = recorded(model, lambda: tiny.run(model, inputs), logits=head0)
     with torch.no_grad(), ad.use(model, score=HALF, heads=[0]):
         out = tiny.run(model, inputs)
     assert_close(out, expected, torch.float32)
@@ -135,11 +123,11 @@ def test_restored_after_errors(built):
     with pytest.raises(RuntimeError, match="boom"):
         with ad.use(model, score=HALF):
             raise RuntimeError("boom")
-    assert _unwrapped(model)
+    assert restored(model)
     with pytest.raises(ValueError, match="heads"):
         with torch.no_grad(), ad.use(model, score=HALF, heads=[7]):
             tiny.run(model, inputs)  # fails inside the first attention call
-    assert _unwrapped(model)
+    assert restored(model)
     with torch.no_grad():
         assert_close(tiny.run(model, inputs), ref, torch.float32)
 
@@ -154,7 +142,7 @@ def test_layers_are_selected_by_exact_path():
         with pytest.raises(ValueError, match="layers"):
             with ad.use(model, layers=[bad]):
                 pass
-    assert _unwrapped(model)
+    assert restored(model)
 
 
 def test_self_and_cross_are_told_apart():
@@ -182,7 +170,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="model_or_pipeline"):
         with ad.use(object()):
             pass
-    assert _unwrapped(model)
+    assert restored(model)
 
 
 def test_other_mechanism_runs_on_selected_layers():
@@ -256,4 +244,4 @@ def test_inner_use_takes_over_its_layers_and_gives_them_back():
             assert outer_maps.grids == [(4, 6)]
     assert_close(inner, halved, torch.float32)
     assert_close(back, ref, torch.float32)
-    assert _unwrapped(model)
+    assert restored(model)

@@ -7,7 +7,8 @@ Weights are random: cost is measured here, not quality.
 
 - step: one denoiser forward under ``attnkit.diffusion.use`` (nothing changed) against
   the model's default processors, interleaved medians, target <= 1.1x; and the same
-  forward feeding ``TokenMaps`` (per-token cross-attention maps), reported without target.
+  forward feeding ``TokenMaps`` (per-token cross-attention maps), reported without target;
+  and a UNet step under perturbed-attention guidance against the same rows unperturbed.
 - memory: at a 64 x 64 latent, the bytes ``TokenMaps`` holds for per-token maps of
   every cross-attention layer against the bytes of storing each call's full attention
   maps (B x H x Nq x Nk float32 for every self- and cross-attention call, as an
@@ -86,7 +87,30 @@ def step_cases(latent: int, repeats: int) -> list[Row]:
         a, b = time_pair(mapped, default, repeats=repeats)
         rows.append(Row("diffusion", f"{name} step with TokenMaps", size, a, "default processors (torch SDPA)", b, "", None,
                         "per-token maps of every text-attending layer"))
+    rows.append(pag_case(latent, repeats))
     return rows
+
+
+def pag_case(latent: int, repeats: int) -> Row:
+    """A UNet step under perturbed-attention guidance (every self-attention layer
+    perturbed, no CFG: the conditional row runs twice, once perturbed) against the
+    default processors on the same two rows."""
+    from ..diffusion import layer_names, pag
+
+    model, inputs = unet(latent)
+    doubled = {k: (torch.cat([v, v]) if k != "timestep" else v) for k, v in inputs.items()}
+
+    def guided():
+        with torch.no_grad(), pag(model, layer_names(model, kind="self"), 3.0, cfg=False):
+            model(**inputs)
+
+    def default():
+        with torch.no_grad():
+            model(**doubled)
+
+    a, b = time_pair(guided, default, repeats=repeats)
+    return Row("diffusion", "UNet2DConditionModel step with PAG", f"latent {latent}x{latent}, {TEXT} text tokens", a,
+               "default processors, the same 2 rows", b, "", None, "all self-attention layers perturbed, no CFG")
 
 
 def memory_case(latent: int) -> list[Row]:

@@ -14,6 +14,7 @@ import warnings
 from collections import Counter
 
 from ..observe import LABELS, METERS
+from . import inspect_pipeline
 from .options import options_named, output_dir, positive_int, read_utf8
 from .progress import Progress
 
@@ -22,7 +23,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("inspect", help="measure attention inside a model and write an HTML report",
                        description="Run a transformers model once with attnkit's meters on every attention call (O(N) memory) "
                                    "and write report.html, profile.csv, profile.json and PNG figures.")
-    p.add_argument("--model", metavar="PATH", help="local transformers model directory (default: the bundled all-MiniLM-L6-v2)")
+    p.add_argument("--model", metavar="PATH", help="local transformers model directory (default: the bundled all-MiniLM-L6-v2), "
+                                                   "or a diffusers pipeline directory (per-token attention maps)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--text", metavar="FILE", help="UTF-8 text file to read (default: the bundled sample text)")
     src.add_argument("--prompt", metavar="STR", help="text given on the command line")
@@ -40,6 +42,7 @@ def add_parser(sub) -> None:
     p.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
     p.add_argument("--json", action="store_true", help="print a JSON summary (paths, tokens, head classes) instead of text")
     p.add_argument("--quiet", action="store_true", help="no progress output")
+    inspect_pipeline.add_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -123,6 +126,9 @@ def read_text(args) -> str:
 
 
 def run(args) -> int:
+    if inspect_pipeline.is_pipeline_dir(args.model):  # a diffusers pipeline: per-token maps report
+        return inspect_pipeline.run(args)
+    inspect_pipeline.reject_pipeline_options(args)
     layers, heads = parse_indices(args.layers, "--layers"), parse_indices(args.heads, "--heads")
     queries, spans, token_heads = parse_queries(args.queries), parse_spans(args.span), parse_heads(args.token_heads)
     if args.meters and "spans" in args.meters and not spans:

@@ -128,3 +128,52 @@ def call_layout(layer: AttentionLayer, step: int, image_len: int, text_len: int 
                           grid_for(image_len, latent))
     return CallLayout(layer.index, layer.name, "joint", step, (0, image_len), (image_len, image_len + text_len),
                       grid_for(image_len, latent))
+
+
+def select_layers(model: nn.Module, layers, kinds: tuple[str, ...] = KINDS, argument: str = "layers") -> list[AttentionLayer]:
+    """The attention layers of ``model`` named in ``layers`` (a module path or a list of
+    them), in model order, or every layer of ``kinds`` when ``layers`` is None.
+
+    Paths match exactly: ``"blocks.1"`` never selects ``blocks.10`` (diffusers' own PAG
+    layer regex does). A path that names no attention module, one of a kind not in
+    ``kinds`` or an empty list is a ValueError naming ``argument``."""
+    available = attention_layers(model)
+    joined = " or ".join(kinds)
+    if layers is None:
+        chosen = [layer for layer in available if layer.kind in kinds]
+        if not chosen:
+            raise ValueError(f"{argument}: the model has no {joined} attention layers")
+        return chosen
+    if isinstance(layers, str):
+        layers = [layers]
+    by_name = {layer.name: layer for layer in available}
+    chosen = []
+    for path in layers:
+        if not isinstance(path, str):
+            raise ValueError(f"{argument}: expected module paths (str), got {path!r}")
+        if path not in by_name:
+            sample = ", ".join(repr(n) for n in list(by_name)[:4])
+            raise ValueError(f"{argument}: {path!r} is not an attention module of the model (names are exact module paths, "
+                             f"e.g. {sample})")
+        layer = by_name[path]
+        if layer.kind not in kinds:
+            raise ValueError(f"{argument}: {path!r} is {layer.kind}-attention, not {joined}")
+        if layer not in chosen:
+            chosen.append(layer)
+    if not chosen:
+        raise ValueError(f"{argument}: expected at least one module path, got an empty selection")
+    return sorted(chosen, key=lambda layer: layer.index)
+
+
+def index_tuple(value, argument: str) -> tuple[int, ...] | None:
+    """None, or an index (int >= 0) or a non-empty list of them as a sorted tuple without
+    repeats; anything else is a ValueError naming ``argument``."""
+    if value is None:
+        return None
+    try:
+        items = [value] if isinstance(value, int) else list(value)
+    except TypeError:  # a float, an object: reported below, not as a TypeError from list()
+        items = []
+    if not items or any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in items):
+        raise ValueError(f"{argument}: expected None or a non-empty list of indices >= 0, got {value!r}")
+    return tuple(sorted(set(items)))

@@ -8,10 +8,13 @@ both of diffusers' routings are covered without copying any of them: ``Attention
 processors call SDPA directly, and the attention dispatcher's native backend ends in the
 same call. On exit, also after an exception, the modules' own ``forward`` comes back.
 
-Interventions (later: perturbed-attention guidance, attend-and-excite, ...) plug in like
-``attnkit.steer`` does for transformers: an object in ``EDITS[module]`` with
+Interventions (perturbed-attention guidance, attend-and-excite, regulation, ...) plug in
+like ``attnkit.steer`` does for transformers: an object in ``EDITS[module]`` with
 ``scores(layout, query, key) -> [ScoreMod]`` (run after the model's own, on every routed
-call) and ``output(layout, out) -> out`` on (B, H, Nq, Dv) before the heads merge.
+call) and ``output(layout, out) -> out`` on (B, H, Nq, Dv) before the heads merge; an
+optional ``inputs(layout, query, key, value) -> (query, key, value)`` runs first.
+``edits_on`` puts edits on chosen layers for a block and puts back what was there;
+``StackedEdit`` is the base of an edit that keeps the one it found running.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 from ..api import attention
 from ..mechanisms import Mechanism, get_mechanism
 from ..mods import as_mask, as_score, bias, causal
-from .layers import KINDS, AttentionLayer, CallLayout, attention_layers, call_layout
+from .layers import KINDS, AttentionLayer, CallLayout, attention_layers, call_layout, index_tuple, select_layers
 
 Tensor = torch.Tensor
 
@@ -97,6 +100,9 @@ class DiffusionSwitch:
         if dropout_p:
             raise ValueError(f"dropout: {layer.name} asked for attention dropout p={dropout_p}; attnkit has none, call model.eval()")
         mask = causal() if is_causal else None
+        swap = getattr(EDITS.get(layer.module), "inputs", None)
+        if swap is not None:  # an edit that changes what attends (style injection's reference K, V)
+            query, key, value = swap(layout, query, key, value)
         scores = [] if attn_mask is None else [_mask_as_bias(attn_mask, query, key, layer.name)]
         edit = EDITS.get(layer.module)
         if edit is not None:
@@ -294,9 +300,13 @@ def use(
     available = attention_layers(model)
     if not available:
         raise ValueError(f"model_or_pipeline: {type(model).__name__} has no diffusers attention modules to switch")
-    selected = _select(available, layers, kind)
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"kind: expected one of {KINDS} or None, got {kind!r}")
+    if layers is None and kind is not None and all(layer.kind != kind for layer in available):
+        raise ValueError(f"kind: the model has no {kind} attention layers")
+    selected = select_layers(model, layers, KINDS if kind is None else (kind,))
     plain = _plain(mechanism, params, selected[0])
-    head_list = None if heads is None else _heads(heads)
+    head_list = index_tuple(heads, "heads")
     if head_list is not None and not plain and observers:
         raise ValueError("observers: with heads= and a mechanism other than softmax the selected heads run as a call of "
                          "their own, so no observer could see the whole layer; observe without heads=")
@@ -320,34 +330,6 @@ def use(
                 module.forward = previous
 
 
-def _select(available: list[AttentionLayer], layers, kind) -> list[AttentionLayer]:
-    if kind is not None and kind not in KINDS:
-        raise ValueError(f"kind: expected one of {KINDS} or None, got {kind!r}")
-    pool = [layer for layer in available if kind is None or layer.kind == kind]
-    if layers is None:
-        if not pool:
-            raise ValueError(f"kind: the model has no {kind} attention layers")
-        return pool
-    if isinstance(layers, str):
-        layers = [layers]
-    by_name = {layer.name: layer for layer in available}
-    chosen = []
-    for name in layers:
-        if not isinstance(name, str):
-            raise ValueError(f"layers: expected module paths (str), got {name!r}")
-        if name not in by_name:
-            sample = ", ".join(repr(n) for n in list(by_name)[:4])
-            raise ValueError(f"layers: {name!r} is not an attention module of the model (names are exact module paths, e.g. {sample})")
-        layer = by_name[name]
-        if kind is not None and layer.kind != kind:
-            raise ValueError(f"layers: {name!r} is {layer.kind}-attention, not {kind}")
-        if layer not in chosen:
-            chosen.append(layer)
-    if not chosen:
-        raise ValueError("layers: expected at least one module path, got an empty selection")
-    return sorted(chosen, key=lambda layer: layer.index)
-
-
 def _plain(mechanism, params, layer: AttentionLayer) -> bool:
     """Whether the mechanism is softmax; a named one is built once now, with the first
     selected layer's sizes, so a bad name or parameter fails at ``use``, not mid-step."""
@@ -362,8 +344,38 @@ def _plain(mechanism, params, layer: AttentionLayer) -> bool:
     return build_mechanism(mechanism, params, heads, int(head_dim), heads, int(head_dim), None).name == "softmax"
 
 
-def _heads(heads) -> tuple[int, ...]:
-    values = [heads] if isinstance(heads, int) else list(heads)
-    if not values or any(not isinstance(h, int) or isinstance(h, bool) or h < 0 for h in values):
-        raise ValueError(f"heads: expected a non-empty list of head indices >= 0, got {heads!r}")
-    return tuple(sorted(set(values)))
+@contextmanager
+def edits_on(layers: list[AttentionLayer], make):
+    """Put ``make(layer, previous_edit)`` in ``EDITS`` for each layer for the block, and
+    put back what was there on exit (also after an exception), so that interventions
+    nest: an inner one can wrap the edit it finds."""
+    saved = [(layer.module, EDITS.get(layer.module)) for layer in layers]
+    try:
+        for layer, (_, previous) in zip(layers, saved):
+            EDITS[layer.module] = make(layer, previous)
+        yield
+    finally:
+        for module, previous in saved:
+            if previous is None:
+                EDITS.pop(module, None)
+            else:
+                EDITS[module] = previous
+
+
+class StackedEdit:
+    """Base of an edit that goes on top of the one it finds on its layer (``previous``,
+    or None) and lets it keep working: by default every hook passes through to it, so a
+    subclass overrides only what it adds (``super()`` gives the previous edit's result)."""
+
+    def __init__(self, previous=None):
+        self.previous = previous
+
+    def inputs(self, layout: CallLayout, query: Tensor, key: Tensor, value: Tensor):
+        swap = getattr(self.previous, "inputs", None)  # an edit that swaps what attends keeps doing so
+        return (query, key, value) if swap is None else swap(layout, query, key, value)
+
+    def scores(self, layout: CallLayout, query: Tensor, key: Tensor) -> list:
+        return list(self.previous.scores(layout, query, key)) if self.previous is not None else []
+
+    def output(self, layout: CallLayout, out: Tensor) -> Tensor:
+        return self.previous.output(layout, out) if self.previous is not None else out

@@ -14,18 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from ..observe.base import AttentionTile, CallInfo, Observer, Selection
-from .layers import CallLayout
+from .layers import CallLayout, index_tuple
 
 Tensor = torch.Tensor
-
-
-def _index_set(value, name: str) -> frozenset | None:
-    if value is None:
-        return None
-    items = [value] if isinstance(value, int) else list(value)
-    if not items or any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in items):
-        raise ValueError(f"{name}: expected None or a non-empty list of indices >= 0, got {value!r}")
-    return frozenset(items)
 
 
 class TokenMaps(Observer):
@@ -43,9 +34,9 @@ class TokenMaps(Observer):
     """
 
     def __init__(self, layers=None, heads=None, steps=None):
-        self.layers = _index_set(layers, "layers")
-        self.heads = None if heads is None else tuple(sorted(_index_set(heads, "heads")))
-        self.steps = _index_set(steps, "steps")
+        self.layers = _as_set(index_tuple(layers, "layers"))
+        self.heads = index_tuple(heads, "heads")
+        self.steps = _as_set(index_tuple(steps, "steps"))
         self._sums: dict[tuple[int, int], Tensor] = {}  # grid (h, w) -> (B, T, h*w) float64
         self._counts: dict[tuple[int, int], int] = {}  # grid -> heads x calls summed
         self._layout: CallLayout | None = None
@@ -131,13 +122,25 @@ class TokenMaps(Observer):
         if not self._sums:
             raise ValueError("maps: the meter saw no cross or joint attention call; run the model inside attnkit.diffusion.use "
                              "with this meter among the observers and layers that attend to text")
-        if size is None:
-            size = max(self._sums, key=lambda g: g[0] * g[1])
-        total, count = None, 0
-        for grid, sums in self._sums.items():
-            m = sums.view(sums.shape[0], sums.shape[1], *grid)
-            if tuple(grid) != tuple(size):
-                m = F.interpolate(m, size=tuple(size), mode="bilinear", align_corners=False)
-            total = m.cpu() if total is None else total + m.cpu()
-            count += self._counts[grid]
-        return total / count
+        return mean_over_grids(self._sums, self._counts, size).cpu()
+
+
+def _as_set(indices: tuple[int, ...] | None) -> frozenset | None:
+    return None if indices is None else frozenset(indices)
+
+
+def mean_over_grids(sums: dict, counts: dict, size: tuple[int, int] | None = None) -> Tensor:
+    """(B, T, h, w): the mean of per-grid sums ``sums[(h', w')]`` of shape (B, T, h'*w'),
+    each holding ``counts[(h', w')]`` head-calls. Coarser grids are resized (bilinear) to
+    ``size`` (default: the finest grid) before the mean, so every head-call weighs the
+    same whatever the resolution its layer runs at."""
+    if size is None:
+        size = max(sums, key=lambda g: g[0] * g[1])
+    total, count = None, 0
+    for grid, grid_sums in sums.items():
+        m = grid_sums.reshape(grid_sums.shape[0], grid_sums.shape[1], *grid)
+        if tuple(grid) != tuple(size):
+            m = F.interpolate(m, size=tuple(size), mode="bilinear", align_corners=False)
+        total = m if total is None else total + m
+        count += counts[grid]
+    return total / count
