@@ -102,3 +102,33 @@ def test_decoding_step_equals_dense_attention_on_the_selected_pages():
     finally:
         masks.remove()
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
+@torch.no_grad()
+def test_page_extremes_kept_between_steps_equal_a_fresh_computation():
+    """The page extremes a layer keeps (only the pages touched by new tokens are
+    recomputed) equal page_extremes over the slots held, across page boundaries, and the
+    teacher-forced logits equal those of recomputing every step."""
+    model = build("llama", "sdpa").double()
+    ids, mask = padded_batch(seed=11, n=10, pads=(0, 2, 3))
+    forced = torch.randint(1, 97, (3, 7), generator=torch.Generator().manual_seed(12))
+
+    def run(forget):
+        cache = kv.policy_cache(model, "quest", budget=4, page_size=3, dense_layers=1)
+        out = [model(ids, attention_mask=mask, position_ids=positions(mask), cache=cache).logits]
+        full = mask
+        for s in range(forced.shape[1]):
+            if forget:
+                for lay in cache.layers:
+                    lay.memo = {}
+            full = torch.cat([full, torch.ones(3, 1, dtype=full.dtype)], 1)
+            out.append(model(forced[:, s : s + 1], attention_mask=full, position_ids=positions(full)[:, -1:], cache=cache).logits)
+            for lay in cache.layers[1:]:
+                kmin, kmax, has, size, upto = lay.memo["quest_pages"]
+                assert size == 3 and upto == lay.length - 1  # computed before the step's token came
+                fresh = page_extremes(lay.keys[:, :, :upto], lay.valid[:, :, :upto], 3)
+                for a, b in zip((kmin, kmax, has), fresh):
+                    assert torch.equal(a, b)
+        return torch.cat(out, 1)
+
+    torch.testing.assert_close(run(False), run(True), atol=0, rtol=0)

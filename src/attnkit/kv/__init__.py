@@ -11,6 +11,10 @@ come from attnkit's observers on the query rows involved, never ``output_attenti
 
 from __future__ import annotations
 
+from ..extras import require
+
+require("transformers", "attnkit.kv")  # the [hf] extra; named in the error when missing
+
 from .budget import check_budget
 from .cache import PolicyCache, detach, install_hooks
 from .model_parts import attention_modules, can_recompute_queries, rotary_module

@@ -27,8 +27,9 @@ from . import budget as budgets
 from .layer import PolicyLayer
 from .model_parts import attention_modules, recompute_queries, rotary_module, rotate, sliding_window
 from .policies.base import Policy, Step
-from .policies.quest import page_mask
+from .policies.quest import layer_extremes, page_mask
 from .scores import ReceivedMass
+from .weights import direct_ok, received_mass
 
 Tensor = torch.Tensor
 HOOKS_ATTR = "_attnkit_kv_hooks"
@@ -44,6 +45,10 @@ class PolicyCache(Cache):
 
     def __init__(self, model, policy, budget_spec: tuple[str, float], num_layers: int):
         super().__init__(layers=[PolicyLayer() for _ in range(num_layers)])
+        for layer in self.layers:
+            # a rollback (crop) restores a layer exactly only if no entry was evicted after the
+            # prefill: transformers' assisted decoding asks for that
+            layer.is_croppable = not policy.decodes
         self.policy = policy
         self.budget = budget_spec
         self.num_layers = num_layers
@@ -54,6 +59,13 @@ class PolicyCache(Cache):
         self._weighed: dict[int, bool] = {}  # layer -> its call was asked for attention weights
         self._extra: dict[int, dict | None] = {}  # layer -> what the policy's `before` gathered
         self._switch = None
+        # the weights a policy reads are computed by the cache itself (weights.py) when the
+        # model allows it; the forward then stays on the model's own attention
+        modules = attention_modules(model)
+        self._first_module = modules[0] if modules else None
+        self.direct = policy.needs_weights and direct_ok(modules)
+        self._direct_now = False
+        self._queries: dict[int, tuple[Tensor, Tensor]] = {}  # layer -> (queries of its rows, their positions)
         rot = rotary_module(model)
         self._rotary = rot
         self._inv_freq = None if rot is None else rot.inv_freq
@@ -76,6 +88,12 @@ class PolicyCache(Cache):
         if pad is None or pad.shape[-1] < seen + n:
             return torch.ones(batch, n, dtype=torch.bool, device=device)
         return pad[:, seen : seen + n].to(device=device, dtype=torch.bool)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens in every layer (see ``PolicyLayer.crop``)."""
+        if type(self.policy).after is not Policy.after and any(layer.seen for layer in self.layers):
+            raise ValueError(f"cache: policy {self.policy.name!r} keeps state beside the cache that a crop cannot roll back")
+        super().crop(tokens_to_remove)
 
     # ------------------------------------------------------------------ what it holds
 
@@ -111,13 +129,19 @@ class PolicyCache(Cache):
         self._padding = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
         # weights are read at prefill, and while decoding only by policies that evict then
         if self.scorer is not None and (self.layers[0].calls == 0 or self.policy.decodes):
-            self._switch = _observe(model, self.scorer)
+            # inside an enclosing attnkit.hf.use block the attention may not be the model's
+            # softmax: the scorer then joins that switch and sees the weights really used
+            self._direct_now = self.direct and _outer_switch(self._first_module) is None
+            if not self._direct_now:
+                self._switch = _observe(model, self.scorer)
 
     def end_forward(self) -> None:
         self._padding = None
         self._armed.clear()
         self._weighed.clear()
         self._extra.clear()
+        self._queries.clear()
+        self._direct_now = False
         if self.scorer is not None:
             self.scorer.wanted.clear()
             self.scorer.mass.clear()
@@ -142,8 +166,14 @@ class PolicyCache(Cache):
         if self.scorer is not None and self.policy.evicts(phase):
             rows = self.policy.rows(phase, Nq)
             if rows is not None:
-                self.scorer.wanted[idx] = rows
                 self._weighed[idx] = True
+                if self._direct_now:
+                    lo, hi = rows
+                    cos, sin = kwargs["position_embeddings"]
+                    q = recompute_queries(module, hidden[:, lo:hi], (cos[:, lo:hi], sin[:, lo:hi]))
+                    self._queries[idx] = (q, seen + torch.arange(lo, hi, device=hidden.device))
+                else:
+                    self.scorer.wanted[idx] = rows
         if self.policy.evicts(phase):
             self._extra[idx] = self.policy.before(module, layer, kwargs, phase)
         if layer.calls > 0:
@@ -170,7 +200,8 @@ class PolicyCache(Cache):
         policy = self.policy
         if policy.name == "quest" and module.layer_idx >= policy.dense_layers and L:
             q = recompute_queries(module, hidden, kwargs["position_embeddings"])
-            old = old & page_mask(q, layer.keys, layer.valid, layer.capacity[:, 0], policy.page_size)
+            pages = layer_extremes(layer, policy.page_size)
+            old = old & page_mask(q, layer.keys, layer.valid, layer.capacity[:, 0], policy.page_size, pages)
         j = torch.arange(n_new, device=dev)
         new = (j[None, :] <= j[:, None])[None, None]
         if window is not None:
@@ -200,7 +231,13 @@ class PolicyCache(Cache):
             return
         mass = None
         if self._weighed.pop(idx, False):
-            mass = self.scorer.mass.pop(idx, None)
+            if idx in self._queries:
+                q, q_pos = self._queries.pop(idx)
+                mass = received_mass(q, q_pos, layer.keys, layer.valid, layer.pos, float(module.scaling),
+                                     sliding_window(module), phase == "prefill", all_valid=layer.full or None,
+                                     appended=phase == "decode")
+            else:
+                mass = self.scorer.mass.pop(idx, None)
             if mass is not None:
                 mass = mass.to(layer.device)
             else:
@@ -220,10 +257,20 @@ class PolicyCache(Cache):
         else:
             order = layer.compact(keep)
             self.policy.after(module, layer, order, extra)
+            if phase == "prefill" and not self.policy.decodes and self.policy.name != "quest":
+                # nothing is evicted from here on: hold the kept entries without padding
+                # (Quest reads its keys every step, to extend its pages)
+                layer.pack()
         if getattr(self.policy, "positions", None) == "cache":
             target = torch.where(layer.valid, layer.valid.cumsum(-1) - 1, layer.rope)
             layer.keys = rotate(layer.keys, target - layer.rope, self._inv_freq)
             layer.rope = torch.where(layer.valid, target, -1)
+
+
+def _outer_switch(module):
+    from ..hf.switch import active_switch
+
+    return active_switch(module)[0]
 
 
 def _observe(model, scorer) -> callable:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from .packed import PackedKV
+
 Tensor = torch.Tensor
 
 
@@ -27,8 +29,10 @@ class PolicyLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
     is_croppable = False
+    _packed: PackedKV | None = None
 
     def __init__(self):
+        self._packed = None
         super().__init__()
         self.valid: Tensor | None = None
         self.pos: Tensor | None = None
@@ -44,6 +48,43 @@ class PolicyLayer(CacheLayerMixin):
         #: every slot of every (row, head) is a kept entry (no holes, equal lengths): a
         #: one-token decoding step then needs no mask at all
         self.full = True
+        #: what a policy derives from the slots held and extends as tokens are appended
+        #: (Quest's page extremes); emptied whenever existing slots change
+        self.memo: dict = {}
+
+    # ------------------------------------------------------------------ storage
+
+    @property
+    def keys(self) -> Tensor | None:
+        return self._packed.materialise()[0] if self._packed is not None else self._keys
+
+    @keys.setter
+    def keys(self, value: Tensor | None) -> None:
+        self.unpack()
+        self._keys = value
+
+    @property
+    def values(self) -> Tensor | None:
+        return self._packed.materialise()[1] if self._packed is not None else self._values
+
+    @values.setter
+    def values(self, value: Tensor | None) -> None:
+        self.unpack()
+        self._values = value
+
+    def pack(self) -> bool:
+        """Hold the keys and values without padding (``PackedKV``) when some slots are
+        empty; returns whether the layer is packed. Reading ``keys``/``values`` then
+        builds the padded tensors; assigning them unpacks the layer."""
+        if self._packed is None and self.is_initialized and not bool(self.valid.all()):
+            self._packed = PackedKV(self._keys, self._values, self.valid)
+            self._keys = self._values = None
+        return self._packed is not None
+
+    def unpack(self) -> None:
+        packed, self._packed = self._packed, None
+        if packed is not None:
+            self._keys, self._values = packed.materialise()
 
     # ------------------------------------------------------------------ transformers API
 
@@ -69,15 +110,19 @@ class PolicyLayer(CacheLayerMixin):
         B, H, N = key_states.shape[:3]
         dev = self.device
         pos = torch.arange(self.seen, self.seen + N, device=dev).expand(B, H, N)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
+        if self._packed is not None:
+            self._packed.append(key_states, value_states)
+            keys, values = self._packed.materialise()  # for this call's attention only
+        else:
+            self.keys = keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = values = torch.cat([self.values, value_states], dim=-2)
         self.valid = torch.cat([self.valid, real.to(dev, torch.bool)[:, None, :].expand(B, H, N)], dim=-1)
         self.pos = torch.cat([self.pos, pos], dim=-1)
         self.rope = torch.cat([self.rope, rope.to(dev, torch.long)[:, None, :].expand(B, H, N)], dim=-1)
         self.score = torch.cat([self.score, torch.zeros(B, H, N, dtype=torch.float64, device=dev)], dim=-1)
         self.seen += N
         self.full = self.full and bool(real.all())
-        return self.keys, self.values
+        return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # The mask transformers builds is replaced per layer by the policy cache's hook;
@@ -94,30 +139,65 @@ class PolicyLayer(CacheLayerMixin):
         self.__init__()
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise ValueError("cache: a policy cache cannot be cropped (evicted entries are gone); use a fresh policy_cache")
+        """Forget the last ``-tokens_to_remove`` tokens fed (transformers 5's convention, a
+        count <= 0; assisted decoding rolls back rejected draft tokens this way): their
+        entries go, ``seen`` steps back. Entries evicted earlier stay evicted, so this
+        restores the layer exactly only when nothing was evicted since those tokens came
+        (``is_croppable``, set by the cache for policies that evict at prefill only)."""
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int) or tokens_to_remove > 0:
+            raise ValueError(
+                f"cache: crop takes the number of tokens to remove as an int <= 0 (transformers 5's convention), got {tokens_to_remove!r}"
+            )
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        self.memo = {}
+        packed = self._packed is not None
+        removed = min(-tokens_to_remove, self.seen)
+        self.seen -= removed
+        L = self.length
+        gone = self.pos >= self.seen  # the removed tokens' slots (kept entries and holes alike)
+        tail = min(removed, L)
+        if bool(gone[..., L - tail :].all()) and not bool(gone[..., : L - tail].any()):
+            # the usual case: they are the layout's last slots (appended after everything else)
+            for name in ("keys", "values", "valid", "pos", "rope", "score"):
+                setattr(self, name, getattr(self, name)[:, :, : L - tail])
+            counts = self.valid.sum(-1)
+            self.full = bool((counts == self.length).all())
+        else:
+            self.compact(self.valid & ~gone)
+        if packed:
+            self.pack()
 
     def reorder_cache(self, beam_idx: Tensor) -> None:
         self.batch_select_indices(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        self.memo = {}
+        packed = self._packed is not None
         if self.is_initialized:
             for name in ("keys", "values", "valid", "pos", "rope", "score", "capacity"):
                 t = getattr(self, name)
                 if t is not None:
                     setattr(self, name, t.repeat_interleave(repeats, dim=0))
+        if packed:
+            self.pack()
 
     def batch_select_indices(self, indices: Tensor) -> None:
+        self.memo = {}
+        packed = self._packed is not None
         if self.is_initialized:
             for name in ("keys", "values", "valid", "pos", "rope", "score", "capacity"):
                 t = getattr(self, name)
                 if t is not None:
                     setattr(self, name, t[indices.to(t.device)])
+        if packed:
+            self.pack()
 
     # ------------------------------------------------------------------ policy side
 
     @property
     def length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[-2]
+        return 0 if self.valid is None else self.valid.shape[-1]
 
     def lengths(self) -> Tensor:
         """Entries kept per (row, KV head), (B, Hkv)."""
@@ -133,6 +213,7 @@ class PolicyLayer(CacheLayerMixin):
         # stable sort: kept entries first, each group in layout (= position) order
         order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices[..., :new_len]
         idx4 = order[..., None].expand(*order.shape, self.keys.shape[-1])
+        self.memo = {}
         self.keys = self.keys.gather(2, idx4).contiguous()
         self.values = self.values.gather(2, order[..., None].expand(*order.shape, self.values.shape[-1])).contiguous()
         self.valid = torch.arange(new_len, device=self.device)[None, None, :] < counts[..., None]
@@ -154,6 +235,7 @@ class PolicyLayer(CacheLayerMixin):
         layer per token; this copies it once per ``slack`` tokens. Returns the gather
         indices when it compacted, else None (the layout is unchanged)."""
         self.valid = self.valid & keep
+        self.memo = {}
         counts = self.valid.sum(-1)
         longest = int(counts.max()) if counts.numel() else 0
         if self.length - longest > slack:
@@ -165,11 +247,16 @@ class PolicyLayer(CacheLayerMixin):
         """Bytes the layer's tensors occupy (keys, values and the bookkeeping)."""
         if not self.is_initialized:
             return 0
-        tensors = [self.keys, self.values, self.valid, self.pos, self.rope, self.score, self.capacity]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        tensors = [self.valid, self.pos, self.rope, self.score, self.capacity]
+        if self._packed is None:
+            tensors += [self._keys, self._values]
+        held = 0 if self._packed is None else self._packed.nbytes()
+        return held + sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def kv_nbytes(self) -> int:
         """Bytes of the keys and values alone."""
         if not self.is_initialized:
             return 0
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+        if self._packed is not None:
+            return self._packed.kv_nbytes()
+        return sum(t.numel() * t.element_size() for t in (self._keys, self._values))

@@ -16,10 +16,22 @@ Tensor = torch.Tensor
 def top(scores: Tensor, candidates: Tensor, count: Tensor) -> Tensor:
     """The ``count`` (broadcastable to scores.shape[:-1]) candidates with the highest
     scores along the last dim, as a bool mask; ties to the earlier index."""
+    count = torch.as_tensor(count, device=scores.device)
+    excess = candidates.sum(-1) - count
+    most = int(excess.max()) if excess.numel() else 0
+    if most <= 0:
+        return candidates.clone()  # room for every candidate
+    if most == 1:
+        # a decoding step adds one entry to a full layer: drop each over-full row's lowest
+        # candidate, the latest one among equal lowest (the earlier index wins a tie)
+        s = torch.where(candidates, scores.to(torch.float64), math.inf).flip(-1)
+        last = s.shape[-1] - 1 - s.argmin(-1, keepdim=True)  # argmin takes the first, i.e. the latest slot
+        out = candidates.clone()
+        out.scatter_(-1, last, False)
+        return torch.where((excess > 0)[..., None], out, candidates)
     s = torch.where(candidates, scores.to(torch.float64), -math.inf)
     order = torch.sort(s, dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(s.shape[-1], device=s.device).expand_as(order))
-    count = torch.as_tensor(count, device=s.device)
     return (rank < count[..., None]) & candidates
 
 
@@ -32,7 +44,8 @@ def first(valid: Tensor, count) -> Tensor:
 def last(valid: Tensor, count) -> Tensor:
     """The last ``count`` valid entries along the last dim."""
     count = torch.as_tensor(count, device=valid.device)
-    after = valid.flip(-1).cumsum(-1).flip(-1)  # valid entries at or after each slot
+    ones = valid.to(torch.int32)
+    after = ones.sum(-1, keepdim=True) - ones.cumsum(-1) + ones  # valid entries at or after each slot
     return valid & (after <= count[..., None])
 
 

@@ -46,10 +46,30 @@ def page_bounds(q: Tensor, kmin: Tensor, kmax: Tensor) -> Tensor:
     return torch.maximum(qd * lo, qd * hi).sum(-1)
 
 
-def page_mask(q: Tensor, keys: Tensor, valid: Tensor, tokens: Tensor, page_size: int) -> Tensor:
+def layer_extremes(layer, page_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``page_extremes`` of a cache layer's slots, kept in ``layer.memo`` between
+    decoding steps: appended tokens only touch the last pages, so only those are
+    recomputed (the layer empties the memo whenever existing slots change)."""
+    L = layer.length
+    memo = layer.memo.get("quest_pages")
+    if memo is None or memo[3] != page_size or memo[4] > L:
+        kmin, kmax, has = page_extremes(layer.keys, layer.valid, page_size)
+    else:
+        kmin, kmax, has, _, upto = memo
+        p0 = upto // page_size  # the first page that was not complete
+        if upto < L:
+            tail = page_extremes(layer.keys[:, :, p0 * page_size :], layer.valid[:, :, p0 * page_size :], page_size)
+            kmin, kmax, has = (torch.cat([old[:, :, :p0], new], 2) for old, new in zip((kmin, kmax, has), tail))
+    layer.memo["quest_pages"] = (kmin, kmax, has, page_size, L)
+    return kmin, kmax, has
+
+
+def page_mask(q: Tensor, keys: Tensor, valid: Tensor, tokens: Tensor, page_size: int,
+              extremes: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
     """Cached entries each query head attends to, (B, Hq, Nq, L): the top
-    ``ceil(tokens / page_size)`` pages (tokens (B,)) by their bound."""
-    kmin, kmax, has = page_extremes(keys, valid, page_size)
+    ``ceil(tokens / page_size)`` pages (tokens (B,)) by their bound. ``extremes``: the
+    pages' ``page_extremes``, when already known."""
+    kmin, kmax, has = page_extremes(keys, valid, page_size) if extremes is None else extremes
     bound = page_bounds(q, torch.where(has[..., None], kmin, 0.0), torch.where(has[..., None], kmax, 0.0))
     B, Hq, Nq, P = bound.shape
     pages = torch.ceil(tokens.to(torch.float64) / page_size).to(torch.long).view(B, 1, 1)
