@@ -1,12 +1,12 @@
-"""The public call: ``attnkit.attention`` and ``attnkit.explain``."""
+"""The public call: ``attnkit.attention`` and ``attnkit.explain``, a thin facade: named
+mechanisms go to ``attnkit.mechanisms``, exact softmax attention to ``kernels/run.py``."""
 
 from __future__ import annotations
 
 import torch
 
-from .kernels import choose_backend, empty_result, explain_request, make_request
-from .kernels.finite import nonfinite_reaches_output, without_hidden_nonfinite
-from .kernels.request import Request, all_finite, nonfinite_error
+from .kernels import explain_request, make_request
+from .kernels.run import softmax_attention
 
 Tensor = torch.Tensor
 
@@ -61,40 +61,8 @@ def attention(
         if mech.name != "softmax":
             extra = {} if observers is None else {"observers": observers, "layer": layer}
             return mech(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks, return_lse=return_lse, backend=backend, check_finite=check_finite, **extra)
-    want_lse = return_lse or bool(observers)
-    req = make_request(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks, return_lse=want_lse)
-    out, lse = run_request(req, backend)
-    if observers:
-        from .kernels.observe_pass import observe_softmax
-
-        # the weights of hidden keys are 0 whatever the keys hold (NaN in padding too)
-        observe_softmax(without_hidden_nonfinite(req) or req, lse, observers, layer)
-    # Checked on the output (a NaN in a key the mask hides is harmless: run_request keeps
-    # it out), on q, and on k when an output row is exactly zero: torch's flash kernel
-    # returns zeros, not NaN, for a row whose every logit is NaN (kernels/finite.py).
-    if check_finite and nonfinite_reaches_output(req, out):
-        raise nonfinite_error(req)
-    return (out, lse) if return_lse else out
-
-
-def run_request(req: Request, backend: str = "auto") -> tuple[Tensor, Tensor | None]:
-    """(out, lse) of a validated request on the chosen backend; lse may be None when not asked."""
-    if req.q_len == 0 or req.k_len == 0:
-        if backend not in ("auto", "reference", "chunked", "sdpa", "flex"):
-            choose_backend(req, backend)  # raises the unknown-backend error
-        return empty_result(req)
-    chosen, _ = choose_backend(req, backend)
-    # NaN/inf in keys or values that no query sees (padding) must not reach the output or
-    # the gradients, though a kernel's 0 * NaN spreads them (kernels/finite.py). Training
-    # calls are cleaned first; the others only when their output comes back non-finite.
-    if req.needs_grad:
-        req = without_hidden_nonfinite(req) or req
-    out, lse = chosen.run(req)
-    if not req.needs_grad and not all_finite(out):
-        clean = without_hidden_nonfinite(req)
-        if clean is not None:
-            out, lse = chosen.run(clean)
-    return out, lse
+    return softmax_attention(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks, return_lse=return_lse,
+                             backend=backend, check_finite=check_finite, observers=observers, layer=layer)
 
 
 def explain(q: Tensor, k: Tensor, v: Tensor, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto", check_finite=True) -> str:

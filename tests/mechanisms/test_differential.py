@@ -78,18 +78,18 @@ def test_maps_share_one_grouped_call_only_when_heads_look_alike():
 def test_float32_inference_matches_reference(mask, monkeypatch):
     """float32 without gradients: band masks take the C kernel with D/2-wide query and key
     heads against Dv-wide values, other masks the grouped call; GQA, Nq != Nk, Dv != D."""
-    from attnkit.kernels import native
+    from attnkit.kernels import cpu
 
     calls = []
-    real = native.softmax_attention
-    monkeypatch.setattr(native, "softmax_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = cpu.softmax_attention
+    monkeypatch.setattr(cpu, "softmax_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v = qkv(B=2, Hq=4, Hkv=2, Nq=300, Nk=330, D=16, Dv=24, dtype=torch.float32)
     mech = Differential(lambda_init=0.5)
     with torch.no_grad():
         out = mech(q, k, v, mask=mask)
     assert_close(out, mech.reference(q.double(), k.double(), v.double(), mask=mask), dtype=torch.float32)
     band = mask is None or mask.band() is not None
-    assert calls == ([1] if band and native.fused_usable(q, k, v) else [])
+    assert calls == ([1] if band and cpu.fused_usable(q, k, v) else [])
 
 
 @pytest.mark.parametrize("learned", [False, True])

@@ -263,12 +263,12 @@ def test_lower_precision_within_tolerance_of_float64(dtype):
     assert_close(got, mech.reference(q, k, v, mask=ak.causal()), dtype=dtype)
 
 
-# ------------------------------------------------------------------ C loops (kernels/native_sparse.c)
+# ------------------------------------------------------------------ C loops (kernels/cpu/loops_sparse.cpp)
 
-from attnkit.kernels import native  # noqa: E402
+from attnkit.kernels import cpu  # noqa: E402
 
-needs_c = pytest.mark.skipif(native.library() is None or native.sgemm() is None,
-                             reason="no C loops here (ATTNKIT_NATIVE=0, no compiler or no exported sgemm)")
+needs_c = pytest.mark.skipif(not cpu.available(),
+                             reason="no C++ operators here (ATTNKIT_NATIVE=0 or no compiler)")
 
 C_CASES = [  # Nq, Nk, Hq, Hkv, D, Dv, mechanism arguments
     (70, 70, 4, 2, 8, 8, {}),
@@ -281,8 +281,8 @@ C_CASES = [  # Nq, Nk, Hq, Hkv, D, Dv, mechanism arguments
 
 def _c_ran(monkeypatch):
     calls = []
-    forward = native.nsa_forward
-    monkeypatch.setattr(native, "nsa_forward", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
+    forward = cpu.nsa_forward
+    monkeypatch.setattr(cpu, "nsa_forward", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
     return calls
 
 
@@ -312,7 +312,7 @@ def test_c_loops_match_pytorch_path_and_reference(monkeypatch, Nq, Nk, Hq, Hkv, 
         fast = mech(q, k, v, mask=ak.causal(), gates=gates)
         assert calls
         with monkeypatch.context() as patch:
-            patch.setattr(native, "fused_usable", lambda *tensors: False)
+            patch.setattr(cpu, "fused_usable", lambda *tensors: False)
             slow = mech(q, k, v, mask=ak.causal(), gates=gates)
         k_cmp, v_cmp = mech.compress(k, v)
         req = make_request(q, k, v, mask=ak.causal())

@@ -119,14 +119,14 @@ FUSED_MASKS = {
 @pytest.fixture
 def fused_calls(monkeypatch):
     """Records which fused C kernels ran; skips where torch exposes no sgemm to call."""
-    from attnkit.kernels import native
+    from attnkit.kernels import cpu
 
-    if not native.fused_usable(*(torch.zeros(1),) * 3):
+    if not cpu.fused_usable(*(torch.zeros(1),) * 3):
         pytest.skip("no C compiler or no sgemm exported by this torch build: the tile loop runs instead")
     calls = []
     for name in ("sigmoid_attention", "sigmoid_attention_backward"):
-        real = getattr(native, name)
-        monkeypatch.setattr(native, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+        real = getattr(cpu, name)
+        monkeypatch.setattr(cpu, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
     return calls
 
 
@@ -146,7 +146,7 @@ def _float32_against_float64(mask, shape, sigmoid=Sigmoid()):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("mask", list(FUSED_MASKS))
 def test_fused_kernel_matches_reference(mask, threads, fused_calls):
-    """Band masks without a score mod run forward and backward in C (kernels/native_fused.c),
+    """Band masks without a score mod run forward and backward in C (kernels/cpu/loops_fused.cpp),
     one thread or head ranges over several; GQA, Nq != Nk (bottom-right), Dv != D."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

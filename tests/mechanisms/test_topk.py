@@ -75,17 +75,17 @@ def _theta(q, k, keep, mask, per_position):
 
 @pytest.mark.parametrize("mask", [None, ak.causal(), ak.window(40), ak.window(20, 15)], ids=repr)
 def test_topk_c_forward_matches_reference_and_pytorch_path(mask, monkeypatch):
-    """float32 with a band mask: the forward runs in C (kernels/native.py); values, lse,
+    """float32 with a band mask: the forward runs in C (kernels/cpu/); values, lse,
     gradients (from the saved choice) and the kept/visible report against the float64
     reference and against the PyTorch block path; GQA, Nq != Nk, Dv != D, rows that see
     fewer than k keys."""
-    from attnkit.kernels import native
+    from attnkit.kernels import cpu
 
-    if not native.fused_usable(*(torch.zeros(1),) * 3):
+    if not cpu.fused_usable(*(torch.zeros(1),) * 3):
         pytest.skip("no C compiler or no sgemm exported by this torch build: the PyTorch path runs instead")
     calls = []
-    real = native.topk_attention
-    monkeypatch.setattr(native, "topk_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = cpu.topk_attention
+    monkeypatch.setattr(cpu, "topk_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v = qkv(B=2, Hq=4, Hkv=2, Nq=150, Nk=333, D=16, Dv=24, dtype=torch.float32, requires_grad=True, seed=5)
     go = torch.randn(2, 4, 150, 24, dtype=torch.float64)
 
@@ -98,7 +98,7 @@ def test_topk_c_forward_matches_reference_and_pytorch_path(mask, monkeypatch):
     fraction = mech.kept_fraction
     assert calls == [1]
     want = run(TopK(k=24), [t.detach().double().requires_grad_() for t in (q, k, v)], backend="reference")
-    monkeypatch.setattr(native, "usable", lambda *tensors: False)
+    monkeypatch.setattr(cpu, "usable", lambda *tensors: False)
     slow_mech = TopK(k=24)
     slow = run(slow_mech, (q, k, v))
     for f, s_, w in zip(fast, slow, want):

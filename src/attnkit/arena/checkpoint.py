@@ -17,10 +17,13 @@ import json
 import torch
 from torch import nn
 
+from ..extras import require
+
 FORMAT = "attnkit.arena.checkpoint"
 
 
 def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict) -> None:
+    require("safetensors", "attnkit.arena's checkpoints")
     from safetensors.torch import save_file
 
     tensors, aliases, seen = {}, {}, {}
@@ -46,6 +49,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Restore ``model``, ``optimizer`` and the CPU RNG from ``path``; returns the metadata."""
+    require("safetensors", "attnkit.arena's checkpoints")
     from safetensors import safe_open
     from safetensors.torch import load_file
 

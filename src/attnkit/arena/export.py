@@ -34,6 +34,7 @@ from dataclasses import fields
 
 import torch
 
+from ..extras import require
 from ..nn import TransformerLM
 from ..nn.positions import RopeScaling, rope_frequencies
 from .tasks import Task, make_task
@@ -124,6 +125,7 @@ def export(model: TransformerLM, task: Task, directory: str, training: dict | No
     the module docstring); ``training`` (optional, JSON-able) is recorded in task.json.
     Returns the directory. Nothing is written when the model or task cannot export, and
     the model is left as it was."""
+    require("transformers", "attnkit.arena's export")
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     if not isinstance(task, Task):

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import os
 
+from ..extras import require
+
 
 def _pyplot():
+    require("matplotlib", "attnkit.arena's plots")
     import matplotlib
 
     matplotlib.use("Agg", force=True)

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from ..bench.harness import machine_info
+from ..kernels.machine import machine_info
 from .models import MechanismSpec, build_model, parse_mechanisms
 from .tasks import Task
 from .trainer import TrainConfig, Trainer, stream_seed

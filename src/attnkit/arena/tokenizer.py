@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..extras import require
 from .tasks import Task
 
 
@@ -122,6 +123,7 @@ def build_tokenizer(symbols: Symbols):
     """A ``transformers.PreTrainedTokenizerFast`` over the symbols: WordLevel model,
     whitespace split, no normaliser, no post-processor (nothing is added to the ids),
     decoding joined by single spaces; ``pad_token`` is ``symbols.pad``."""
+    require("transformers", "attnkit.arena's tokenizer (for --export)")
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

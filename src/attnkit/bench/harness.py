@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from ..kernels.machine import machine_info  # noqa: F401  (re-exported: bench.machine_info)
+
 
 @dataclass
 class Row:
@@ -129,20 +131,6 @@ def format_table(rows: list[Row]) -> str:
 def write_json(rows: list[Row], path: str, meta: dict) -> None:
     with open(path, "w") as f:
         json.dump({"meta": meta, "rows": [r.to_dict() for r in rows]}, f, indent=2)
-
-
-def machine_info() -> dict:
-    import platform
-
-    import torch
-
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "machine": platform.machine(),
-    }
 
 
 def fwd_bwd(fn, q, k, v):

@@ -10,17 +10,35 @@ import argparse
 import importlib
 import sys
 
+from ..extras import missing_extra
 from .options import Parser, UsageError
 
-COMMANDS = ("bench", "inspect", "arena", "probe", "rerank", "kv")
+COMMANDS = ("bench", "inspect", "arena", "probe", "rerank", "kv", "doctor")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="attnkit", description="Attention mechanisms, instruments and benchmarks.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
-        importlib.import_module(f"{__name__}.{name}").add_parser(sub)
+        try:
+            importlib.import_module(f"{__name__}.{name}").add_parser(sub)
+        except ImportError as e:  # an extra is missing: the other sub-commands still work
+            if missing_extra(e) is None:
+                raise
+            _unavailable(sub, name, missing_extra(e))
     return parser
+
+
+def _unavailable(sub, name: str, why: str) -> None:
+    """A sub-command whose parser needs a missing extra: it says which, and exits 1."""
+    parser = sub.add_parser(name, help=f"(unavailable: {why})", description=why, add_help=True)
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    parser.set_defaults(func=lambda args: _fail(name, ImportError(why)))
+
+
+def _fail(command: str, error: ImportError) -> int:
+    print(f"attnkit {command}: error: {missing_extra(error)}", file=sys.stderr)
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,3 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"attnkit {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except ImportError as e:  # an optional package: name the extra that brings it, no traceback
+        if missing_extra(e) is None:
+            raise
+        return _fail(args.command, e)

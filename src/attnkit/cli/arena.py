@@ -12,6 +12,7 @@ import json
 import math
 import os
 
+from ..extras import require
 from .options import int_list, options_named, output_dir, positive_float, positive_int
 from .progress import Progress
 
@@ -133,6 +134,13 @@ def run(args) -> int:
     task = task_from_params(args.task, parse_params(args.param))
     widths, seq_lens, seeds = args.d_model, args.seq_len, list(range(args.seeds))
     check_grid(task, args, widths, seq_lens)
+    # Missing extras are named before training, not after it.
+    if not args.no_plots:
+        require("matplotlib", "attnkit arena's figures (--no-plots skips them)")
+    if args.export:
+        require("transformers", "attnkit arena --export")
+    if args.checkpoint_every or args.resume or args.export:
+        require("safetensors", "attnkit arena's checkpoints")
     overrides = {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "eval_every": args.eval_every,
                  "eval_examples": args.eval_examples, "checkpoint_every": args.checkpoint_every, **parse_target(args.target)}
     with options_named({"mechanisms": "--mechanisms"}):

@@ -38,26 +38,36 @@ class Parser(argparse.ArgumentParser):
 # -- argparse ``type=`` functions -------------------------------------------------------------
 
 
+def _number(text: str, convert, accept, expected: str, expected_value: str | None = None):
+    """``convert(text)`` when it parses and ``accept``s the value; otherwise argparse's
+    error saying what was ``expected`` (``expected_value`` for a value that parsed)."""
+    try:
+        value = convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not accept(value):
+        raise argparse.ArgumentTypeError(f"expected {expected_value or expected}, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """An int >= 1 (counts, sizes, steps)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+    return _number(text, int, lambda v: v >= 1, "a positive integer")
 
 
 def positive_float(text: str) -> float:
     """A finite float > 0 (learning rates)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
-    return value
+    return _number(text, float, lambda v: math.isfinite(v) and v > 0, "a positive number", "a positive finite number")
+
+
+def nonnegative_int(text: str) -> int:
+    """An int >= 0 (seeds)."""
+    return _number(text, int, lambda v: v >= 0, "an integer >= 0")
+
+
+def nonnegative_float(text: str) -> float:
+    """A finite float >= 0 (guidance scales)."""
+    return _number(text, float, lambda v: math.isfinite(v) and v >= 0, "a number >= 0", "a finite number >= 0")
 
 
 def int_list(text: str) -> list[int]:

@@ -6,10 +6,14 @@ through ``AttentionInterface`` runs on attnkit's kernels, mechanisms and observe
         model(**tok(["a sentence"], return_tensors="pt"))
 """
 
-from .attention import attnkit_attention_forward
-from .default_model import default_model_path, load_default_model, mean_pool
-from .masks import MaskSpec, mask_spec
-from .switch import NAME, Switch, register, use
+from ..extras import require
+
+require("transformers", "attnkit.hf")  # the [hf] extra; named in the error when missing
+
+from .attention import attnkit_attention_forward  # noqa: E402
+from .default_model import default_model_path, load_default_model, mean_pool  # noqa: E402
+from .masks import MaskSpec, mask_spec  # noqa: E402
+from .switch import NAME, Switch, register, use  # noqa: E402
 
 __all__ = [
     "NAME", "MaskSpec", "Switch", "attnkit_attention_forward", "default_model_path", "load_default_model",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from importlib import resources
 
+from ..extras import require
+
 
 def sample_text() -> str:
     """The bundled sample text (a few paragraphs, under 300 tokens for MiniLM)."""
@@ -24,8 +26,9 @@ def load_local_model(path: str):
         raise ValueError(f"model: {path} is a file; expected a transformers model directory (config.json and weights)")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"model: {path} is not a transformers model directory (it has no config.json)")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
+
+    require("transformers", "attnkit.inspect's model loading")  # offline: local_files_only below
     from transformers import AutoModel, AutoTokenizer
     from transformers.utils import logging as hf_logging
 

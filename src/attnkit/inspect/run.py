@@ -15,11 +15,9 @@ from collections.abc import Mapping
 
 import torch
 
-from ..observe import METERS, Meter, Observer, Selection
+from ..observe import METERS, TOKEN_VIEW_LIMIT, Meter, Observer, Selection
 from .profile import AttentionProfile
 
-#: the report's token view, and the per-token arrays behind it, stop at this length
-TOKEN_VIEW_LIMIT = 512
 DEFAULT_METERS = ("sink", "entropy", "distance", "logits", "topkeys")
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..mods import AffineForm, Mask, ScoreMod, affine_form, index_tensors
-from .fused import fused_backward, fused_forward
+from .fused import backward_with_lse_grad, fused_backward, fused_forward
 from .plan import Plan, make_plan, single_tile_plan
 from .request import Request
 from .tiled import tiled_backward, tiled_forward
@@ -147,32 +147,19 @@ class _ChunkedAttention(torch.autograd.Function):
         cd = torch.float64 if q.dtype == torch.float64 else torch.float32
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        if grad_lse is not None and not bool(grad_lse.any()):
+        if grad_lse is not None and not torch.compiler.is_compiling() and not bool(grad_lse.any()):
             grad_lse = None
         delta = (grad_out.to(cd) * out.to(cd)).sum(dim=-1)
         dsinks = sink_grad(sinks, lse, delta, grad_lse) if sinks is not None and ctx.needs_input_grad[4] else None
         dparams = [None] * run.n_params
         if run.engine == "fused":
-            dq, dk, dv = _fused_backward_with_lse_grad(grad_out, grad_lse, q, k, v, out, lse, run)
+            dq, dk, dv = backward_with_lse_grad(fused_backward, grad_out, grad_lse, q, k, v, out, lse, run.scale, run.plan,
+                                                run.mask, run.affine, run.q_start)
         else:
             adj = delta if grad_lse is None else delta - grad_lse.to(cd)
             dq, dk, dv, dparams = tiled_backward(grad_out, q, k, v, out, lse, adj, run.scale, run.plan, run.mask, run.score, list(params), run.q_start, run.tile_k)
             dparams = [None if g is None else g.to(p.dtype) for g, p in zip(dparams, params)]
         return (None, dq, dk, dv, dsinks, *dparams)
-
-
-def _fused_backward_with_lse_grad(grad_out, grad_lse, q, k, v, out, lse, run: _Run):
-    if grad_lse is None:
-        return fused_backward(grad_out, q, k, v, out, lse, run.scale, run.plan, run.mask, run.affine, run.q_start)
-    # The op derives delta = rowsum(dO * O) itself. A gradient g reaching lse turns dS into
-    # P * (dP - delta + g): append a zero column to q, k, v, a column of ones to O and -g to
-    # dO, so that the op's own delta becomes delta - g while dP stays unchanged.
-    pad = lambda t: F.pad(t, (0, 1))
-    ones = torch.ones(*out.shape[:-1], 1, dtype=out.dtype)
-    out_e = torch.cat([out, ones], dim=-1)
-    go_e = torch.cat([grad_out.to(out.dtype), -grad_lse.to(out.dtype).unsqueeze(-1)], dim=-1)
-    dq, dk, dv = fused_backward(go_e, pad(q), pad(k), pad(v), out_e, lse, run.scale, run.plan, run.mask, run.affine, run.q_start)
-    return dq[..., :-1], dk[..., :-1], dv[..., :-1]
 
 
 def chunked_attention(req: Request, engine: str | None = None, tiling: Tiling = TILING) -> tuple[Tensor, Tensor]:

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..mods import band_of
+from ..mods.scores import Softcap
+from . import cpu
 from .chunked import chunked_attention, choose_engine, make_chunked_plan
 from .flex import flex_attention_call, flex_unsupported
 from .reference import reference_attention
@@ -76,10 +79,28 @@ def explain_request(req: Request, backend: str = "auto") -> str:
     lines += [f"why: {r}" for r in reasons]
     if chosen.name == "chunked":
         engine, _ = choose_engine(req)
+        lines.append(f"engine: {engine_description(req, engine)}")
         plan = make_chunked_plan(req, engine)
         lines.append(
             f"plan: {plan.grid.n_q} query blocks x {plan.grid.n_k} key blocks of {plan.grid.q_block}x{plan.grid.k_block}; "
             f"{plan.tiles_skipped} of {plan.tiles_total} tiles skipped ({100 * (1 - plan.visited_fraction):.1f}%), "
             f"{plan.tiles_partial} evaluate the mask{'' if plan.shared else ' (planned per batch row)'}"
         )
+    lines.append(cpu.status().describe() + ("" if cpu.status().available else "; C++ paths run as PyTorch tiles"))
     return "\n".join(lines)
+
+
+def engine_description(req: Request, engine: str) -> str:
+    """What computes the tiles of a chunked call: torch's flash kernel per tile segment,
+    the whole call as a C++ operator, or PyTorch tiles (with C++ tile steps or without)."""
+    if engine == "fused":
+        return "torch's fused flash kernel per tile segment (masks and biases as small tiles)"
+    float32_cpu = req.q.dtype == torch.float32 and req.q.device.type == "cpu"
+    if not float32_cpu:
+        return f"PyTorch tiles ({req.q.dtype} on {req.q.device.type}; the C++ operators take float32 CPU tensors)"
+    status = cpu.status()
+    if not status.available:
+        return f"PyTorch tiles ({status.describe()})"
+    if band_of(req.mask) is not None and (req.score is None or type(req.score) is Softcap):
+        return "C++ operator attnkit::softmax_attention for the whole forward; backward in PyTorch tiles"
+    return "PyTorch tiles with C++ tile steps (online softmax, softcap)"

@@ -26,10 +26,10 @@ import torch
 
 from ..mods import band_of, index_tensors
 from ..observe import AttentionTile, CallInfo, feed
-from . import native
+from . import cpu
 from .plan import FULL_SEG, Plan, QueryBlock, make_plan, single_tile_plan
 from .request import Request
-from .tiles import Tile, add_pv_, visible
+from .tiles import Tile, add_pv_, apply_score_, visible
 
 Tensor = torch.Tensor
 
@@ -167,7 +167,7 @@ class Block:
         tile = None
         if prob.score is not None:
             tile = self.tile(k0, k1)
-            s = prob.score.apply_(s, tile.b, tile.h, tile.q, tile.k).to(prob.cd)  # s is the tile's own tensor
+            s = apply_score_(prob.score, s, tile).to(prob.cd)  # s is the tile's own tensor
         if kind != FULL_SEG:
             tile = tile or self.tile(k0, k1)
             s.masked_fill_(~visible(prob.mask, tile), -math.inf)  # s is this tile's own tensor
@@ -294,6 +294,13 @@ class TileKernel:
         needs a gradient); None: run ``backward_block``."""
         return None
 
+    def backward_fused_with_stats(self, prob: Problem, grad_out: Tensor, stats: dict[str, Tensor],
+                                  grad_stats: dict[str, Tensor]) -> tuple[Tensor | None, ...] | None:
+        """``backward_fused`` when gradients also reach the stats (``grad_stats``, possibly
+        zeros: a compiled graph cannot tell); None where the kernel's fused backward cannot
+        take them."""
+        return None if grad_stats else self.backward_fused(prob, grad_out, stats)
+
     def forward_block(self, blk: Block) -> tuple[Tensor, dict[str, Tensor]]:
         raise NotImplementedError
 
@@ -306,10 +313,10 @@ class TileKernel:
 
 
 def fused_band(prob: Problem) -> tuple[int | None, int | None] | None:
-    """The band of keys for the whole-call C loops (kernels/native_*.c), or None when the
+    """The band of keys for the whole-call C loops (kernels/cpu/), or None when the
     call needs the block loop: a score mod, a mask that is not a band, no fused C path."""
     band = band_of(prob.mask)
-    if prob.score is not None or band is None or not native.fused_usable(prob.q, prob.k, prob.v):
+    if prob.score is not None or band is None or not cpu.fused_usable(prob.q, prob.k, prob.v):
         return None
     return band
 
@@ -352,9 +359,9 @@ class _EngineFunction(torch.autograd.Function):
         prob = Problem(req, kernel.tiling, [t for t in tensors[: ctx.n_score]])
         cd = prob.cd
         go = torch.zeros_like(out) if grad_out is None else grad_out.to(cd)
-        gstats = {n: g.to(cd) for n, g in zip(ctx.stat_names, grad_stats) if g is not None and bool(g.any())}
-        if ctx.n_score == 0 and not gstats:
-            fused = kernel.backward_fused(prob, go, stats)
+        gstats = {n: g.to(cd) for n, g in zip(ctx.stat_names, grad_stats) if g is not None and (torch.compiler.is_compiling() or bool(g.any()))}
+        if ctx.n_score == 0:
+            fused = kernel.backward_fused_with_stats(prob, go, stats, gstats)
             if fused is not None:
                 dq, dk, dv, *dparams = fused
                 dparams = [None if g is None else g.to(t.dtype) for g, t in zip(dparams, tensors)]
@@ -448,8 +455,8 @@ class OnlineSoftmax:
 
     def add(self, blk: Block, z: Tensor, k0: int, k1: int, sign: Tensor | None = None) -> None:
         """Fold in a tile of logits z (consumed); the values are weighted by exp(z - m), times ``sign``."""
-        if native.usable(z, self.m, self.l):
-            alpha = native.online_softmax_step_(z, self.m, self.l)  # z becomes p; m, l updated in place
+        if cpu.usable(z, self.m, self.l):
+            alpha = cpu.online_softmax_step_(z, self.m, self.l)  # z becomes p; m, l updated in place
             self.acc *= alpha.unsqueeze(-1)
             blk.pv_add_(self.acc, z if sign is None else z.mul_(sign), k0, k1)
             return

@@ -75,7 +75,7 @@ def without_hidden_nonfinite(req: Request) -> Request | None:
     those entries get zero gradients); None when there is none (then a non-finite output
     is the inputs' own doing). Query rows matter for gradients only: dK = dS^T Q multiplies
     their zero dS by their NaN."""
-    if req.mask is None:
+    if req.mask is None or torch.compiler.is_compiling():  # a compiled graph cannot branch on the data
         return None
     k, v, q = req.k, req.v, req.q
     changed = False

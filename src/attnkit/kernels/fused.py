@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from ..mods import AffineForm, Mask
 from .plan import CAUSAL_SEG, FULL_SEG, Plan, QueryBlock, Segment
@@ -84,7 +85,7 @@ def segment_inputs(
         # its own causal mask (checked against the dense formula), so no dense tile is
         # formed. A -inf offset could hide a causal row wholly: left to the dense path.
         row, col = affine.separable_bias(tile.b.view(-1), tile.h_flat, tile.q_flat, tile.k_flat, "left")
-        if not bool(torch.isneginf(col).any()):
+        if not torch.compiler.is_compiling() and not bool(torch.isneginf(col).any()):  # compiled: the dense path
             per_key = col[None, :, None, :] if col.dim() == 2 else col[:, :, None, :]
             return SegmentInputs(attn_mask=per_key.to(mask_dtype), is_causal=seg.kind == CAUSAL_SEG)
     if seg.kind == FULL_SEG:
@@ -111,7 +112,7 @@ def _dead_separable(row: Tensor, col: Tensor) -> Tensor | None:
     """``_dead_rows`` of the bias ``row[:, :, None] + col[:, None, :]`` without forming it."""
     dead = torch.isneginf(row) | torch.isneginf(col).all(dim=-1, keepdim=True)
     dead = dead if dead.dim() == 3 else dead[None]
-    return dead if bool(dead.any()) else None
+    return dead if torch.compiler.is_compiling() or bool(dead.any()) else None  # compiled: no data branch
 
 
 def _dead_rows(attn_mask: Tensor) -> Tensor | None:
@@ -119,7 +120,7 @@ def _dead_rows(attn_mask: Tensor) -> Tensor | None:
     or None. The op reports lse = 0 for such a row, as if it held one key of logit 0: the
     caller must turn that into -inf, or merging tiles would add a phantom key."""
     dead = torch.isneginf(attn_mask).all(dim=-1)
-    return dead if bool(dead.any()) else None
+    return dead if torch.compiler.is_compiling() or bool(dead.any()) else None  # compiled: no data branch
 
 
 def fused_forward(
@@ -185,3 +186,22 @@ def fused_backward(
                 dk[ks] += gk
                 dv[ks] += gv
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def backward_with_lse_grad(backward, grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
+                           out: Tensor, lse: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of ``backward(grad_out, q, k, v, out, lse, *args, **kwargs)`` — a flash
+    backward that takes only dO (``flash_backward``, ``fused_backward``) — when a gradient
+    g also reaches lse (None: the plain call).
+
+    The op derives delta = rowsum(dO * O) itself, and dS = P * (dP - delta). A gradient g
+    on lse = log sum exp(S) adds P * g to dS, i.e. replaces delta by delta - g
+    (FlashAttention-2, arXiv 2307.08691). So append a zero column to q, k, v (scores and
+    dP unchanged), a column of ones to O and -g to dO: the op's delta becomes delta - g."""
+    if grad_lse is None:
+        return backward(grad_out, q, k, v, out, lse, *args, **kwargs)
+    q, k, v = (F.pad(t, (0, 1)) for t in (q, k, v))
+    out = torch.cat([out, torch.ones_like(out[..., :1])], dim=-1)
+    grad_out = torch.cat([grad_out.to(out.dtype), -grad_lse.to(out.dtype).unsqueeze(-1)], dim=-1)
+    dq, dk, dv = backward(grad_out, q, k, v, out, lse, *args, **kwargs)
+    return dq[..., :-1], dk[..., :-1], dv[..., :-1]

@@ -14,7 +14,7 @@ from the halo-extended raw logits, whose gradient is scattered back into dq and 
 
 Where ``T`` is one the C loop knows (``CTransform``: a depthwise convolution or a head
 mixing) and the mask is a band without a score mod, the whole call, forward and
-backward, runs in kernels/native_mixed.c instead (the same two passes around sgemm);
+backward, runs in kernels/cpu/loops_mixed.cpp instead (the same two passes around sgemm);
 the block loop here is the general path and the reference for it.
 """
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import native
+from . import cpu
 from .engine import (
     Block, EngineTiling, GradBlock, OnlineSoftmax, Problem, TileKernel, fast_exp, fast_exp_, fused_band, grouped, safe_lse, softmax_backward_terms,
     ungrouped,
@@ -41,7 +41,7 @@ Tensor = torch.Tensor
 def _dead(lse: Tensor) -> Tensor | None:
     """(Bt, H, BQ, 1) rows that see no key, or None when there are none in the block."""
     dead = torch.isneginf(lse)
-    return dead.unsqueeze(-1) if bool(dead.any()) else None
+    return dead.unsqueeze(-1) if torch.compiler.is_compiling() or bool(dead.any()) else None  # compiled: no data branch
 
 
 def _zero_dead(p: Tensor, dead: Tensor | None) -> Tensor:
@@ -56,16 +56,16 @@ def mix_heads(m: Tensor, x: Tensor, row_scale: Tensor | None = None) -> Tensor:
     m = m.to(x.dtype)
     if row_scale is None and torch.is_grad_enabled() and (m.requires_grad or x.requires_grad):
         return _MixHeads.apply(m, x)
-    if _native_mix(m, x, row_scale):
-        return native.mix_heads(m.contiguous(), x, row_scale)
+    if _cpu_mix(m, x, row_scale):
+        return cpu.mix_heads(m.contiguous(), x, row_scale)
     if row_scale is not None:
         x = x * row_scale.unsqueeze(-1)
     bt, h = x.shape[:2]
     return torch.matmul(m, x.reshape(bt, h, -1)).reshape(x.shape)
 
 
-def _native_mix(m: Tensor, x: Tensor, row_scale: Tensor | None) -> bool:
-    return x.dim() == 4 and x.shape[1] <= native.MAX_MIX_HEADS and native.usable(m, x, *(() if row_scale is None else (row_scale,)))
+def _cpu_mix(m: Tensor, x: Tensor, row_scale: Tensor | None) -> bool:
+    return x.dim() == 4 and x.shape[1] <= cpu.MAX_MIX_HEADS and cpu.usable(m, x, *(() if row_scale is None else (row_scale,)))
 
 
 class _MixHeads(torch.autograd.Function):
@@ -92,7 +92,7 @@ class _MixHeads(torch.autograd.Function):
 
 @dataclass
 class CTransform:
-    """The transform as the C loop (kernels/native_mixed.c) runs it, for band masks without
+    """The transform as the C loop (kernels/cpu/loops_mixed.cpp) runs it, for band masks without
     a score mod: a depthwise key-query convolution ``conv`` (H, cq, ck), a head mixing of
     the logits ``pre`` (H, H), or neither; the mixings are block-diagonal in groups of
     ``group`` heads. ``transform_params`` must be [conv], [pre] or []."""
@@ -137,16 +137,20 @@ class MixedSoftmaxKernel(TileKernel):
         band = None if self.c_transform is None else fused_band(prob)
         if band is None:
             return None
-        out, lse = native.mixed_softmax_attention(prob.q, prob.k, prob.v, *self._c_weights(), self.c_transform.group, prob.q_start, band)
+        out, lse = cpu.mixed_softmax_attention(prob.q, prob.k, prob.v, *self._c_weights(), self.c_transform.group, prob.q_start, band)
         return out, {"lse": lse}
 
     def backward_fused(self, prob: Problem, grad_out: Tensor, stats):
+        return self.backward_fused_with_stats(prob, grad_out, stats, {})
+
+    def backward_fused_with_stats(self, prob: Problem, grad_out: Tensor, stats, grad_stats):
         band = None if self.c_transform is None else fused_band(prob)
-        if band is None:
+        if band is None or set(grad_stats) - {"lse"}:
             return None
-        dq, dk, dv, dconv, dpre, dpost = native.mixed_softmax_attention_backward(
+        grad_lse = grad_stats.get("lse")
+        dq, dk, dv, dconv, dpre, dpost = cpu.mixed_softmax_attention_backward(
             grad_out.contiguous(), prob.q, prob.k, prob.v, stats["lse"].contiguous(), *self._c_weights(), self.c_transform.group,
-            prob.q_start, band)
+            prob.q_start, band, None if grad_lse is None else grad_lse.float())
         transform_grads = [g for g in (dconv, dpre) if g is not None]
         return dq.mul_(prob.scale), dk, dv, *transform_grads, *([dpost] if self.mix is not None else [])  # params()' order
 
@@ -268,12 +272,12 @@ def _softmax_tiles_(tiles: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
     left to the pass that mixes the heads. The C path runs the online softmax tile by tile
     (e^(z - running max), no separate max pass) and folds e^(running - final max) into the
     scales."""
-    if native.usable(*tiles):
+    if cpu.usable(*tiles):
         m = torch.full(tiles[0].shape[:-1], -math.inf)
         l = torch.zeros_like(m)
         running = []
         for z in tiles:
-            native.online_softmax_step_(z, m, l)
+            cpu.online_softmax_step_(z, m, l)
             running.append(m.clone())
         dead = torch.isneginf(m)
         inv = l.reciprocal().masked_fill_(dead, 0.0)

@@ -20,9 +20,9 @@ import torch
 
 from ..mods import Mask, ScoreMod, band_of
 from ..mods.scores import Softcap
-from . import native
+from . import cpu
 from .plan import FULL_SEG, Plan
-from .tiles import Tile, add_pv_, neg_inf_to_pos_inf, visible
+from .tiles import Tile, add_pv_, apply_score_, neg_inf_to_pos_inf, visible
 
 Tensor = torch.Tensor
 
@@ -46,7 +46,7 @@ def _tiles(block, tile_k: int):
 
 def _modify(s: Tensor, score: ScoreMod | None, mask: Mask | None, seg_kind: str, tile: Tile, compute_dtype) -> Tensor:
     if score is not None:
-        s = score.apply_(s, tile.b, tile.h, tile.q, tile.k).to(compute_dtype)  # s is the tile's own tensor
+        s = apply_score_(score, s, tile).to(compute_dtype)  # s is the tile's own tensor
     if seg_kind != FULL_SEG:
         s = s.masked_fill(~visible(mask, tile), -math.inf)
     return s
@@ -66,8 +66,8 @@ def tiled_forward(
     # Band masks with softcap (or no mod) in float32: the whole loop runs in C around torch's sgemm.
     band = band_of(mask)
     cap = _softcap_or_none(score)
-    if band is not None and cap is not None and matmul_dtype == torch.float32 and native.fused_usable(q, k, v):
-        return native.softmax_attention(q, k, v, scale, q_start, band, cap)
+    if band is not None and cap is not None and matmul_dtype == torch.float32 and cpu.fused_usable(q, k, v):
+        return cpu.softmax_attention(q, k, v, scale, q_start, band, cap)
     B, H, Nq, _ = q.shape
     Hkv = k.shape[1]
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -92,8 +92,8 @@ def tiled_forward(
                 kt = k[bs, :, t0:t1].to(cd)
                 s = _ungrouped(torch.matmul(qg, kt.transpose(-1, -2)), H).to(cd)
                 s = _modify(s, score, mask, seg.kind, tile, cd)
-                if native.usable(s, m, l):
-                    p, alpha = s, native.online_softmax_step_(s, m, l)  # m, l updated in place
+                if cpu.usable(s, m, l):
+                    p, alpha = s, cpu.online_softmax_step_(s, m, l)  # m, l updated in place
                 else:
                     m_new = torch.maximum(m, s.amax(dim=-1))
                     m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
@@ -127,6 +127,9 @@ def tiled_backward(
     dv = torch.zeros(v.shape, dtype=cd, device=q.device)
     dparams: list[Tensor | None] = [None] * len(params)
     lse_b = neg_inf_to_pos_inf(lse).to(cd)
+    # A plain softcap differentiates in closed form (d/ds cap tanh(s / cap) = 1 - (z / cap)^2
+    # for z the capped logit): no autograd.grad per tile, which torch.compile cannot trace.
+    cap = score.cap if type(score) is Softcap and not params else None
     for bs, rows, blocks in plan.batch_slices(B):
         for block in blocks:
             bq = block.q1 - block.q0
@@ -140,17 +143,20 @@ def tiled_backward(
                 ks = (bs, slice(None), slice(t0, t1))
                 kt, vt = k[ks].to(cd), v[ks].to(cd)
                 s_raw = _ungrouped(torch.matmul(qg, kt.transpose(-1, -2)), H) * scale
-                if score is not None:
+                if score is not None and cap is None:
                     with torch.enable_grad():
                         s_in = s_raw.detach().requires_grad_(True)
                         s = _modify(s_in, score, mask, seg.kind, tile, cd)
                 else:
-                    s = _modify(s_raw, None, mask, seg.kind, tile, cd)
+                    s = _modify(s_raw, score, mask, seg.kind, tile, cd)
                 p = torch.exp(s.detach() - lb)
                 dp = _ungrouped(torch.matmul(gog, vt.transpose(-1, -2)), H)
                 ds = p * (dp - db)
                 dv[ks] += torch.matmul(_grouped(p, Hkv).transpose(-1, -2), gog)
-                if score is not None:
+                if cap is not None:
+                    t = s.detach() / cap  # -inf where hidden, where p (and so ds) is 0
+                    ds = ds * torch.where(torch.isfinite(t), 1 - t * t, torch.zeros_like(t))
+                elif score is not None:
                     wanted = [s_in] + params
                     grads = torch.autograd.grad(s, wanted, ds, allow_unused=True)
                     ds = grads[0]

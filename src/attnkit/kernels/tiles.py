@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from ..mods import Mask, index_tensors
+from ..mods.scores import Chain, Softcap
+from . import cpu
 
 Tensor = torch.Tensor
 
@@ -101,3 +103,20 @@ def sink_grad(sinks: Tensor, lse_total: Tensor, delta: Tensor, grad_lse: Tensor 
 def neg_inf_to_pos_inf(lse: Tensor) -> Tensor:
     """For backward passes: a row with no visible key must give exp(s - lse) = 0, not NaN."""
     return torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse)
+
+
+def apply_score_(score, s: Tensor, tile: Tile) -> Tensor:
+    """The score mod on a tile's own logits ``s`` (free to overwrite them). The fast paths
+    belong here, not in mods/ (which only describe): softcap runs in one C++ pass where
+    the operators take the tile (tanh alone is ~3 ns per logit in PyTorch); a chain
+    applies its mods in order with the same rule as ``Chain.apply_``."""
+    if isinstance(score, Chain):
+        after_bias = False
+        for m in score.mods:
+            # a bias's -inf is a mask: later row scales keep it -inf (RowScale.scale_masked)
+            s = m.scale_masked(s, tile.b, tile.h, tile.q) if after_bias and m.kind == "row_scale" else apply_score_(m, s, tile)
+            after_bias = after_bias or m.kind == "bias"
+        return s
+    if isinstance(score, Softcap) and cpu.usable(s):
+        return cpu.softcap_(s, score.cap)
+    return score.apply_(s, tile.b, tile.h, tile.q, tile.k)

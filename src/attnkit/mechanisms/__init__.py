@@ -1,15 +1,19 @@
 """Named attention mechanisms from the literature, one file per family."""
 
 import importlib
+import pkgutil
 
 from .base import Mechanism, available, get_mechanism, mechanism_class, register
 
-# Modules that register mechanisms; imported on first use so `import attnkit` stays fast.
-_MODULES = ("softmax", "neighborhood", "hyper_attention", "native_sparse", "block_sparse", "linear", "sigmoid", "signed", "stick_breaking", "selective", "topk", "forgetting", "adaptive_span", "differential", "talking_heads", "multi_token")
+# Modules are found, not listed: a new family file registers without editing this one.
+# Imported on first use (available(), get_mechanism()) so `import attnkit` stays fast.
+def family_modules() -> list[str]:
+    """Names of the package's modules and subpackages (each may register mechanisms)."""
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
 
 
 def _load_all() -> None:
-    for name in _MODULES:
+    for name in family_modules():
         importlib.import_module(f"{__name__}.{name}")
 
 

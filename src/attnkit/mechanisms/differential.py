@@ -19,7 +19,7 @@ query heads per head sharing its key/value head (grouped-query attention), which
 dispatcher sends to torch's SDPA when the mask allows (plain causal), else to the chunked
 backend; masks and score mods that tell heads apart get one call per map instead.
 Inference with a band mask and no score mod runs both maps in one call of the C softmax
-loop (kernels/native.py), whose query and key heads may be D / 2 wide against Dv-wide values.
+loop (kernels/cpu/), whose query and key heads may be D / 2 wide against Dv-wide values.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import math
 import torch
 from torch import nn
 
-from ..kernels import choose_backend, chunked_attention, empty_result, make_request, native
+from ..kernels import choose_backend, chunked_attention, cpu, empty_result, make_request
 from ..kernels.engine import dense_softmax
 from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish
 from ..kernels.observe_pass import call_info, softmax_tiles
@@ -141,7 +141,7 @@ def _maps(q: Tensor, k: Tensor, first: Request, second: Request, backend: str, n
 
 
 def _maps_in_c(first: Request, second: Request) -> tuple[tuple, tuple] | None:
-    """Both maps in one call of the C softmax kernel (kernels/native.py), which takes query
+    """Both maps in one call of the C softmax kernel (kernels/cpu/), which takes query
     and key heads of D / 2 against values of Dv — torch's fused op wants one head size, so
     elsewhere each map pays for a full-width head. Inference only (the backward is the
     fused op's), band masks, no score mod, float32 on CPU; None otherwise."""
@@ -151,12 +151,12 @@ def _maps_in_c(first: Request, second: Request) -> tuple[tuple, tuple] | None:
     q = torch.cat([first.q, second.q], dim=1).contiguous()  # (B, 2H, N, D/2): map 1's heads, then map 2's
     k = torch.cat([first.k, second.k], dim=1).contiguous()
     v = first.v.contiguous()
-    if not native.fused_usable(q, k, v):
+    if not cpu.fused_usable(q, k, v):
         return None
     H, Hkv = first.heads, first.kv_heads
     j = torch.arange(2 * H)
     kv = (j % H) // (H // Hkv)
-    out, lse = native.softmax_attention(q, k, v, first.scale, first.q_start, band, k_heads=(j // H) * Hkv + kv, v_heads=kv)
+    out, lse = cpu.softmax_attention(q, k, v, first.scale, first.q_start, band, k_heads=(j // H) * Hkv + kv, v_heads=kv)
     return (out[:, :H], lse[:, :H]), (out[:, H:], lse[:, H:])
 
 

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from ..kernels import make_request
 from ..kernels.request import all_finite, nonfinite_error
+from ..kernels.run import softmax_attention
 from ..mods.masks import Causal
 from ..observe import AttentionTile, CallInfo, feed
 from .base import Mechanism, register
@@ -41,7 +42,7 @@ from .key_masks import and_parts, is_key_mask, padding_refused
 
 Tensor = torch.Tensor
 
-from ..kernels.fused import flash_backward as _op_backward, flash_forward as _op  # layout-safe wrappers of the private op
+from ..kernels.fused import backward_with_lse_grad, flash_backward as _op_backward, flash_forward as _op  # layout-safe wrappers of the private op
 
 OBSERVE_Q_BLOCK = 128
 OBSERVE_K_BLOCK = 512
@@ -138,8 +139,7 @@ class FlashWithLse(torch.autograd.Function):
     with an optional additive mask (or the op's top-left ``causal`` flag), differentiable
     in both outputs. Rows whose keys are all masked give (0, -inf). The backward is the
     op's own, given the final out and lse (FlashAttention-2, arXiv 2307.08691); a gradient
-    g reaching lse enters as an extra column: a zero column in q, k, v, ones in O and -g
-    in dO turn the op's delta = rowsum(dO * O) into delta - g, so dS = P * (dP - delta + g)."""
+    reaching lse enters as an extra column (``backward_with_lse_grad``, kernels/fused.py)."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scale, causal=False):
@@ -159,13 +159,7 @@ class FlashWithLse(torch.autograd.Function):
         q, k, v, o, lse, mask = ctx.saved_tensors
         lse = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse)  # P = 0 on dead rows
         grad_o = torch.zeros_like(o) if grad_o is None else grad_o.contiguous()
-        if grad_lse is not None:
-            q, k, v = (F.pad(t, (0, 1)) for t in (q, k, v))
-            o = torch.cat([o, torch.ones_like(o[..., :1])], dim=-1)
-            grad_o = torch.cat([grad_o, -grad_lse.to(grad_o.dtype).unsqueeze(-1)], dim=-1)
-        dq, dk, dv = _op_backward(grad_o, q, k, v, o, lse, 0.0, ctx.causal, attn_mask=mask, scale=ctx.scale)
-        if grad_lse is not None:
-            dq, dk, dv = dq[..., :-1], dk[..., :-1], dv[..., :-1]
+        dq, dk, dv = backward_with_lse_grad(_op_backward, grad_o, grad_lse, q, k, v, o, lse, 0.0, ctx.causal, attn_mask=mask, scale=ctx.scale)
         return dq, dk, dv, None, None, None
 
 
@@ -287,8 +281,6 @@ class HyperAttention(Mechanism):
         return req, mask is not None
 
     def _run(self, req, parts) -> tuple[Tensor, Tensor]:
-        from ..api import attention
-
         cd = torch.float64 if req.q.dtype == torch.float64 else torch.float32
         B, H, Nq, Dv = req.batch, req.heads, req.q_len, req.v_dim
         out = torch.zeros(B, H, Nq, Dv, dtype=cd)
@@ -297,7 +289,7 @@ class HyperAttention(Mechanism):
             q = req.q[:, :, part.q0 : part.q1]
             k, v = req.k[:, :, part.k0 : part.k1], req.v[:, :, part.k0 : part.k1]
             if isinstance(part, ExactPart):
-                o, l = attention(q, k, v, mask=Causal() if part.causal else None, scale=req.scale, return_lse=True, check_finite=False)
+                o, l = softmax_attention(q, k, v, mask=Causal() if part.causal else None, scale=req.scale, return_lse=True, check_finite=False)
             else:
                 o, l = self._hyper_part(part, q.to(cd), k.to(cd), v.to(cd), req.scale)
             o_new, l_new = merge_partial(out[:, :, part.q0 : part.q1], lse[:, :, part.q0 : part.q1], o.to(cd), l.to(cd))

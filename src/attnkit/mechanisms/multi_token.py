@@ -18,7 +18,7 @@ to the layer.
 The chunked path computes each tile's logits with a halo of cq - 1 rows above and
 (ck - 1) / 2 keys on each side, convolves, and runs the two-pass mixed softmax of
 kernels/mixed.py; the gradient of the halo logits is scattered back into dq and dk. For
-band masks without a score mod the whole call runs in C (kernels/native_mixed.c).
+band masks without a score mod the whole call runs in C (kernels/cpu/loops_mixed.cpp).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import native
+from ..kernels import cpu
 from ..kernels.engine import dense_softmax
 from ..kernels.mechanism_call import dense_logits, dense_values
 from ..kernels.mixed import CTransform, MixedSoftmaxKernel, mix_heads
@@ -50,8 +50,8 @@ class KeyQueryConv(torch.autograd.Function):
     def forward(ctx, s: Tensor, kernel: Tensor) -> Tensor:  # s (B, H, R, C), kernel (H, 1, cq, ck)
         ctx.save_for_backward(s, kernel)
         flat = kernel.squeeze(1)
-        if native.usable(s, flat):  # several times faster than oneDNN's depthwise path here
-            return native.depthwise_conv2d(s, flat.contiguous())
+        if cpu.usable(s, flat):  # several times faster than oneDNN's depthwise path here
+            return cpu.depthwise_conv2d(s, flat.contiguous())
         return F.conv2d(s, kernel, groups=kernel.shape[0])
 
     @staticmethod
@@ -60,17 +60,17 @@ class KeyQueryConv(torch.autograd.Function):
         b, h = s.shape[:2]
         cq, ck = kernel.shape[2:]
         dz = dz.contiguous()
-        c_loops = native.usable(s, dz, kernel)
+        c_loops = cpu.usable(s, dz, kernel)
         ds = dk = None
         if ctx.needs_input_grad[0]:
             if c_loops:  # the transposed convolution: the flipped kernel over dz padded by the kernel's reach
                 flipped = kernel.squeeze(1).flip(-1, -2).contiguous()
-                ds = native.depthwise_conv2d(F.pad(dz, (ck - 1, ck - 1, cq - 1, cq - 1)), flipped)
+                ds = cpu.depthwise_conv2d(F.pad(dz, (ck - 1, ck - 1, cq - 1, cq - 1)), flipped)
             else:
                 ds = F.conv_transpose2d(dz, kernel, groups=h)
         if ctx.needs_input_grad[1]:
             if c_loops:
-                dk = native.depthwise_conv2d_weight_grad(s.contiguous(), dz, (cq, ck)).unsqueeze(1)
+                dk = cpu.depthwise_conv2d_weight_grad(s.contiguous(), dz, (cq, ck)).unsqueeze(1)
             else:
                 per_row = F.conv2d(s.reshape(1, b * h, *s.shape[2:]), dz.reshape(b * h, 1, *dz.shape[2:]), groups=b * h)
                 dk = per_row.view(b, h, *kernel.shape[2:]).sum(dim=0).unsqueeze(1)

@@ -22,8 +22,8 @@ Gates come from the caller (``gates=`` of shape (B, Hq, Nq, 3), the paper's sigm
 on the input), or from a learnable per-head table ``gate_logits`` (with ``num_heads``),
 or are 1/2 each (sigmoid(0)). Any GQA ratio works.
 
-Inference (no gradients, float32, the C library loaded: ``native.fused_usable``) runs
-three C loops of kernels/native_sparse.c around torch's sgemm, each adding its gated
+Inference (no gradients, float32, the C library loaded: ``cpu.fused_usable``) runs
+three C loops of kernels/cpu/loops_sparse.cpp around torch's sgemm, each adding its gated
 share into one output (``_native_forward``): the scoring pass, per chunk of
 ``SELECT_Q_CHUNK`` queries and GQA group, one sgemm against the compressed keys complete
 by the chunk's end, the causal softmax, one sgemm with the compressed values (the
@@ -61,8 +61,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import make_request, native
+from ..kernels import cpu, make_request
 from ..kernels.request import all_finite, nonfinite_error
+from ..kernels.run import softmax_attention
 from ..mods.grid import states
 from ..mods.masks import Causal, Mask
 from ..observe import AttentionTile, CallInfo, feed
@@ -496,8 +497,8 @@ class NativeSparseAttention(Mechanism):
         forced = ((j < self.initial_blocks) | (j > own - self.local_blocks)) & (j <= own)
         score = importance.masked_fill_(j >= own, -math.inf).masked_fill_(forced, math.inf)
         n = min(width, score.shape[-1])
-        if n > 0 and native.usable(score):
-            values, indices = native.topk_rows(score, n)  # a set: order unused; C, ~3x torch.topk
+        if n > 0 and cpu.usable(score):
+            values, indices = cpu.topk_rows(score, n)  # a set: order unused; C, ~3x torch.topk
         else:
             values, indices = torch.topk(score, n, dim=-1, sorted=False)
         chosen = indices.masked_fill_(torch.isneginf(values), -1)
@@ -619,7 +620,7 @@ class NativeSparseAttention(Mechanism):
                 qc, kc, vc = qc.contiguous(), kc.contiguous(), vc.contiguous()
             k_cmp, v_cmp = self.compress(kc, vc)
             gated = torch.is_grad_enabled() and g.requires_grad  # then the branches are kept apart for autograd
-            if not differentiable and not gated and native.fused_usable(qc, kc, vc) and native.usable(k_cmp, v_cmp):
+            if not differentiable and not gated and cpu.fused_usable(qc, kc, vc) and cpu.usable(k_cmp, v_cmp):
                 out, selection, lse_cmp, lse_slc, lse_win = self._native_forward(qc, kc, vc, k_cmp, v_cmp, g, req)
             else:
                 branches = self._torch_branches(qc, kc, vc, k_cmp, v_cmp, req, differentiable)
@@ -640,25 +641,23 @@ class NativeSparseAttention(Mechanism):
     def _torch_branches(self, q, k, v, k_cmp, v_cmp, req, differentiable: bool):
         """selection, then (out, lse) of the compression, selection and window branches by
         PyTorch calls (with autograd where ``differentiable``)."""
-        from ..api import attention
-
         # Without gradients the selection pass also yields the compression branch.
         selection, (o_cmp, lse_cmp) = self.select(q, k_cmp, None if differentiable else v_cmp, req.scale, req.k_len)
         if differentiable:
             shift = req.k_len - k_cmp.shape[2]
-            o_cmp, lse_cmp = attention(q, k_cmp, v_cmp, mask=CompressedCausal(self.compress_block, self.compress_stride, shift),
-                                       scale=req.scale, return_lse=True, check_finite=False)
+            o_cmp, lse_cmp = softmax_attention(q, k_cmp, v_cmp, mask=CompressedCausal(self.compress_block, self.compress_stride, shift),
+                                               scale=req.scale, return_lse=True, check_finite=False)
         bw = WINDOW_BLOCK_GRAD if differentiable else WINDOW_BLOCK
         return selection, (o_cmp, lse_cmp), self._selected(q, k, v, selection, req), _window_attention(q, k, v, self.window, req.scale, bw)
 
     def _native_forward(self, q, k, v, k_cmp, v_cmp, g, req):
         """The gated output, selection and the three branches' lse by the C loops of
-        kernels/native_sparse.c (inference, float32): the scoring pass with the compression
+        kernels/cpu/loops_sparse.cpp (inference, float32): the scoring pass with the compression
         branch, the selection branch by key block, the window; each adds its gated share
         into one output (no full-size buffer per branch, no pass to sum them)."""
         width = min(self.num_selected, -(-req.k_len // self.select_block))
         gates = g.expand(req.batch, req.heads, req.q_len, 3).contiguous()
-        return native.nsa_forward(q, k, v, k_cmp, v_cmp, gates, req.scale, compress_block=self.compress_block,
+        return cpu.nsa_forward(q, k, v, k_cmp, v_cmp, gates, req.scale, compress_block=self.compress_block,
                                   compress_stride=self.compress_stride, select_block=self.select_block, width=width,
                                   initial=self.initial_blocks, local=self.local_blocks, window=self.window,
                                   rescale_above=RESCALE_ABOVE, select_chunk=SELECT_Q_CHUNK, tile_rows=SELECTED_TILE_ROWS,

@@ -27,7 +27,7 @@ import weakref
 
 import torch
 
-from ..kernels import native
+from ..kernels import cpu
 from ..kernels.engine import Block, GradBlock, Problem, TileKernel, fused_band, observe_kernel, run_kernel
 from ..kernels.flex import flex_attention_call, flex_unsupported
 from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish, request
@@ -51,9 +51,9 @@ def sigmoid_(s: Tensor, bias: float) -> Tensor:
     Same value as ``(s + bias).sigmoid_()`` to float rounding, but torch's CPU ``exp2``
     is about twice as fast as the ``exp`` inside ``sigmoid``, and the gate is the only
     non-matmul work of the kernel. Masked logits (-inf) give exactly 0. Where the C tile
-    loops are available (kernels/native.py) it is one pass instead of four."""
-    if native.usable(s):
-        return native.sigmoid_(s, bias)
+    loops are available (kernels/cpu/) it is one pass instead of four."""
+    if cpu.usable(s):
+        return cpu.sigmoid_(s, bias)
     torch.add(s.new_tensor(-bias * LOG2E), s, alpha=-LOG2E, out=s)
     return s.exp2_().add_(1.0).reciprocal_()
 
@@ -92,13 +92,13 @@ class SigmoidKernel(TileKernel):
         """FlashSigmoid's loop in C: per head and tile two sgemm calls and one pass of gates,
         no Python in between (q already holds the scale)."""
         band = fused_band(prob)
-        return None if band is None else (native.sigmoid_attention(prob.q, prob.k, prob.v, 1.0, self.bias, prob.q_start, band), {})
+        return None if band is None else (cpu.sigmoid_attention(prob.q, prob.k, prob.v, 1.0, self.bias, prob.q_start, band), {})
 
     def backward_fused(self, prob: Problem, grad_out: Tensor, stats):
         band = fused_band(prob)
         if band is None:
             return None
-        dq, dk, dv = native.sigmoid_attention_backward(grad_out.contiguous(), prob.q, prob.k, prob.v, 1.0, self.bias, prob.q_start, band)
+        dq, dk, dv = cpu.sigmoid_attention_backward(grad_out.contiguous(), prob.q, prob.k, prob.v, 1.0, self.bias, prob.q_start, band)
         return dq.mul_(prob.scale), dk, dv  # gradients w.r.t. the unscaled q
 
     def forward_block(self, blk: Block):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..kernels import make_request, reference_attention
+from ..kernels.run import softmax_attention
 from .base import Mechanism, register
 
 
@@ -11,9 +12,7 @@ class Softmax(Mechanism):
     paper = "arXiv:1706.03762"
 
     def forward(self, q, k, v, **call):
-        from ..api import attention
-
-        return attention(q, k, v, **call)
+        return softmax_attention(q, k, v, **call)
 
     def reference(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, **_):
         out, lse = reference_attention(make_request(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks, return_lse=True))

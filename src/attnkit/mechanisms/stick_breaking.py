@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels import native
+from ..kernels import cpu
 from ..kernels.engine import Block, GradBlock, TileKernel, observe_kernel, run_kernel
 from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish, request
 from ..mods import Mask, causal
@@ -72,8 +72,8 @@ class StickBreakingKernel(TileKernel):
         carry = torch.ones_like(blk.zeros())
         for kind, k0, k1 in blk.tiles(reverse=True):
             s = blk.logits(kind, k0, k1)
-            if native.usable(s, carry):
-                a = native.stick_breaking_(s, carry)  # one pass in C; carry updated in place
+            if cpu.usable(s, carry):
+                a = cpu.stick_breaking_(s, carry)  # one pass in C; carry updated in place
             else:
                 a, _, carry = _stick(s, carry)
             blk.pv_add_(acc, a, k0, k1)
@@ -87,9 +87,9 @@ class StickBreakingKernel(TileKernel):
         for kind, k0, k1 in blk.tiles(reverse=True):
             s, tracked = blk.tracked_logits(kind, k0, k1)
             dw = blk.dw(k0, k1)
-            if tracked is None and native.usable(s, dw, carry, carry_w, d_flat):
+            if tracked is None and cpu.usable(s, dw, carry, carry_w, d_flat):
                 # the whole tile in one right-to-left pass in C; carries move in place
-                a, dz = native.stick_breaking_backward_(s, dw, carry, carry_w, d_flat)
+                a, dz = cpu.stick_breaking_backward_(s, dw, carry, carry_w, d_flat)
                 blk.add(k0, k1, dz, a, (s, tracked))
                 continue
             a, beta, carry = _stick(s.detach(), carry)

@@ -14,7 +14,7 @@ the mix as 0 and are hidden again after it.
 
 The chunked path mixes the logits inside each tile; mixing after the softmax needs every
 head's final lse, so each block of rows makes two passes over its keys (kernels/mixed.py;
-for band masks without a score mod, whole in C: kernels/native_mixed.c).
+for band masks without a score mod, whole in C++: kernels/cpu/loops_mixed.cpp).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from dataclasses import replace
 import torch
 
 from ..kernels import chunked_attention, empty_result, make_request
-from ..kernels import native
+from ..kernels import cpu
 from ..kernels.engine import (
     Block, EngineTiling, OnlineSoftmax, Problem, SoftmaxKernel, dense_softmax, kernel_tiles, no_grad_steps, run_kernel, safe_lse,
 )
@@ -91,8 +91,8 @@ def _top_columns(s: Tensor, k: int) -> tuple[Tensor, Tensor]:
     outside those groups is <= its group's maximum <= the k-th largest of the k chosen
     maxima, which are k distinct columns, so it can only tie with the k-th value.
     """
-    if k > 0 and native.usable(s):
-        return native.topk_rows(s, k)  # the same bound in C: a bar from group maxima, one vectorised pass
+    if k > 0 and cpu.usable(s):
+        return cpu.topk_rows(s, k)  # the same bound in C: a bar from group maxima, one vectorised pass
     n = s.shape[-1]
     g = n // _GROUP
     if n < _GROUP_ROWS * k or g < k:
@@ -174,9 +174,9 @@ class _TopKAttention(torch.autograd.Function):
         prob = Problem(req, _ROW_TILING, list(score_params))
         width = min(k, req.k_len)
         band = band_of(req.mask)
-        if req.score is None and band is not None and native.fused_usable(prob.q, prob.k, prob.v):
+        if req.score is None and band is not None and cpu.fused_usable(prob.q, prob.k, prob.v):
             # the whole forward in C: logits by sgemm, selection, softmax and the k value rows
-            out, lse, chosen, weights, kept, visible = native.topk_attention(prob.q, prob.k, prob.v, req.q_start, band, width)
+            out, lse, chosen, weights, kept, visible = cpu.topk_attention(prob.q, prob.k, prob.v, req.q_start, band, width)
         else:
             out, lse, chosen, weights, kept, visible = _topk_blocks(prob, width)
         ctx.req, ctx.n_score, ctx.score_params = req, n_score, score_params

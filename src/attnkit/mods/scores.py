@@ -21,8 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import native
-
 Tensor = torch.Tensor
 
 
@@ -283,12 +281,6 @@ class Softcap(ScoreMod):
 
     def __call__(self, s, b, h, q_idx, kv_idx):
         return self.cap * torch.tanh(s / self.cap)
-
-    def apply_(self, s, b, h, q_idx, kv_idx):
-        # One pass in C instead of three PyTorch kernels (tanh alone is ~3 ns per logit).
-        if native.usable(s):
-            return native.softcap_(s, self.cap)
-        return self(s, b, h, q_idx, kv_idx)
 
     def __repr__(self):
         return f"softcap({self.cap:g})"

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..extras import require
 from .attention import Attention
 from .cache import Cache
 from .positions import POSITIONS, LearnedPositions
@@ -215,6 +216,7 @@ class TransformerLM(nn.Module):
 
     def save(self, path: str) -> None:
         """Weights as safetensors; the config travels in the file's metadata."""
+        require("safetensors", "TransformerLM.save")
         from safetensors.torch import save_model
 
         save_model(self, path, metadata={"format": FORMAT, "config": self.config.to_json()})
@@ -222,6 +224,7 @@ class TransformerLM(nn.Module):
     @classmethod
     def load(cls, path: str, device: str | torch.device = "cpu") -> TransformerLM:
         """A model saved by ``save``: rebuilt from its config, weights loaded strictly."""
+        require("safetensors", "TransformerLM.load")
         from safetensors import safe_open
         from safetensors.torch import load_model
 

@@ -14,7 +14,7 @@ from .classify import LABELS, HeadClass, classify_heads
 from .distance import DistanceProfile
 from .entropy import Entropy
 from .logits import LogitStats
-from .meter import Meter, TileView
+from .meter import TOKEN_VIEW_LIMIT, Meter, TileView
 from .sinks import SinkMass
 from .spans import SpanMass
 from .topkeys import TopKeys
@@ -31,5 +31,5 @@ METERS = {
 
 __all__ = [
     "AttentionTile", "CallInfo", "DistanceProfile", "Entropy", "HeadClass", "LABELS", "LogitStats", "METERS", "Meter",
-    "Observer", "Selection", "SinkMass", "SpanMass", "TileView", "TopKeys", "classify_heads", "feed", "interested",
+    "Observer", "Selection", "SinkMass", "SpanMass", "TOKEN_VIEW_LIMIT", "TileView", "TopKeys", "classify_heads", "feed", "interested",
 ]

@@ -19,6 +19,11 @@ from .base import AttentionTile, CallInfo, Observer, Selection
 Tensor = torch.Tensor
 Row = tuple  # (layer, head, metric, value)
 
+#: per-token arrays (``per_query=True`` meters) are kept, and the report's token view
+#: drawn, for inputs up to this many tokens: above it the O(heads x N) state and the page
+#: grow past what is useful to read. Here because both inspect/ and report/ need it.
+TOKEN_VIEW_LIMIT = 512
+
 
 def _index_set(value, name: str) -> tuple[int, ...] | None:
     if value is None:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..extras import require
+
 #: name of the file an arena export writes beside config.json
 TASK_FILE = "task.json"
 
@@ -118,7 +120,7 @@ def load_probe_model(path: str | None = None, *, kind: str | None = None) -> Pro
         raise FileNotFoundError(f"--model: no such directory: {path}")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"--model: {path} is not a transformers model directory (it has no config.json)")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    require("transformers", "attnkit.probes' model loading")  # offline: local_files_only below
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 

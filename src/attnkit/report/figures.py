@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 
+from ..extras import require
 from ..inspect.profile import AttentionProfile
 from ..observe import LABELS
 from ..observe.distance import parse_bin_label
@@ -18,6 +19,7 @@ def _safe(name: str) -> str:
 def write_figures(profile: AttentionProfile, out_dir: str, dpi: int = 150) -> list[str]:
     """Write one PNG per metric heatmap, the distance profiles, the head classes and
     the sink summary into ``out_dir``; returns the paths."""
+    require("matplotlib", "attnkit.report's PNG figures")
     import matplotlib
 
     matplotlib.use("Agg", force=True)

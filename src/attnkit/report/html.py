@@ -14,8 +14,7 @@ from html import escape
 from importlib import resources
 
 from ..inspect.profile import AttentionProfile
-from ..inspect.run import TOKEN_VIEW_LIMIT
-from ..observe import LABELS
+from ..observe import LABELS, TOKEN_VIEW_LIMIT
 from ..observe.distance import parse_bin_label
 from .svg import bars, fmt, heatmap
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..extras import require
 from .base import Intervention
 
 Tensor = torch.Tensor
@@ -24,6 +25,7 @@ Tensor = torch.Tensor
 
 def _attention_modules(model) -> list[tuple[nn.Module, Tensor, Tensor, Tensor | None, int, int]]:
     """Per layer: (module, W_Q (Hq*dh, d), W_K (Hkv*dh, d), norm weight or None, Hq, Hkv)."""
+    require("transformers", "attnkit.steer's pruning")
     from transformers import PreTrainedModel
 
     out = []

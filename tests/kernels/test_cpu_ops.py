@@ -1,5 +1,5 @@
-"""The C tile loops (kernels/native.py) against float64 PyTorch, and the tile loops that use
-them against their own PyTorch path (native disabled)."""
+"""The CPU operators (kernels/cpu/, ``torch.ops.attnkit``) against float64 PyTorch, and
+the tile loops that use them against their own PyTorch path (operators disabled)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import torch
 
 import attnkit
 from attnkit import mods as M
-from attnkit.kernels import chunked_attention, make_request, native
+from attnkit.kernels import chunked_attention, cpu, make_request
+from attnkit.kernels.cpu import mixed as cpu_mixed
 from attnkit.mechanisms import get_mechanism
 from tests.helpers import assert_close, qkv
 
@@ -24,9 +25,9 @@ EXP_RTOL = 4e-6
 def built():
     if os.environ.get("ATTNKIT_NATIVE") == "0":
         pytest.skip("ATTNKIT_NATIVE=0: the C loops are switched off, the PyTorch paths run instead")
-    if native._compiler() is None:
-        pytest.skip("no C compiler on this machine: the PyTorch paths run instead")
-    assert native.library() is not None, "a C compiler is present but the tile library did not build"
+    if cpu.build.compiler().endswith("not found"):
+        pytest.skip("no C++ compiler on this machine: the PyTorch paths run instead")
+    assert cpu.available(), f"a C++ compiler is present but the operators did not build: {cpu.status().reason}"
 
 
 def logits(seed=0, shape=(3, 5, 67)):
@@ -39,7 +40,7 @@ def logits(seed=0, shape=(3, 5, 67)):
 
 def test_sigmoid_matches_float64():
     s = logits()
-    got = native.sigmoid_(s.clone(), -3.0)
+    got = cpu.sigmoid_(s.clone(), -3.0)
     want = torch.sigmoid(s.double() - 3.0)
     torch.testing.assert_close(got.double(), want, rtol=EXP_RTOL, atol=0)
     assert bool((got[1, 2] == 0).all()) and bool((got[0, 0, :5] == 0).all())
@@ -47,7 +48,7 @@ def test_sigmoid_matches_float64():
 
 def test_sigmoid_extremes_and_nan():
     s = torch.tensor([1e4, -1e4, 88.0, -88.0, 0.0, math.nan, math.inf, -math.inf, 1.0])
-    got = native.sigmoid_(s.clone(), 0.0)
+    got = cpu.sigmoid_(s.clone(), 0.0)
     assert got[0] == 1.0 and got[6] == 1.0 and got[1] == 0.0 and got[7] == 0.0 and got[4] == 0.5
     assert math.isnan(got[5])
     torch.testing.assert_close(got[[2, 3, 8]].double(), torch.sigmoid(s[[2, 3, 8]].double()), rtol=EXP_RTOL, atol=1e-38)
@@ -55,11 +56,11 @@ def test_sigmoid_extremes_and_nan():
 
 def test_softcap_matches_float64():
     s = logits().clamp(min=-60)
-    got = native.softcap_(s.clone(), 30.0)
+    got = cpu.softcap_(s.clone(), 30.0)
     want = 30.0 * torch.tanh(s.double() / 30.0)
     # |cap * tanh| <= 30: absolute error of a few float32 ulps of 30
     torch.testing.assert_close(got.double(), want, rtol=0, atol=30 * EXP_RTOL)
-    big = native.softcap_(torch.tensor([1e6, -1e6, -math.inf, math.nan]), 5.0)
+    big = cpu.softcap_(torch.tensor([1e6, -1e6, -math.inf, math.nan]), 5.0)
     assert big[0] == 5.0 and big[1] == -5.0 and big[2] == -5.0 and math.isnan(big[3])
 
 
@@ -71,7 +72,7 @@ def test_online_softmax_step_matches_float64():
     l[0] = 2.5
     m0, l0 = m.double().clone(), l.double().clone()
     p = s.clone()
-    alpha = native.online_softmax_step_(p, m, l)
+    alpha = cpu.online_softmax_step_(p, m, l)
 
     m_new = torch.maximum(m0, s.double().amax(-1))
     live = ~torch.isneginf(m_new)
@@ -90,7 +91,7 @@ def test_stick_breaking_matches_float64():
     z[2, 1, 40:] = 30.0  # beta rounds to 1 in float32: 1 - beta must still be sigmoid(-z)
     carry = torch.rand(z.shape[:-1], generator=torch.Generator().manual_seed(4))
     c0 = carry.double().clone()
-    a = native.stick_breaking_(z.clone(), carry)
+    a = cpu.stick_breaking_(z.clone(), carry)
     zd = z.double()
     # literal, in float64: A_j = sigmoid(z_j) * c0 * prod_{k > j} sigmoid(-z_k)
     rest = torch.sigmoid(-zd)
@@ -109,17 +110,15 @@ def test_depthwise_conv2d_matches_float64(shape, kernel):
     w = torch.randn(shape[1], *kernel, generator=g)
     want = torch.nn.functional.conv2d(x.double(), w.double().unsqueeze(1), groups=shape[1])
     # sums of cq * ck <= 66 products of unit-scale terms: float32 rounding ~ 66 * 6e-8 * |term|
-    torch.testing.assert_close(native.depthwise_conv2d(x, w).double(), want, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(cpu.depthwise_conv2d(x, w).double(), want, rtol=1e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("mask", [None, M.causal(), M.window(37), M.window(20, 15)], ids=repr)
 @pytest.mark.parametrize("cap", [0.0, 5.0])
 def test_softmax_attention_matches_reference(mask, cap):
     """The C softmax forward: GQA, Nq != Nk (bottom-right), Dv != D, band masks, softcap."""
-    if native.sgemm() is None:
-        pytest.skip("this torch build exports no sgemm")
     q, k, v = qkv(B=2, Hq=4, Hkv=2, Nq=150, Nk=333, D=8, Dv=24, dtype=torch.float32, seed=2)
-    out, lse = native.softmax_attention(q, k, v, 0.3, 333 - 150, (None, None) if mask is None else mask.band(), cap)
+    out, lse = cpu.softmax_attention(q, k, v, 0.3, 333 - 150, (None, None) if mask is None else mask.band(), cap)
     score = M.softcap(cap) if cap else None
     want, want_lse = attnkit.attention(q.double(), k.double(), v.double(), mask=mask, score=score, scale=0.3,
                                        backend="reference", return_lse=True)
@@ -130,11 +129,9 @@ def test_softmax_attention_matches_reference(mask, cap):
 def test_softmax_attention_head_maps_and_dead_rows():
     """Explicit query -> key / value head maps; queries whose band holds no key get zeros
     and lse = -inf."""
-    if native.sgemm() is None:
-        pytest.skip("this torch build exports no sgemm")
     q, k, v = qkv(B=1, Hq=3, Hkv=2, Nq=40, Nk=40, D=8, dtype=torch.float32, seed=4)
     kmap, vmap = torch.tensor([1, 0, 1]), torch.tensor([0, 0, 1])
-    out, lse = native.softmax_attention(q, k, v, 0.5, 0, (-30, -10), k_heads=kmap, v_heads=vmap)
+    out, lse = cpu.softmax_attention(q, k, v, 0.5, 0, (-30, -10), k_heads=kmap, v_heads=vmap)
     for j in range(3):
         want, want_lse = attnkit.attention(q[:, j : j + 1].double(), k[:, kmap[j] : kmap[j] + 1].double(),
                                            v[:, vmap[j] : vmap[j] + 1].double(), mask=lambda b, h, qi, ki: (ki - qi >= -30) & (ki - qi <= -10),
@@ -153,7 +150,7 @@ def test_topk_rows_matches_torch(cols, k):
     s[0, :, cols // 3 :] = -math.inf  # most of the row masked: fewer visible than k in some rows
     s[1, 0] = 1.0  # every entry tied
     s[2, :, -min(cols - k, 127) :] = -math.inf
-    values, columns = native.topk_rows(s, k)
+    values, columns = cpu.topk_rows(s, k)
     want = s.topk(k, dim=-1).values
     assert torch.equal(values.sort(dim=-1, descending=True).values, want)
     assert torch.equal(s.gather(-1, columns), values)
@@ -162,12 +159,12 @@ def test_topk_rows_matches_torch(cols, k):
 
 def test_usable_only_for_untracked_contiguous_float32():
     x = torch.zeros(4, 8)
-    assert native.usable(x)
-    assert not native.usable(x.double())
-    assert not native.usable(x.t())
-    assert not native.usable(x.requires_grad_())
+    assert cpu.usable(x)
+    assert not cpu.usable(x.double())
+    assert not cpu.usable(x.t())
+    assert not cpu.usable(x.requires_grad_())
     with torch.no_grad():
-        assert native.usable(x)
+        assert cpu.usable(x)
 
 
 # ---------------------------------------------------------------- callers, with and without
@@ -206,7 +203,7 @@ def _run(name, dtype=torch.float32, backend="auto"):
 def test_callers_agree_with_their_pytorch_path(name, monkeypatch):
     with torch.no_grad():
         fast = _run(name)
-        monkeypatch.setattr(native, "usable", lambda *tensors: False)
+        monkeypatch.setattr(cpu, "usable", lambda *tensors: False)
         slow = _run(name)
     assert_close(fast, slow, torch.float32)
 
@@ -228,10 +225,10 @@ def test_gradients_through_c_loops_match_reference(mechanism, mask, monkeypatch)
     q, k, v = qkv(B=1, Hq=4, Hkv=2, Nq=300, Nk=300, D=16, dtype=torch.float32, seed=8)
     go = torch.randn(1, 4, 300, 16, generator=torch.Generator().manual_seed(9))
 
-    def grads(dtype, backend, native_on=True):
+    def grads(dtype, backend, operators_on=True):
         with monkeypatch.context() as patch:
-            if not native_on:
-                patch.setattr(native, "usable", lambda *tensors: False)
+            if not operators_on:
+                patch.setattr(cpu, "usable", lambda *tensors: False)
             mech = _mixed(mechanism).to(dtype) if mechanism == "talking_heads" else mechanism
             ins = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
             out = attnkit.attention(*ins, mask=mask, mechanism=mech, backend=backend)
@@ -290,19 +287,17 @@ MIXED_C = {  # id: (mechanism, Hq, Hkv)
 @pytest.mark.parametrize("mask", [None, M.causal(), M.window(20, 15)], ids=repr)
 @pytest.mark.parametrize("blocks", [((16, 24), (8, 16)), ((16, 5), (9, 4))], ids=["tiles wider", "blocks taller"])
 def test_mixed_softmax_c_loop_forward_and_backward(case, mask, blocks, monkeypatch):
-    """The whole call in C (kernels/native_mixed.c), float32, against float64 autograd of
+    """The whole call in C (kernels/cpu/loops_mixed.cpp), float32, against float64 autograd of
     the mechanism's reference: values and the gradients of q, k, v and every learned
     kernel and matrix; GQA with mixing groups smaller, equal and larger than a key head's
     group, a band that reaches future keys, Nq < Nk, Dv != D, blocks and tiles cut small
     (also blocks taller than a tile is wide), and three threads (sharing key heads, and for
     talking heads' single group per batch row, its queries)."""
-    if native.sgemm() is None:
-        pytest.skip("this torch build exports no sgemm")
     ran = []
     for name in ("mixed_softmax_attention", "mixed_softmax_attention_backward"):
-        real = getattr(native, name)
-        monkeypatch.setattr(native, name, lambda *a, _real=real, _name=name, **kw: ran.append(_name) or _real(*a, **kw))
-    monkeypatch.setattr(native, "mixed_blocks", lambda group: blocks)  # rows of a block past a tile's band: nothing visible
+        real = getattr(cpu, name)
+        monkeypatch.setattr(cpu, name, lambda *a, _real=real, _name=name, **kw: ran.append(_name) or _real(*a, **kw))
+    monkeypatch.setattr(cpu_mixed, "mixed_blocks", lambda group: blocks)  # rows of a block past a tile's band: nothing visible
     make, heads, kv_heads = MIXED_C[case]
     mech = make()
     q, k, v = qkv(B=2, Hq=heads, Hkv=kv_heads, Nq=41, Nk=57, D=8, Dv=12, dtype=torch.float32, seed=6)

@@ -10,13 +10,13 @@
  *   P = softmax(Z) per head;  P~ = M P (heads mixed after it);  O = P~ V.
  *
  * Both mixings are block-diagonal in groups of ch heads; work goes by (batch, group) and
- * blocks of BQ queries. A key tile of BK keys takes one sgemm per head for its logits
+ * blocks of BQ queries. A key tile of BK keys takes one product per head for its logits
  * (with the convolution's halo: cq - 1 rows above, (ck - 1) / 2 keys each side); a tile's
  * heads lie one after the other (rows x n each). Mixing after the softmax needs every
  * row's final lse, so a block keeps its tiles between two passes (linear in N): the
  * forward stores e^(Z - running max), then normalises, mixes and multiplies the values;
  * the backward stores S, P and dP until delta~ = rowsum(P * dP) is complete. */
-#include "native_common.h"
+#include "common.h"
 
 #include <string.h>
 
@@ -48,12 +48,12 @@ static void valid_region(int64_t r0, int64_t c0, int64_t C, int64_t Nk, int64_t 
 }
 
 /* S (R x C) = the logits of call rows [r0, r0 + R) and keys [c0, c0 + C), hidden ones 0. */
-static void halo_logits(sgemm_fn gemm, float *S, const float *qh, const float *kh, int64_t r0, int64_t R, int64_t c0,
+static void halo_logits(float *S, const float *qh, const float *kh, int64_t r0, int64_t R, int64_t c0,
                         int64_t C, int64_t Nk, int64_t D, int64_t q_start, int has_lo, int64_t lo, int has_hi, int64_t hi) {
     int64_t ra, ca, cb;
     valid_region(r0, c0, C, Nk, &ra, &ca, &cb);
     if (R > ra && cb > ca)
-        gemm_abt(gemm, (int)(R - ra), (int)(cb - ca), (int)D, 1.0f, qh + (r0 + ra) * D, (int)D, kh + (c0 + ca) * D, (int)D,
+        gemm_abt((int)(R - ra), (int)(cb - ca), (int)D, 1.0f, qh + (r0 + ra) * D, (int)D, kh + (c0 + ca) * D, (int)D,
                  0.0f, S + ra * C + ca, (int)C);
     zero_hidden(S, r0, R, c0, C, Nk, q_start, has_lo, lo, has_hi, hi);
 }
@@ -86,7 +86,6 @@ typedef struct {
     int64_t H, Hkv, Nq, Nk, D, Dv, cq, ck, ch, q_start;  /* cq = ck = 1 without a convolution */
     int has_lo, has_hi;
     int64_t lo, hi, BQ, BK;
-    sgemm_fn gemm;
 } mixed_call;
 
 /* Key tiles of a block: [jlo, jhi) in steps of BK. */
@@ -109,7 +108,7 @@ static void group_logits(const mixed_call *c, float *S, float *z, const float *q
     for (int64_t t = 0; t < c->ch; t++) {
         const int64_t h = h0 + t;
         float *St = w || pre ? S + t * R * C : z + t * rows * n;
-        halo_logits(c->gemm, St, q + (b * c->H + h) * c->Nq * c->D, k + (b * c->Hkv + h / G) * c->Nk * c->D, r0, R, c0, C, c->Nk,
+        halo_logits(St, q + (b * c->H + h) * c->Nq * c->D, k + (b * c->Hkv + h / G) * c->Nk * c->D, r0, R, c0, C, c->Nk,
                     c->D, c->q_start, c->has_lo, c->lo, c->has_hi, c->hi);
         if (w) ak_depthwise_conv2d(St, w + h * c->cq * c->ck, z + t * rows * n, 1, 1, R, C, c->cq, c->ck);
     }
@@ -129,9 +128,8 @@ static void group_logits(const mixed_call *c, float *S, float *z, const float *q
 int ak_mixed_softmax_attention(const float *q, const float *k, const float *v, const float *w, const float *pre,
                                const float *post, float *out, float *lse, int64_t u0, int64_t u1, int64_t chunks, int64_t H, int64_t Hkv,
                                int64_t Nq, int64_t Nk, int64_t D, int64_t Dv, int64_t cq, int64_t ck, int64_t ch,
-                               int64_t q_start, int has_lo, int64_t lo, int has_hi, int64_t hi, int64_t BQ, int64_t BK,
-                               void *sgemm) {
-    const mixed_call c = {H, Hkv, Nq, Nk, D, Dv, cq, ck, ch, q_start, has_lo, has_hi, lo, hi, BQ, BK, (sgemm_fn)sgemm};
+                               int64_t q_start, int has_lo, int64_t lo, int has_hi, int64_t hi, int64_t BQ, int64_t BK) {
+    const mixed_call c = {H, Hkv, Nq, Nk, D, Dv, cq, ck, ch, q_start, has_lo, has_hi, lo, hi, BQ, BK};
     const int64_t groups = H / ch, G = H / Hkv, max_tiles = (Nk + BK - 1) / BK + 1, tile = BQ * BK;
     const int64_t sx = (BQ + cq - 1) * (BK + ck - 1);
     const size_t floats = (size_t)ch * sx + (size_t)max_tiles * ch * (tile + BQ) + ch * tile + 3 * ch * BQ + BQ + 2 * ch * ch;
@@ -142,6 +140,7 @@ int ak_mixed_softmax_attention(const float *q, const float *k, const float *v, c
     float *X = mt + max_tiles * ch * BQ;     /* a tile's heads mixed */
     float *scale = X + ch * tile, *m = scale + ch * BQ, *l = m + ch * BQ, *alpha = l + ch * BQ;
     float *Mpre = alpha + BQ, *Mpost = Mpre + ch * ch;
+    const float unit = 1.0f;  /* the mixing of one head with itself */
     for (int64_t u = u0; u < u1; u++) {
         const int64_t gr = u / chunks, b = gr / groups, grp = gr % groups, h0 = grp * ch;
         if (pre) group_mix(pre, H, ch, grp, 0, Mpre);
@@ -178,10 +177,10 @@ int ak_mixed_softmax_attention(const float *q, const float *k, const float *v, c
                 if (post)
                     ak_mix_heads_scaled(Mpost, E + ti * ch * tile, scale, X, 1, ch, ch, rows, n);
                 else  /* each head only normalised */
-                    ak_mix_heads_scaled(&(float){1.0f}, E + ti * ch * tile, scale, X, ch, 1, 1, rows, n);
+                    ak_mix_heads_scaled(&unit, E + ti * ch * tile, scale, X, ch, 1, 1, rows, n);
                 for (int64_t t = 0; t < ch; t++) {
                     const int64_t h = h0 + t;
-                    gemm_ab_acc(c.gemm, (int)rows, (int)Dv, (int)n, X + t * rows * n, (int)n, v + ((b * Hkv + h / G) * Nk + j0) * Dv,
+                    gemm_ab_acc((int)rows, (int)Dv, (int)n, X + t * rows * n, (int)n, v + ((b * Hkv + h / G) * Nk + j0) * Dv,
                                 (int)Dv, out + ((b * H + h) * Nq + i0) * Dv, (int)Dv);
                 }
             }
@@ -203,12 +202,12 @@ int ak_mixed_softmax_attention(const float *q, const float *k, const float *v, c
  * or mixing are not touched. Threads need gradient buffers of their own: they may share
  * key heads and groups. Returns 0, or 1 when out of memory. */
 int ak_mixed_softmax_attention_backward(const float *q, const float *k, const float *v, const float *dout, const float *lse,
-                                        const float *w, const float *wf, const float *pre, const float *post, float *dq,
+                                        const float *dlse, const float *w, const float *wf, const float *pre, const float *post, float *dq,
                                         float *dk, float *dv, float *dw, float *dpre, float *dpost, int64_t u0, int64_t u1, int64_t chunks,
                                         int64_t H, int64_t Hkv, int64_t Nq, int64_t Nk, int64_t D, int64_t Dv, int64_t cq,
                                         int64_t ck, int64_t ch, int64_t q_start, int has_lo, int64_t lo, int has_hi, int64_t hi,
-                                        int64_t BQ, int64_t BK, void *sgemm) {
-    const mixed_call c = {H, Hkv, Nq, Nk, D, Dv, cq, ck, ch, q_start, has_lo, has_hi, lo, hi, BQ, BK, (sgemm_fn)sgemm};
+                                        int64_t BQ, int64_t BK) {
+    const mixed_call c = {H, Hkv, Nq, Nk, D, Dv, cq, ck, ch, q_start, has_lo, has_hi, lo, hi, BQ, BK};
     const int64_t groups = H / ch, G = H / Hkv, max_tiles = (Nk + BK - 1) / BK + 1, tile = BQ * BK;
     const int64_t sx = (BQ + cq - 1) * (BK + ck - 1), padded = w ? (BQ + 2 * (cq - 1)) * (BK + 2 * (ck - 1)) : 0;
     const size_t floats = (size_t)max_tiles * ch * (sx + 2 * tile) + 2 * ch * tile + padded + ch * sx + ch * BQ + cq * ck
@@ -239,7 +238,7 @@ int ak_mixed_softmax_attention_backward(const float *q, const float *k, const fl
                 for (int64_t t = 0; t < ch; t++) {
                     const int64_t h = h0 + t;
                     exp_minus_rows(P + t * rows * n, rows, n, lse + (b * H + h) * Nq + i0);
-                    gemm_abt(c.gemm, (int)rows, (int)n, (int)Dv, 1.0f, dout + ((b * H + h) * Nq + i0) * Dv, (int)Dv,
+                    gemm_abt((int)rows, (int)n, (int)Dv, 1.0f, dout + ((b * H + h) * Nq + i0) * Dv, (int)Dv,
                              v + ((b * Hkv + h / G) * Nk + j0) * Dv, (int)Dv, 0.0f, (post ? W : dP) + t * rows * n, (int)n);
                 }
                 const float *Pmix = P;
@@ -253,12 +252,15 @@ int ak_mixed_softmax_attention_backward(const float *q, const float *k, const fl
                 }
                 for (int64_t t = 0; t < ch; t++) {
                     const int64_t h = h0 + t;
-                    gemm_atb_acc(c.gemm, (int)n, (int)Dv, (int)rows, Pmix + t * rows * n, (int)n, dout + ((b * H + h) * Nq + i0) * Dv,
+                    gemm_atb_acc((int)n, (int)Dv, (int)rows, Pmix + t * rows * n, (int)n, dout + ((b * H + h) * Nq + i0) * Dv,
                                  (int)Dv, dv + ((b * Hkv + h / G) * Nk + j0) * Dv, (int)Dv);
                     for (int64_t r = 0; r < rows; r++)
                         delta[t * BQ + r] += dot(P + t * rows * n + r * n, dP + t * rows * n + r * n, n);
                 }
             }
+            if (dlse) /* a gradient g reaching each head's lse adds g * P to dZ: P * (dP - (delta~ - g)) */
+                for (int64_t t = 0; t < ch; t++)
+                    for (int64_t r = 0; r < rows; r++) delta[t * BQ + r] -= dlse[(b * H + h0 + t) * Nq + i0 + r];
             /* pass 2: dZ, the transform's transpose into dS, then dq, dk and the transform's own gradient */
             for (int64_t ti = 0; ti < tiles; ti++) {
                 const int64_t j0 = jlo + ti * BK, n = jhi - j0 < BK ? jhi - j0 : BK, C = n + ck - 1, c0 = j0 - ck / 2;
@@ -297,9 +299,9 @@ int ak_mixed_softmax_attention_backward(const float *q, const float *k, const fl
                     float *dSt = grad + t * R * C;
                     zero_hidden(dSt, r0, R, c0, C, Nk, q_start, has_lo, lo, has_hi, hi);
                     if (R > ra && cb > ca) {
-                        gemm_ab_acc(c.gemm, (int)(R - ra), (int)D, (int)(cb - ca), dSt + ra * C + ca, (int)C,
+                        gemm_ab_acc((int)(R - ra), (int)D, (int)(cb - ca), dSt + ra * C + ca, (int)C,
                                     k + ((b * Hkv + h / G) * Nk + c0 + ca) * D, (int)D, dq + ((b * H + h) * Nq + r0 + ra) * D, (int)D);
-                        gemm_atb_acc(c.gemm, (int)(cb - ca), (int)D, (int)(R - ra), dSt + ra * C + ca, (int)C,
+                        gemm_atb_acc((int)(cb - ca), (int)D, (int)(R - ra), dSt + ra * C + ca, (int)C,
                                      q + ((b * H + h) * Nq + r0 + ra) * D, (int)D, dk + ((b * Hkv + h / G) * Nk + c0 + ca) * D, (int)D);
                     }
                 }

@@ -1,6 +1,6 @@
 /* Native Sparse Attention loops (Yuan et al. 2025, arXiv 2502.11089), inference forward
- * only, around the sgemm of the BLAS inside PyTorch (its address comes from
- * kernels/native.py; mechanisms/native_sparse.py describes the branches). Each loop adds
+ * only, around the tile products of gemm.cpp (bound in sparse.cpp;
+ * mechanisms/native_sparse.py describes the branches). Each loop adds
  * its branch, times the branch's gate, into one output (B, Hq, Nq, Dv):
  *   - ak_nsa_select: the scoring pass. Softmax of the queries over the compressed keys
  *     (the compression branch, eq. 7-8, whose output it writes first), block importance
@@ -9,17 +9,9 @@
  *     chose a block are gathered and run against its keys as one tile.
  *   - ak_nsa_window: the sliding window, one tile of keys per block of queries.
  * The first two split work by (batch, kv head): a GQA group shares its choice of blocks. */
-#include "native_common.h"
+#include "common.h"
 
 #include <string.h>
-
-/* C (m x n, row-major) = A (m x k, row-major) * B (k x n, row-major): gemm_ab_acc's
- * product without reading C first. */
-static void gemm_ab(sgemm_fn gemm, int m, int n, int k, const float *a, int lda, const float *b, int ldb, float *c,
-                    int ldc) {
-    const float one = 1.0f, zero = 0.0f;
-    gemm("N", "N", &n, &m, &k, &one, b, &ldb, a, &lda, &zero, c, &ldc);
-}
 
 static float row_max(const float *x, int64_t n) {
     float mx = -INFINITY;
@@ -59,10 +51,10 @@ static int64_t complete_blocks(int64_t pos, int64_t cblock, int64_t stride) {
  * each row's gate (gb, a stride-3 column) written to ob (B Hq Nq Dv rows; ``pv`` holds the
  * product first). s keeps the unnormalised weights: the 1 / sum scales the m rows of the
  * output and of what is summed from them, not the m x seen weights. */
-static void compressed_chunk(sgemm_fn gemm, const float *qb, const float *kh, const float *vh, float *s, float *inv,
+static void compressed_chunk(const float *qb, const float *kh, const float *vh, float *s, float *inv,
                              float *pv, const float *gb, float *ob, float *lb, int64_t m, int64_t seen, int64_t first,
                              int64_t cblock, int64_t stride, int64_t D, int64_t Dv) {
-    gemm_abt(gemm, (int)m, (int)seen, (int)D, 1.0f, qb, (int)D, kh, (int)D, 0.0f, s, (int)seen);
+    gemm_abt((int)m, (int)seen, (int)D, 1.0f, qb, (int)D, kh, (int)D, 0.0f, s, (int)seen);
     for (int64_t i = 0; i < m; i++) {
         const int64_t complete = complete_blocks(first + i, cblock, stride), vis = complete < seen ? complete : seen;
         float *x = s + i * seen;
@@ -74,7 +66,7 @@ static void compressed_chunk(sgemm_fn gemm, const float *qb, const float *kh, co
         const float mx = row_max(x, vis), den = exp_sum(x, vis, mx);
         inv[i] = 1.0f / den, lb[i] = mx + logf(den);
     }
-    gemm_ab(gemm, (int)m, (int)Dv, (int)seen, s, (int)seen, vh, (int)Dv, pv, (int)Dv);
+    gemm_ab((int)m, (int)Dv, (int)seen, s, (int)seen, vh, (int)Dv, pv, (int)Dv);
     for (int64_t i = 0; i < m; i++) {
         const float w = gb[i * 3] * inv[i];
         for (int64_t d = 0; d < Dv; d++) ob[i * Dv + d] = w * pv[i * Dv + d];  /* vectorised by the compiler */
@@ -197,9 +189,9 @@ static void choose_row(const float *imp, int64_t own, int64_t lo, int64_t hi, in
 /* The scoring pass of NSA for the (batch, kv head) units [u0, u1) of B * Hkv. Queries
  * (B, Hq, Nq, D) are the last Nq of Nk positions; the compressed keys kc (B, Hkv, Ncmp, D)
  * and values vc (B, Hkv, Ncmp, Dv) summarise blocks of ``cblock`` tokens every ``stride``.
- * In chunks of ``chunk`` queries and per head of the group: one sgemm of the chunk against
+ * In chunks of ``chunk`` queries and per head of the group: one product of the chunk against
  * the compressed keys complete by its last position, the causal softmax of each row
- * (lse_cmp, B Hq Nq), one sgemm of p with the compressed values: the compression branch,
+ * (lse_cmp, B Hq Nq), one product of p with the compressed values: the compression branch,
  * times the gates' first column (gates B Hq Nq 3), written to out (B Hq Nq Dv), and p
  * summed over the group's heads. From that sum, per query, the importance of the
  * selection blocks of ``sblock`` tokens that compete for its slots, and its ``width``
@@ -208,8 +200,7 @@ int ak_nsa_select(const float *q, const float *kc, const float *vc, const float 
                   float *lse_cmp,
                   int64_t u0, int64_t u1, int64_t Hq, int64_t Hkv, int64_t Nq, int64_t Nk, int64_t Ncmp, int64_t D,
                   int64_t Dv, float scale, int64_t cblock, int64_t stride, int64_t sblock, int64_t width,
-                  int64_t initial, int64_t local, int64_t chunk, void *sgemm) {
-    sgemm_fn gemm = (sgemm_fn)sgemm;
+                  int64_t initial, int64_t local, int64_t chunk) {
     const int64_t G = Hq / Hkv, q_start = Nk - Nq, a = sblock / stride, c = cblock / stride;
     const int64_t n_blocks = (Nk + sblock - 1) / sblock, span = Ncmp > 0 ? Ncmp : 1;
     float *s = (float *)malloc(sizeof(float) * chunk * span), *qb = (float *)malloc(sizeof(float) * chunk * D);
@@ -241,7 +232,7 @@ int ak_nsa_select(const float *q, const float *kc, const float *vc, const float 
                 }
                 const float *qh = q + (h * Nq + r0) * D;
                 for (int64_t i = 0; i < m * D; i++) qb[i] = qh[i] * scale;  /* scaled as the PyTorch path does */
-                compressed_chunk(gemm, qb, kh, vh, s, inv, pv, gates + (h * Nq + r0) * 3, ob, lb, m, seen, first, cblock,
+                compressed_chunk(qb, kh, vh, s, inv, pv, gates + (h * Nq + r0) * 3, ob, lb, m, seen, first, cblock,
                                  stride, D, Dv);
                 if (G > 1)
                     for (int64_t i = 0; i < m; i++)
@@ -280,7 +271,7 @@ static float *acc_row(const rows_state *st, int64_t g, int64_t t) { return st->a
 /* The queries of the position blocks [jb0, jb1) (the span) against their own block of
  * ``block`` keys, causally: the first term of each row, whose max becomes its reference
  * (so den >= 1). qh, kh, vh: the group's first query head and its key and value heads. */
-static void own_blocks(sgemm_fn gemm, const float *qh, const float *kh, const float *vh, rows_state *st, float *s,
+static void own_blocks(const float *qh, const float *kh, const float *vh, rows_state *st, float *s,
                        int64_t jb0, int64_t jb1, int64_t G, int64_t Nq, int64_t Nk, int64_t D, int64_t block,
                        float scale) {
     const int64_t q_start = Nk - Nq, Dv = st->Dv;
@@ -288,7 +279,7 @@ static void own_blocks(sgemm_fn gemm, const float *qh, const float *kh, const fl
         const int64_t k0 = jb * block, nk = Nk - k0 < block ? Nk - k0 : block;
         const int64_t t0 = (k0 > q_start ? k0 : q_start) - q_start, m = k0 + nk - q_start - t0;
         for (int64_t g = 0; g < G; g++) {
-            gemm_abt(gemm, (int)m, (int)nk, (int)D, scale, qh + (g * Nq + t0) * D, (int)D, kh + k0 * D, (int)D, 0.0f, s,
+            gemm_abt((int)m, (int)nk, (int)D, scale, qh + (g * Nq + t0) * D, (int)D, kh + k0 * D, (int)D, 0.0f, s,
                      (int)nk);
             for (int64_t i = 0; i < m; i++) {
                 const int64_t row = state_row(st, g, t0 + i), vis = q_start + t0 + i - k0 + 1;  /* keys k0 .. its position */
@@ -297,7 +288,7 @@ static void own_blocks(sgemm_fn gemm, const float *qh, const float *kh, const fl
                 st->den[row] = exp_sum(x, vis, st->ref[row]);
                 zero_row(x + vis, nk - vis);
             }
-            gemm_ab(gemm, (int)m, (int)Dv, (int)nk, s, (int)nk, vh + k0 * Dv, (int)Dv, acc_row(st, g, t0), (int)Dv);
+            gemm_ab((int)m, (int)Dv, (int)nk, s, (int)nk, vh + k0 * Dv, (int)Dv, acc_row(st, g, t0), (int)Dv);
         }
     }
 }
@@ -325,11 +316,11 @@ static void group_by_block(const int64_t *sel, int64_t t0, int64_t t1, int64_t w
 
 /* One tile of the selection branch: the m queries ``ts`` (with the G heads of the group,
  * rows i * G + g) against one whole key block (all its keys precede them). Gathers their
- * query rows (scaled: sgemm's alpha would be a pass of its own), one sgemm for the
+ * query rows (scaled: product's alpha would be a pass of its own), one product for the
  * logits, each row's weights exp(s - ref) with its reference raised first (and its sums
- * rescaled) only if the block's max exceeds it by more than ``above``, one sgemm with the
+ * rescaled) only if the block's max exceeds it by more than ``above``, one product with the
  * block's values, and the rows added into their accumulators. */
-static void selected_tile(sgemm_fn gemm, const float *qh, const float *kb, const float *vb, rows_state *st,
+static void selected_tile(const float *qh, const float *kb, const float *vb, rows_state *st,
                           const int32_t *ts, int64_t m, int64_t G, int64_t Nq, int64_t D, int64_t block, float scale,
                           float above, float *qb, float *s, float *ob) {
     const int64_t Dv = st->Dv, rows = m * G;
@@ -339,7 +330,7 @@ static void selected_tile(sgemm_fn gemm, const float *qh, const float *kb, const
             float *dst = qb + (i * G + g) * D;
             for (int64_t d = 0; d < D; d++) dst[d] = src[d] * scale;
         }
-    gemm_abt(gemm, (int)rows, (int)block, (int)D, 1.0f, qb, (int)D, kb, (int)D, 0.0f, s, (int)block);
+    gemm_abt((int)rows, (int)block, (int)D, 1.0f, qb, (int)D, kb, (int)D, 0.0f, s, (int)block);
     for (int64_t r = 0; r < rows; r++) {
         const int64_t row = state_row(st, r % G, ts[r / G]);
         float *x = s + r * block;
@@ -352,7 +343,7 @@ static void selected_tile(sgemm_fn gemm, const float *qh, const float *kb, const
         }
         st->den[row] += exp_sum(x, block, st->ref[row]);
     }
-    gemm_ab(gemm, (int)rows, (int)Dv, (int)block, s, (int)block, vb, (int)Dv, ob, (int)Dv);
+    gemm_ab((int)rows, (int)Dv, (int)block, s, (int)block, vb, (int)Dv, ob, (int)Dv);
     for (int64_t r = 0; r < rows; r++) {
         float *o = acc_row(st, r % G, ts[r / G]);
         const float *p = ob + r * Dv;
@@ -391,8 +382,7 @@ static void add_span(const rows_state *st, const float *gates, int64_t branch, f
 int ak_nsa_selected(const float *q, const float *k, const float *v, const int64_t *chosen, const float *gates,
                     float *out, float *lse, int64_t u0, int64_t u1, int64_t Hq, int64_t Hkv, int64_t Nq, int64_t Nk,
                     int64_t D, int64_t Dv, int64_t width, int64_t block, float scale, float above, int64_t tile_rows,
-                    int64_t span_rows, void *sgemm) {
-    sgemm_fn gemm = (sgemm_fn)sgemm;
+                    int64_t span_rows) {
     const int64_t G = Hq / Hkv, q_start = Nk - Nq, n_blocks = (Nk + block - 1) / block;
     const int64_t per_tile = tile_rows / G > 0 ? tile_rows / G : 1, rows = per_tile * G;
     const int64_t span = span_rows / (G * block) > 0 ? span_rows / (G * block) : 1;  /* position blocks per span */
@@ -415,12 +405,12 @@ int ak_nsa_selected(const float *q, const float *k, const float *v, const int64_
             const int64_t t0 = (jb0 * block > q_start ? jb0 * block : q_start) - q_start;
             const int64_t t1 = (jb1 * block < Nk ? jb1 * block : Nk) - q_start;
             rows_state st = {acc, ref, den, t0, t1 - t0, Dv};
-            own_blocks(gemm, qh, kh, vh, &st, s, jb0, jb1, G, Nq, Nk, D, block, scale);
+            own_blocks(qh, kh, vh, &st, s, jb0, jb1, G, Nq, Nk, D, block, scale);
             group_by_block(chosen + u * Nq * width, t0, t1, width, q_start, block, n_blocks, start, list);
             for (int64_t j = 0; j < n_blocks; j++)
                 for (int64_t e = start[j]; e < start[j + 1]; e += per_tile) {
                     const int64_t m = start[j + 1] - e < per_tile ? start[j + 1] - e : per_tile;
-                    selected_tile(gemm, qh, kh + j * block * D, vh + j * block * Dv, &st, list + e, m, G, Nq, D, block,
+                    selected_tile(qh, kh + j * block * D, vh + j * block * Dv, &st, list + e, m, G, Nq, D, block,
                                   scale, above, qb, s, ob);
                 }
             add_span(&st, gates, 1, out, lse, h0, G, Nq);
@@ -435,14 +425,13 @@ int ak_nsa_selected(const float *q, const float *k, const float *v, const int64_
 /* The sliding-window branch of NSA for the query-head rows [bh0, bh1) of B * H, added
  * into out (B, H, Nq, Dv) times the gates' third column: every query (the last Nq of Nk
  * positions) against its ``window`` most recent keys, itself included. Per block of BQ
- * queries one sgemm against the window - 1 + BQ keys that the block reaches (one tile:
- * no running max), each row's weights over its own band (0 elsewhere), one sgemm with the
+ * queries one product against the window - 1 + BQ keys that the block reaches (one tile:
+ * no running max), each row's weights over its own band (0 elsewhere), one product with the
  * values, and the rows normalised into out. Writes lse (B, H, Nq). Returns 1 when out of
  * memory. */
 int ak_nsa_window(const float *q, const float *k, const float *v, const float *gates, float *out, float *lse,
                   int64_t bh0, int64_t bh1, int64_t H, int64_t Hkv, int64_t Nq, int64_t Nk, int64_t D, int64_t Dv,
-                  float scale, int64_t window, int64_t BQ, void *sgemm) {
-    sgemm_fn gemm = (sgemm_fn)sgemm;
+                  float scale, int64_t window, int64_t BQ) {
     const int64_t q_start = Nk - Nq, G = H / Hkv, span = window - 1 + BQ;
     float *s = (float *)malloc(sizeof(float) * BQ * span), *ob = (float *)malloc(sizeof(float) * BQ * Dv);
     float *inv = (float *)malloc(sizeof(float) * BQ);
@@ -456,7 +445,7 @@ int ak_nsa_window(const float *q, const float *k, const float *v, const float *g
         for (int64_t i0 = 0; i0 < Nq; i0 += BQ) {
             const int64_t m = Nq - i0 < BQ ? Nq - i0 : BQ, first = q_start + i0;
             const int64_t j0 = first - window + 1 > 0 ? first - window + 1 : 0, n = first + m - j0;
-            gemm_abt(gemm, (int)m, (int)n, (int)D, scale, q + (bh * Nq + i0) * D, (int)D, kh + j0 * D, (int)D, 0.0f, s,
+            gemm_abt((int)m, (int)n, (int)D, scale, q + (bh * Nq + i0) * D, (int)D, kh + j0 * D, (int)D, 0.0f, s,
                      (int)n);
             for (int64_t i = 0; i < m; i++) {
                 const int64_t pos = first + i, c0 = (pos - window + 1 > j0 ? pos - window + 1 : j0) - j0, c1 = pos + 1 - j0;
@@ -467,7 +456,7 @@ int ak_nsa_window(const float *q, const float *k, const float *v, const float *g
                 lse[bh * Nq + i0 + i] = mx + logf(den);
                 inv[i] = 1.0f / den;
             }
-            gemm_ab(gemm, (int)m, (int)Dv, (int)n, s, (int)n, vh + j0 * Dv, (int)Dv, ob, (int)Dv);
+            gemm_ab((int)m, (int)Dv, (int)n, s, (int)n, vh + j0 * Dv, (int)Dv, ob, (int)Dv);
             for (int64_t i = 0; i < m; i++) {
                 const float w = gates[(bh * Nq + i0 + i) * 3 + 2] * inv[i];
                 float *o = out + (bh * Nq + i0 + i) * Dv;

@@ -1,8 +1,8 @@
-/* Whole attention loops in C around the sgemm of the BLAS inside PyTorch (its address
- * comes from kernels/native.py): sigmoid attention forward and backward (FlashSigmoid),
+/* Whole attention loops around the tile products of gemm.cpp (bound as operators in
+ * fused.cpp): sigmoid attention forward and backward (FlashSigmoid),
  * a softmax forward with free head sizes and head maps, and a top-k attention forward.
  * Keys are restricted to a diagonal band lo <= key - query position <= hi. */
-#include "native_common.h"
+#include "common.h"
 
 /* ------------------------------------------------------------------ fused sigmoid attention */
 
@@ -38,10 +38,10 @@ static void gates_finite(float *x, int64_t n, float bias) {
 }
 
 /* Gates of one tile: w = sigmoid(Q K^T + bias), 0 outside each row's band. */
-static void sigmoid_tile(sgemm_fn gemm, float *w, const float *qb, const float *kt, int64_t m, int64_t n, int64_t D,
+static void sigmoid_tile(float *w, const float *qb, const float *kt, int64_t m, int64_t n, int64_t D,
                          float scale, float bias, int64_t first, int64_t j0, int has_lo, int64_t lo, int has_hi,
                          int64_t hi) {
-    gemm_abt(gemm, (int)m, (int)n, (int)D, scale, qb, (int)D, kt, (int)D, 0.0f, w, (int)n);
+    gemm_abt((int)m, (int)n, (int)D, scale, qb, (int)D, kt, (int)D, 0.0f, w, (int)n);
     gates_finite(w, m * n, bias);
     for (int64_t r = 0; r < m; r++) {
         int64_t c0, c1;
@@ -61,9 +61,7 @@ static void sigmoid_tile(sgemm_fn gemm, float *w, const float *qb, const float *
  * out of memory. */
 int ak_sigmoid_attention(const float *q, const float *k, const float *v, float *out, int64_t bh0, int64_t bh1,
                          int64_t H, int64_t Hkv, int64_t Nq, int64_t Nk, int64_t D, int64_t Dv, float scale, float bias,
-                         int64_t q_start, int has_lo, int64_t lo, int has_hi, int64_t hi, int64_t BQ, int64_t BK,
-                         void *sgemm) {
-    sgemm_fn gemm = (sgemm_fn)sgemm;
+                         int64_t q_start, int has_lo, int64_t lo, int has_hi, int64_t hi, int64_t BQ, int64_t BK) {
     float *s = (float *)malloc(sizeof(float) * BQ * BK);
     if (!s) return 1;
     const int64_t group = H / Hkv;
@@ -78,8 +76,8 @@ int ak_sigmoid_attention(const float *q, const float *k, const float *v, float *
             band_keys(first, first + m - 1, Nk, has_lo, lo, has_hi, hi, &jlo, &jhi);
             for (int64_t j0 = jlo; j0 < jhi; j0 += BK) {
                 const int64_t n = jhi - j0 < BK ? jhi - j0 : BK;
-                sigmoid_tile(gemm, s, qh + i0 * D, kh + j0 * D, m, n, D, scale, bias, first, j0, has_lo, lo, has_hi, hi);
-                gemm_ab_acc(gemm, (int)m, (int)Dv, (int)n, s, (int)n, vh + j0 * Dv, (int)Dv, oh + i0 * Dv, (int)Dv);
+                sigmoid_tile(s, qh + i0 * D, kh + j0 * D, m, n, D, scale, bias, first, j0, has_lo, lo, has_hi, hi);
+                gemm_ab_acc((int)m, (int)Dv, (int)n, s, (int)n, vh + j0 * Dv, (int)Dv, oh + i0 * Dv, (int)Dv);
             }
         }
     }
@@ -94,8 +92,7 @@ int ak_sigmoid_attention(const float *q, const float *k, const float *v, float *
 int ak_sigmoid_attention_backward(const float *q, const float *k, const float *v, const float *dout, float *dq,
                                   float *dk, float *dv, int64_t bh0, int64_t bh1, int64_t H, int64_t Hkv, int64_t Nq,
                                   int64_t Nk, int64_t D, int64_t Dv, float scale, float bias, int64_t q_start,
-                                  int has_lo, int64_t lo, int has_hi, int64_t hi, int64_t BQ, int64_t BK, void *sgemm) {
-    sgemm_fn gemm = (sgemm_fn)sgemm;
+                                  int has_lo, int64_t lo, int has_hi, int64_t hi, int64_t BQ, int64_t BK) {
     float *w = (float *)malloc(sizeof(float) * 2 * BQ * BK);
     if (!w) return 1;
     float *ds = w + BQ * BK;
@@ -112,12 +109,12 @@ int ak_sigmoid_attention_backward(const float *q, const float *k, const float *v
             band_keys(first, first + m - 1, Nk, has_lo, lo, has_hi, hi, &jlo, &jhi);
             for (int64_t j0 = jlo; j0 < jhi; j0 += BK) {
                 const int64_t n = jhi - j0 < BK ? jhi - j0 : BK;
-                sigmoid_tile(gemm, w, qb, kh + j0 * D, m, n, D, scale, bias, first, j0, has_lo, lo, has_hi, hi);
-                gemm_atb_acc(gemm, (int)n, (int)Dv, (int)m, w, (int)n, dob, (int)Dv, dvh + j0 * Dv, (int)Dv);
-                gemm_abt(gemm, (int)m, (int)n, (int)Dv, 1.0f, dob, (int)Dv, vh + j0 * Dv, (int)Dv, 0.0f, ds, (int)n);
+                sigmoid_tile(w, qb, kh + j0 * D, m, n, D, scale, bias, first, j0, has_lo, lo, has_hi, hi);
+                gemm_atb_acc((int)n, (int)Dv, (int)m, w, (int)n, dob, (int)Dv, dvh + j0 * Dv, (int)Dv);
+                gemm_abt((int)m, (int)n, (int)Dv, 1.0f, dob, (int)Dv, vh + j0 * Dv, (int)Dv, 0.0f, ds, (int)n);
                 for (int64_t i = 0; i < m * n; i++) ds[i] *= w[i] * (1.0f - w[i]);  /* vectorised by the compiler */
-                gemm_ab_acc(gemm, (int)m, (int)D, (int)n, ds, (int)n, kh + j0 * D, (int)D, dqb, (int)D);
-                gemm_atb_acc(gemm, (int)n, (int)D, (int)m, ds, (int)n, qb, (int)D, dkh + j0 * D, (int)D);
+                gemm_ab_acc((int)m, (int)D, (int)n, ds, (int)n, kh + j0 * D, (int)D, dqb, (int)D);
+                gemm_atb_acc((int)n, (int)D, (int)m, ds, (int)n, qb, (int)D, dkh + j0 * D, (int)D);
             }
             for (int64_t i = 0; i < m * D; i++) dqb[i] *= scale;  /* dS K was accumulated unscaled */
         }
@@ -138,8 +135,7 @@ int ak_sigmoid_attention_backward(const float *q, const float *k, const float *v
 int ak_softmax_attention(const float *q, const float *k, const float *v, float *out, float *lse, int64_t bh0,
                          int64_t bh1, int64_t H, int64_t Hk, int64_t Hv, const int64_t *kidx, const int64_t *vidx,
                          int64_t Nq, int64_t Nk, int64_t D, int64_t Dv, float scale, float softcap, int64_t q_start,
-                         int has_lo, int64_t lo, int has_hi, int64_t hi, int64_t BQ, int64_t BK, void *sgemm) {
-    sgemm_fn gemm = (sgemm_fn)sgemm;
+                         int has_lo, int64_t lo, int has_hi, int64_t hi, int64_t BQ, int64_t BK) {
     float *s = (float *)malloc(sizeof(float) * (BQ * BK + 3 * BQ));
     if (!s) return 1;
     float *m = s + BQ * BK, *l = m + BQ, *alpha = l + BQ;
@@ -156,14 +152,14 @@ int ak_softmax_attention(const float *q, const float *k, const float *v, float *
             band_keys(first, first + rows - 1, Nk, has_lo, lo, has_hi, hi, &jlo, &jhi);
             for (int64_t j0 = jlo; j0 < jhi; j0 += BK) {
                 const int64_t n = jhi - j0 < BK ? jhi - j0 : BK;
-                gemm_abt(gemm, (int)rows, (int)n, (int)D, scale, qh + i0 * D, (int)D, kh + j0 * D, (int)D, 0.0f, s, (int)n);
+                gemm_abt((int)rows, (int)n, (int)D, scale, qh + i0 * D, (int)D, kh + j0 * D, (int)D, 0.0f, s, (int)n);
                 if (softcap > 0.0f) ak_softcap(s, s, rows * n, softcap);
                 hide_outside_band(s, rows, n, first, j0, has_lo, lo, has_hi, hi);
                 ak_online_softmax(s, rows, n, m, l, alpha);
                 for (int64_t r = 0; r < rows; r++)
                     if (alpha[r] != 1.0f)
                         for (int64_t d = 0; d < Dv; d++) ob[r * Dv + d] *= alpha[r];
-                gemm_ab_acc(gemm, (int)rows, (int)Dv, (int)n, s, (int)n, vh + j0 * Dv, (int)Dv, ob, (int)Dv);
+                gemm_ab_acc((int)rows, (int)Dv, (int)n, s, (int)n, vh + j0 * Dv, (int)Dv, ob, (int)Dv);
             }
             for (int64_t r = 0; r < rows; r++) {
                 const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
@@ -178,7 +174,7 @@ int ak_softmax_attention(const float *q, const float *k, const float *v, float *
 
 /* Top-k attention forward (softmax over the k largest logits of every row; Gupta et al.
  * 2021, arXiv 2106.06899) for the query-head rows [bh0, bh1) of B*H: per block of BQ
- * queries one sgemm gives every logit the block's band reaches, topk_row picks each row's
+ * queries one product gives every logit the block's band reaches, topk_row picks each row's
  * k columns, and the output is the softmax of those k logits times their k value rows.
  * Keys outside a row's band count as -inf (chosen only where fewer than k are visible,
  * with weight 0). Writes out (B, H, Nq, Dv), lse, chosen and weights (B, H, Nq, k; a row
@@ -188,8 +184,7 @@ int ak_softmax_attention(const float *q, const float *k, const float *v, float *
 int ak_topk_attention(const float *q, const float *k, const float *v, float *out, float *lse, int64_t *chosen,
                       float *weights, float *kept, float *visible, int64_t bh0, int64_t bh1, int64_t H, int64_t Hkv,
                       int64_t Nq, int64_t Nk, int64_t D, int64_t Dv, int64_t q_start, int has_lo, int64_t lo, int has_hi,
-                      int64_t hi, int64_t width, int64_t BQ, void *sgemm) {
-    sgemm_fn gemm = (sgemm_fn)sgemm;
+                      int64_t hi, int64_t width, int64_t BQ) {
     float *s = (float *)malloc(sizeof(float) * BQ * (Nk > 0 ? Nk : 1));
     float *bv = (float *)malloc(sizeof(float) * 6 * width);
     int64_t *bi = (int64_t *)malloc(sizeof(int64_t) * 6 * width);
@@ -207,7 +202,7 @@ int ak_topk_attention(const float *q, const float *k, const float *v, float *out
             band_keys(first, first + rows - 1, Nk, has_lo, lo, has_hi, hi, &jlo, &jhi);
             const int64_t n = jhi > jlo ? jhi - jlo : 0;
             if (n > 0)
-                gemm_abt(gemm, (int)rows, (int)n, (int)D, 1.0f, qh + i0 * D, (int)D, kh + jlo * D, (int)D, 0.0f, s, (int)n);
+                gemm_abt((int)rows, (int)n, (int)D, 1.0f, qh + i0 * D, (int)D, kh + jlo * D, (int)D, 0.0f, s, (int)n);
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t row = bh * Nq + i0 + r;
                 float *x = s + r * n, *o = out + row * Dv, *w = weights + row * width;

@@ -1,11 +1,11 @@
-/* Pointwise tile math in one pass over memory, for the chunked tile loops (loaded by
- * kernels/native.py through ctypes). PyTorch evaluates sigmoid(s + b), cap * tanh(s / cap),
+/* Pointwise tile math in one pass over memory, for the chunked tile loops (bound as
+ * operators in pointwise.cpp). PyTorch evaluates sigmoid(s + b), cap * tanh(s / cap),
  * an online-softmax update or a head mix as chains of separate kernels, each a full pass
  * over the tile; on CPU those passes cost as much as the tile's two matmuls (measured
  * 1-3 ns per logit against a few tenths here). Also two pieces torch runs slowly on CPU:
  * top-k of rows and a depthwise 2-D convolution (with its gradients). Every function has
  * a scalar path for CPUs without AVX2/FMA. */
-#include "native_common.h"
+#include "common.h"
 
 /* y <- sigmoid(sign * x + bias) = 1 / (1 + exp(-(sign * x + bias))); y may be x.
  * exp is capped at e^88: gates below 1 / (1 + e^88) (denormal) become 0, so a -inf
