@@ -66,6 +66,24 @@ def test_child_of_a_fork_finishes_after_an_operator_call():
     assert done.stdout.strip() == "child 0"
 
 
+def test_operators_split_their_work_across_torchs_threads():
+    """Parts of an operator's work run on distinct threads of torch's pool, as many as
+    torch.set_num_threads allows (a build without OpenMP ran them all on one)."""
+    if not cpu.available():
+        pytest.skip(f"operators unavailable: {cpu.status().reason}")
+    done = _python("""
+        import torch
+        from attnkit.kernels import cpu
+        assert cpu.available()
+        torch.set_num_threads(2)
+        two = torch.ops.attnkit._threads_used(2)
+        torch.set_num_threads(1)
+        print(two, torch.ops.attnkit._threads_used(2))
+    """, env={"OMP_NUM_THREADS": "2"}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["2", "1"]
+
+
 def _explain_softcap_band() -> str:
     q = torch.randn(1, 2, 300, 16)
     return attnkit.explain(q, q, q, mask=attnkit.causal() & attnkit.window(50), score=attnkit.softcap(5.0))

@@ -40,7 +40,13 @@ HERE = Path(__file__).parent
 SOURCES = ["loops_pointwise.cpp", "loops_fused.cpp", "loops_mixed.cpp", "loops_sparse.cpp", "gemm.cpp", "pointwise.cpp",
            "fused.cpp", "mixed.cpp", "sparse.cpp"]
 HEADERS = ["common.h", "parallel.h", "binding.h"]
-FLAGS = ["-O3", "-march=native", "-std=c++17"]
+# -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers, compiled into this
+# library; without the flag it runs every part on one thread. Linked with -fopenmp, the
+# library needs libgomp.so.1, the soname torch already loaded from its own lib/, so its
+# pragmas use torch's thread pool (one runtime: torch.set_num_threads governs both).
+OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") and "OpenMP" in torch.__config__.parallel_info() else []
+FLAGS = ["-O3", "-march=native", "-std=c++17", *OPENMP]
+LDFLAGS = OPENMP
 
 
 @dataclass(frozen=True)
@@ -91,7 +97,7 @@ def _load(verbose: bool = False) -> Status:
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(name=extension_name(), sources=[str(HERE / s) for s in SOURCES], extra_cflags=FLAGS,
+        cpp_extension.load(name=extension_name(), sources=[str(HERE / s) for s in SOURCES], extra_cflags=FLAGS, extra_ldflags=LDFLAGS,
                            extra_include_paths=[str(HERE)], is_python_module=False, verbose=verbose)
         torch.ops.attnkit._gemm_mode  # the library registered its operators  # noqa: B018
         from . import fused, mixed, pointwise, sparse

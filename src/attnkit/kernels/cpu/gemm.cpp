@@ -15,9 +15,14 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
+#include <mutex>
+#include <set>
+#include <thread>
 
 #include "common.h"
+#include "parallel.h"
 
 namespace {
 
@@ -91,7 +96,24 @@ int64_t set_gemm_mode(int64_t next) {
     return previous;
 }
 
+/* How many distinct threads ran ``parts`` parts of run_parts (each part spins briefly so
+ * that no thread can take them all): 1 means the operators' work splitting is serial,
+ * as it was when this library was compiled without -fopenmp. For tests. */
+int64_t threads_used(int64_t parts) {
+    std::mutex lock;
+    std::set<std::thread::id> seen;
+    attnkit::run_parts(parts, [&](int64_t) {
+        const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(20);
+        while (std::chrono::steady_clock::now() < until) {
+        }
+        std::lock_guard<std::mutex> hold(lock);
+        seen.insert(std::this_thread::get_id());
+    });
+    return (int64_t)seen.size();
+}
+
 /* The namespace's one TORCH_LIBRARY block; the other files add fragments. */
 TORCH_LIBRARY(attnkit, m) {
     m.def("_gemm_mode(int mode) -> int", &set_gemm_mode);
+    m.def("_threads_used(int parts) -> int", &threads_used);
 }
