@@ -14,10 +14,10 @@ selective attention and is left out):
   tokens/s, as each step attends to a quarter of the keys);
 - prefill: the prefill with the policy's scoring and compression (at budget 0.25)
   against a plain prefill into ``DynamicCache`` on sdpa (target: at most 1.2x). Policies
-  that read attention weights run their prefill through ``attnkit.hf.use`` with an
-  observer; their baseline is still plain sdpa, and one extra row times a plain prefill
-  under ``attnkit.hf.use`` (no observer, no policy) against sdpa, to show what share
-  of their cost is attnkit's attention itself.
+  that read attention weights stay on sdpa and the cache computes the scored rows'
+  weights itself (kv/weights.py; on Llama-style modules, as here), or else run their
+  prefill through ``attnkit.hf.use`` with an observer; one extra row times a plain
+  prefill under ``attnkit.hf.use`` (no observer, no policy) against sdpa.
 
 A prefill is a forward that returns the last position's logits only (as ``generate``
 does). ``quick`` runs N=512 with fewer steps and repeats.
@@ -127,7 +127,8 @@ def measure(name: str, params: dict, n: int, repeats: int, decode_steps: int, de
     weights = KV_POLICIES[name].needs_weights
     mean_len = sum(int(pcache.lengths(i).float().mean()) for i in range(LAYERS)) / LAYERS
     tokens_s = f"{decode_steps / dec_c * 1e3:.0f} vs {decode_steps / dec_b * 1e3:.0f} tokens/s, {speed:.2f}x"
-    how = "through attnkit with an observer" if weights else "on sdpa"
+    how = ("on sdpa" if not weights else "on sdpa, the scored rows' weights computed by the cache" if pcache.direct
+           else "through attnkit with an observer")
     return [
         bytes_row(name, held, full, n),
         Row("kv", f"{name} at budget {BUDGET}: {decode_steps} decoding steps", f"N={n}", dec_c, "DynamicCache (sdpa)", dec_b,
