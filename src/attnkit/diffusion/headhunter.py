@@ -20,12 +20,12 @@ import json
 import math
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from ..files import write_json_atomic
 from .guidance import pag
 from .layers import select_layers
 from .switch import denoiser
@@ -292,17 +292,8 @@ class _Cache:
         self.scores[_key(selection)] = score
         if self.path is None:
             return
-        folder = os.path.dirname(os.path.abspath(self.path))
-        payload = {"version": CACHE_VERSION, "fingerprint": self.fingerprint, "scores": self.scores}
-        fd, tmp = tempfile.mkstemp(prefix=".headhunter-", suffix=".json", dir=folder)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(payload, f, indent=1)
-            os.replace(tmp, self.path)  # a crash mid-write leaves the previous cache whole
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        write_json_atomic(self.path, {"version": CACHE_VERSION, "fingerprint": self.fingerprint, "scores": self.scores},
+                          indent=1)
 
 
 __all__ = ["HuntResult", "HuntStep", "greedy", "head_candidates", "hunt", "print_progress"]

@@ -56,7 +56,8 @@ class PolicyLayer(CacheLayerMixin):
 
     @property
     def keys(self) -> Tensor | None:
-        return self._packed.materialise()[0] if self._packed is not None else self._keys
+        packed = self._packed
+        return packed.padded(packed.k, packed.tail_k) if packed is not None else self._keys
 
     @keys.setter
     def keys(self, value: Tensor | None) -> None:
@@ -65,7 +66,8 @@ class PolicyLayer(CacheLayerMixin):
 
     @property
     def values(self) -> Tensor | None:
-        return self._packed.materialise()[1] if self._packed is not None else self._values
+        packed = self._packed
+        return packed.padded(packed.v, packed.tail_v) if packed is not None else self._values
 
     @values.setter
     def values(self, value: Tensor | None) -> None:

@@ -42,12 +42,14 @@ class PackedKV:
 
     def materialise(self) -> tuple[Tensor, Tensor]:
         """(keys, values), (B, Hkv, L + n, D), zeros in the empty slots."""
+        return self.padded(self.k, self.tail_k), self.padded(self.v, self.tail_v)
+
+    def padded(self, rows: Tensor, tail: Tensor) -> Tensor:
+        """One side (``k`` with ``tail_k``, or ``v`` with ``tail_v``) as (B, Hkv, L + n, D):
+        reading the keys alone need not gather the values too."""
         B, H, L = self.shape
-        k = self.k.index_select(0, self.source).view(B, H, L, -1)
-        v = self.v.index_select(0, self.source).view(B, H, L, -1)
-        if self.tail_k.shape[-2]:
-            k, v = torch.cat([k, self.tail_k], dim=-2), torch.cat([v, self.tail_v], dim=-2)
-        return k, v
+        out = rows.index_select(0, self.source).view(B, H, L, -1)
+        return torch.cat([out, tail], dim=-2) if tail.shape[-2] else out
 
     @property
     def length(self) -> int:

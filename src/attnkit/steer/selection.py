@@ -21,12 +21,12 @@ import inspect as _pyinspect
 import json
 import math
 import os
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from ..files import write_json_atomic
 from .targets import model_shape
 
 Tensor = torch.Tensor
@@ -193,19 +193,6 @@ def _read_cache(path: str, key: str) -> dict:
     return data
 
 
-def _write_cache(path: str, data: dict) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".profile-", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)  # a run stopped mid-write leaves the previous cache whole
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def profile_heads(model, tokenizer, examples: Sequence, score_fn: Callable, *, heads="all", make: Callable | None = None,
                   alpha: float = 0.01, cache: str | os.PathLike | None = None,
                   progress: Callable[[str], None] | None = None) -> HeadRanking:
@@ -266,7 +253,7 @@ def profile_heads(model, tokenizer, examples: Sequence, score_fn: Callable, *, h
     if state["baseline"] is None:
         state["baseline"] = mean_score(None)
         if path:
-            _write_cache(path, state)
+            write_json_atomic(path, state)
     done = 0
     for layer, h in chosen:
         name = f"{layer},{h}"
@@ -278,7 +265,7 @@ def profile_heads(model, tokenizer, examples: Sequence, score_fn: Callable, *, h
         state["scores"][name] = mean_score((layer, h))
         done += 1
         if path:
-            _write_cache(path, state)
+            write_json_atomic(path, state)
         if progress:
             progress(f"head {done}/{len(chosen)}: layer {layer} head {h} score {state['scores'][name]:.4g} "
                      f"(baseline {state['baseline']:.4g})")
