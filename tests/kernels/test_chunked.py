@@ -195,3 +195,30 @@ def test_forcing_an_engine_that_cannot_run_is_an_error():
     q, k, v = qkv(B=1, Hq=1, Hkv=1, Nq=4, Nk=4, D=4)
     with pytest.raises(ValueError, match="engine='fused' cannot run this call: score mod softcap"):
         chunked_attention(make_request(q, k, v, score=ak.softcap(2.0)), engine="fused")
+
+
+def test_a_causal_call_with_row_scales_or_a_per_key_bias_is_one_causal_tile():
+    from attnkit.steer.mods import KeyBias
+
+    B, H, N, cached = 2, 4, 1100, 300
+    q, k, v = qkv(B=B, Hq=H, Hkv=2, Nq=N - cached, Nk=N, D=16, dtype=torch.float32, requires_grad=True)
+    table = torch.randn(B, H, N, dtype=torch.float64)
+    for score in (KeyBias(table), ak.temperature(torch.linspace(0.5, 2.0, H, dtype=torch.float64))):
+        req = make_request(q, k, v, mask=ak.causal(), score=score, return_lse=True)
+        plan = make_chunked_plan(req, "fused")
+        assert [(b.q0, b.q1) for b in plan.for_batch(0)] == [(0, N - cached)]
+        assert [(s.k0, s.k1, s.kind) for s in plan.for_batch(0)[0].segments] == [(0, cached, "full"), (cached, N, "causal")]
+        out, lse = chunked_attention(req, engine="fused")
+        want, want_lse = reference_attention(req, torch.float64)
+        assert_close(out, want, torch.float32)
+        torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+        grad = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), grad)
+        ref = torch.autograd.grad(want, (q, k, v), grad.double())
+        for g, r in zip(got, ref):
+            assert_close(g, r, torch.float32)
+    # a key hidden by a -inf bias needs a dense tile: the call keeps its blocks of rows
+    table[:, :, 5] = float("-inf")
+    req = make_request(q, k, v, mask=ak.causal(), score=KeyBias(table))
+    assert len(make_chunked_plan(req, "fused").for_batch(0)) > 1
+    assert_close(chunked_attention(req, engine="fused")[0], reference_attention(req, torch.float64)[0], torch.float32)

@@ -154,3 +154,13 @@ def single_tile_plan(mask: Mask | None, batch: int, q_len: int, k_len: int) -> P
     kind = FULL_SEG if mask is None else MASKED_SEG
     block = QueryBlock(0, q_len, [Segment(0, k_len, kind)])
     return Plan(rows=[[block]], shared=True, grid=grid, tiles_total=1, tiles_skipped=0, tiles_partial=int(mask is not None))
+
+
+def causal_plan(batch: int, q_len: int, k_len: int) -> Plan:
+    """A plain causal mask as one query block: the keys before the queries whole, then the
+    square diagonal (the op's top-left aligned causal flag is exact on it)."""
+    grid = TileGrid(q_start=k_len - q_len, q_len=q_len, q_block=q_len, k_len=k_len, k_block=k_len)
+    start = k_len - q_len
+    segments = ([Segment(0, start, FULL_SEG)] if start else []) + [Segment(start, k_len, CAUSAL_SEG)]
+    return Plan(rows=[[QueryBlock(0, q_len, segments)]], shared=True, grid=grid, tiles_total=1, tiles_skipped=0,
+                tiles_partial=1)
