@@ -1,5 +1,6 @@
-"""While decoding, an evicted entry becomes a masked hole and the layer is gathered only
-once enough holes have gathered (``PolicyLayer.drop``): the kept sets and the model's
+"""While decoding, an evicted entry becomes a hole (``PolicyLayer.drop``) that the next
+token fills when every head has one (``PolicyLayer.fill``); otherwise holes are masked
+and the layer is gathered only once enough have gathered. The kept sets and the model's
 outputs must be those of gathering at every step, across several gathers."""
 
 import pytest
@@ -9,6 +10,7 @@ from tiny_models import build
 
 import attnkit.kv as kv
 import attnkit.kv.cache as kv_cache
+import attnkit.kv.layer as kv_layer
 
 
 def _teacher_forced(model, name, params, budget, prompt, mask, forced):
@@ -24,25 +26,30 @@ def _teacher_forced(model, name, params, budget, prompt, mask, forced):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("name,params", [("streaming", {"sinks": 2}), ("h2o", {})])
-def test_holes_then_gathers_match_gathering_every_step(name, params, monkeypatch):
+@pytest.mark.parametrize("name,params", [("streaming", {"sinks": 2}), ("h2o", {}), ("tova", {})])
+def test_filled_slots_and_holes_match_gathering_every_step(name, params, monkeypatch):
     budget, steps = 6, 40  # 40 steps of one eviction each: a gather after every 16 holes
     model = build("llama", "sdpa").double()
     prompt, mask = padded_batch(seed=3, n=10, pads=(0, 2, 5))
     forced = torch.randint(1, 97, (3, steps), generator=torch.Generator().manual_seed(4))
+    # every row evicts one entry per step: the next token takes its slot, the layer keeps its size
+    filled, filled_kept, filled_len = _teacher_forced(model, name, params, budget, prompt, mask, forced)
+    monkeypatch.setattr(kv_layer.PolicyLayer, "one_hole_each", lambda self: False)  # no filling: holes pile up
     lazy, lazy_kept, lazy_len = _teacher_forced(model, name, params, budget, prompt, mask, forced)
     slack = kv_cache.DECODE_SLACK_MIN  # layers this short gather after more than 16 holes
     monkeypatch.setattr(kv_cache, "DECODE_SLACK_MIN", 0)
     monkeypatch.setattr(kv_cache, "DECODE_SLACK_DIV", 10**9)  # any hole: gather at once
     eager, eager_kept, eager_len = _teacher_forced(model, name, params, budget, prompt, mask, forced)
-    assert lazy_kept == eager_kept
-    # float64, same kept entries: only the order of summation over masked slots differs
+    assert lazy_kept == eager_kept and filled_kept == eager_kept
+    # float64, same kept entries: only the order of summation over the slots differs
     torch.testing.assert_close(lazy, eager, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(filled, eager, atol=1e-10, rtol=1e-10)
     assert max(eager_len) == budget  # gathered every step: exactly the budget
+    assert set(filled_len) == {budget + 1}  # the budget and the one slot a step's token takes
     assert max(lazy_len) == budget + slack  # holes accumulate up to the slack
     assert any(b < a for a, b in zip(lazy_len, lazy_len[1:]))  # and a gather shrank the layer
     if name == "streaming":
-        for s, kept in enumerate(lazy_kept):
+        for s, kept in enumerate(filled_kept):
             seen = 10 + s + 1
             for b, pad in enumerate((0, 2, 5)):
                 real = list(range(pad, seen))
@@ -62,8 +69,7 @@ def test_unmasked_single_token_steps_match_the_masked_path(name, params, monkeyp
     original = kv_cache.PolicyCache._mask
     monkeypatch.setattr(kv_cache.PolicyCache, "_mask", lambda self, *a: built.append(1) or original(self, *a))
     fast, fast_kept, _ = _teacher_forced(model, name, params, 8, prompt, mask, forced)
-    if name != "streaming":  # streaming's evictions leave holes, which need the mask
-        assert not built
+    assert not built  # streaming's evicted slot is filled by the next token: no hole to mask either
     monkeypatch.setattr(kv_cache, "sliding_window", lambda module: 10**9)  # a window that hides nothing forces the mask
     built.clear()
     masked, masked_kept, _ = _teacher_forced(model, name, params, 8, prompt, mask, forced)

@@ -110,3 +110,30 @@ def test_adakv_heads_keep_different_lengths_and_match_masked_dense_attention():
     finally:
         masks.remove()
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name,params", [("streaming", {"sinks": 2}), ("h2o", {"recent": 0.4}), ("tova", {})])
+def test_decoding_into_evicted_slots_keeps_the_reference_sets(name, params):
+    """A token budget gives every row the same capacity, so each decoding step evicts one
+    entry per head and the next token takes its slot (the layout leaves position order):
+    the kept sets still follow the reference rule, step after step."""
+    eager = build("llama", "eager").double()
+    ids, mask = padded_batch(seed=5, n=12, pads=(0, 3, 5))
+    steps = torch.randint(1, 97, (3, 8), generator=torch.Generator().manual_seed(6))
+    budget = 5
+    expected = simulate(eager, kv.POLICIES[name](**params), ids, mask, lambda layer, real: torch.full((len(real),), budget), steps)
+    model = build("llama", "sdpa").double()
+    cache = kv.policy_cache(model, name, budget=budget, **params)
+    model(ids, attention_mask=mask, position_ids=positions(mask), cache=cache, use_cache=True)
+    full, orders = mask, []
+    for s in range(steps.shape[1] + 1):
+        for layer, want in expected[s].items():
+            assert torch.equal(cache.kept_mask(layer), want), f"{name} step {s} layer {layer}"
+        orders.append(cache.layers[0].ordered)
+        if s == steps.shape[1]:
+            break
+        full = torch.cat([full, torch.ones(3, 1, dtype=full.dtype)], dim=1)
+        model(steps[:, s : s + 1], attention_mask=full, position_ids=positions(full)[:, -1:], cache=cache, use_cache=True)
+    assert not all(orders)  # tokens did fill evicted slots
+    assert {cache.layers[i].length for i in range(len(cache.layers))} == {budget + 1}

@@ -56,6 +56,13 @@ class PolicyCache(Cache):
         self._model = weakref.ref(model)
         self._padding: Tensor | None = None  # the 2-D mask of the forward in progress
         self._armed: dict[int, Tensor] = {}  # layer -> RoPE positions of its pending update
+        self._kept_only: dict[int, bool] = {}  # layer -> its update returns the kept entries alone
+        self._fill: dict[int, bool] = {}  # layer -> its update fills the slots the last step evicted
+        # Evicting while decoding by masking, not gathering: nothing outside the cache follows
+        # the layout (Selective's state does; StreamingLLM's cache positions turn every kept key
+        # each step anyway). Such a layer's next token may also take the evicted slot.
+        self._masks_evictions = (policy.decodes and type(policy).after is Policy.after
+                                 and getattr(policy, "positions", None) != "cache")
         self._weighed: dict[int, bool] = {}  # layer -> its call was asked for attention weights
         self._extra: dict[int, dict | None] = {}  # layer -> what the policy's `before` gathered
         self._switch = None
@@ -81,7 +88,10 @@ class PolicyCache(Cache):
             )
         layer = self.layers[layer_idx]
         B, _, N, _ = key_states.shape
-        return layer.append(key_states, value_states, self._real(layer.seen, N, B, key_states.device), rope)
+        if self._fill.pop(layer_idx, False):
+            return layer.fill(key_states, value_states, rope)
+        return layer.append(key_states, value_states, self._real(layer.seen, N, B, key_states.device), rope,
+                            kept_only=self._kept_only.pop(layer_idx, False))
 
     def _real(self, seen: int, n: int, batch: int, device) -> Tensor:
         pad = self._padding
@@ -112,7 +122,7 @@ class PolicyCache(Cache):
     def kept_positions(self, layer: int) -> list[list[list[int]]]:
         """Token positions (indices in the padded sequence) kept by each row and KV head."""
         lay = self.layers[layer]
-        return [[lay.pos[b, h][lay.valid[b, h]].tolist() for h in range(lay.pos.shape[1])] for b in range(lay.pos.shape[0])]
+        return [[sorted(lay.pos[b, h][lay.valid[b, h]].tolist()) for h in range(lay.pos.shape[1])] for b in range(lay.pos.shape[0])]
 
     def kept_mask(self, layer: int, length: int | None = None) -> Tensor:
         """(B, Hkv, length) bool: which positions ``layer`` holds (length: tokens seen)."""
@@ -138,6 +148,8 @@ class PolicyCache(Cache):
     def end_forward(self) -> None:
         self._padding = None
         self._armed.clear()
+        self._kept_only.clear()
+        self._fill.clear()
         self._weighed.clear()
         self._extra.clear()
         self._queries.clear()
@@ -177,10 +189,16 @@ class PolicyCache(Cache):
         if self.policy.evicts(phase):
             self._extra[idx] = self.policy.before(module, layer, kwargs, phase)
         if layer.calls > 0:
-            if Nq == 1 and layer.full and self.policy.name != "quest" and sliding_window(module) is None:
-                # one query and every slot a kept entry: nothing to hide, so no mask (the
-                # path transformers takes for a full cache, no O(L) mask per step)
+            if Nq == 1 and self.policy.name != "quest" and sliding_window(module) is None and (layer.full or layer.even()):
+                # one query that sees every kept entry: no mask (the path transformers takes
+                # for a full cache: no O(L) mask, no copy of the keys per query head). The
+                # slot the last step evicted takes the new token; other holes are left out
+                # by gathering the kept entries.
                 kwargs["attention_mask"] = None
+                fill = (not layer.full and self._masks_evictions and not hidden.requires_grad
+                        and bool(self._real(layer.seen, 1, B, hidden.device).all()) and layer.one_hole_each())
+                self._fill[idx] = fill
+                self._kept_only[idx] = not layer.full and not fill
             else:
                 kwargs["attention_mask"] = self._mask(module, layer, hidden, kwargs, Nq)
         return args, kwargs
@@ -247,12 +265,9 @@ class PolicyCache(Cache):
                 )
         extra = self._extra.pop(idx, None)
         step = Step(idx, self.num_layers, phase, layer.keys, layer.valid, layer.pos, layer.capacity, mass, layer.score,
-                    layer.seen, extra)
+                    layer.seen, extra, None if layer.ordered else layer.pos)
         keep = self.policy.select(step)
-        rerotates = getattr(self.policy, "positions", None) == "cache"
-        if phase == "decode" and type(self.policy).after is Policy.after and not rerotates:
-            # nothing outside the cache follows the layout (Selective's F does; StreamingLLM's
-            # cache positions turn every kept key each step anyway): evict by masking, gather rarely
+        if phase == "decode" and self._masks_evictions:
             layer.drop(keep, max(DECODE_SLACK_MIN, layer.length // DECODE_SLACK_DIV))
         else:
             order = layer.compact(keep)

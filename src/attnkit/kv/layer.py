@@ -10,7 +10,12 @@ new, smaller tensors, so the bytes held fall with the budget (``nbytes``). While
 decoding, an evicted entry first becomes an invalid slot in place (a hole the mask hides)
 and the layer is gathered once enough holes have gathered (``drop``).
 
-New tokens are appended after the L slots, so the layout stays in position order.
+New tokens are appended after the L slots, in place into storage with room for more
+(``Room``), so a decoding step copies its new entries only, not the layer, as a growing
+``torch.cat`` cache would. A policy that evicts one entry per decoding step leaves one
+hole per head, and the next token takes that slot instead (``fill``): the layer stays the
+same size, with no hole to mask. The layout is then no longer in position order
+(``ordered``); ``pos`` orders it, and gathering (``compact``) restores position order.
 """
 
 from __future__ import annotations
@@ -21,6 +26,60 @@ from transformers.cache_utils import CacheLayerMixin
 from .packed import PackedKV
 
 Tensor = torch.Tensor
+
+
+class Room:
+    """Storage for a tensor that grows along dim 2 (the slots): ``held`` is a view of the
+    first slots of a larger allocation, and appending writes after it in place. When the
+    allocation is full, or ``held`` was replaced by a tensor of its own (eviction gathers
+    new tensors), the next append moves to a fresh allocation with ``headroom`` more slots:
+    one copy per that many appended slots."""
+
+    __slots__ = ("storage",)
+
+    def __init__(self):
+        self.storage: Tensor | None = None
+
+    def append(self, held: Tensor, new: Tensor) -> Tensor:
+        L, N = held.shape[2], new.shape[2]
+        room = self.storage
+        reusable = (room is not None and room.shape[2] >= L + N and held.data_ptr() == room.data_ptr()
+                    and held.shape[:2] == room.shape[:2] and held.shape[3:] == room.shape[3:]
+                    and held.stride() == room.stride() and held.dtype == room.dtype)
+        if not reusable:
+            if L == 0:  # a prefill: no room yet, most of it is usually evicted at once
+                self.storage = None
+                return new.contiguous()
+            room = held.new_empty(*held.shape[:2], L + N + headroom(L + N), *held.shape[3:])
+            room[:, :, :L] = held
+            self.storage = room
+        room[:, :, L : L + N] = new
+        return room[:, :, : L + N]
+
+    def base(self, held: Tensor) -> Tensor:
+        """The allocation ``held`` lives in: its room, or itself."""
+        room = self.storage
+        return room if room is not None and held.data_ptr() == room.data_ptr() else held
+
+    def nbytes(self, held: Tensor) -> int:
+        """Bytes allocated for ``held``."""
+        t = self.base(held)
+        return t.numel() * t.element_size()
+
+    def gather(self, held: Tensor, slots: Tensor) -> Tensor:
+        """``held`` (B, H, L, D) at the slots (B, H, n): one row copy per slot (torch's
+        ``gather`` on the 4-D tensor copies element by element, ~10x slower)."""
+        base = self.base(held).contiguous()
+        B, H, cap, D = base.shape
+        rows = slots + torch.arange(0, B * H * cap, cap, device=slots.device).view(B, H, 1)
+        return base.view(-1, D).index_select(0, rows.view(-1)).view(B, H, -1, D)
+
+
+def headroom(slots: int) -> int:
+    return max(1, slots // 16)
+
+
+SLOT_TENSORS = ("keys", "values", "valid", "pos", "rope", "score")
 
 
 class PolicyLayer(CacheLayerMixin):
@@ -48,9 +107,13 @@ class PolicyLayer(CacheLayerMixin):
         #: every slot of every (row, head) is a kept entry (no holes, equal lengths): a
         #: one-token decoding step then needs no mask at all
         self.full = True
+        #: the slots are in position order (False once a token filled an evicted slot)
+        self.ordered = True
+        self._kept_range = None
         #: what a policy derives from the slots held and extends as tokens are appended
         #: (Quest's page extremes); emptied whenever existing slots change
         self.memo: dict = {}
+        self.rooms = {name: Room() for name in SLOT_TENSORS}
 
     # ------------------------------------------------------------------ storage
 
@@ -104,27 +167,79 @@ class PolicyLayer(CacheLayerMixin):
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         raise RuntimeError("a PolicyLayer is updated through its PolicyCache (append), which knows the padding")
 
-    def append(self, key_states: Tensor, value_states: Tensor, real: Tensor, rope: Tensor) -> tuple[Tensor, Tensor]:
+    def fill(self, key_states: Tensor, value_states: Tensor, rope: Tensor) -> tuple[Tensor, Tensor]:
+        """Put one new real token per row into each (row, head)'s single hole (the entry
+        the previous step evicted); the layer is then full. Returns every slot."""
+        B, H = self.valid.shape[:2]
+        slot = (~self.valid).to(torch.uint8).argmax(-1, keepdim=True)  # (B, H, 1): the hole
+        keys, values = self._keys, self._values
+        keys.scatter_(2, slot[..., None].expand(B, H, 1, keys.shape[-1]), key_states)
+        values.scatter_(2, slot[..., None].expand(B, H, 1, values.shape[-1]), value_states)
+        self.valid.scatter_(2, slot, True)
+        self.pos.scatter_(2, slot, self.seen)
+        self.rope.scatter_(2, slot, rope.to(self.device, torch.long)[:, None, :].expand(B, H, 1))
+        self.score.scatter_(2, slot, 0.0)
+        self.seen += 1
+        self.full = True
+        self.ordered = False
+        self.memo = {}
+        return keys, values
+
+    def one_hole_each(self) -> bool:
+        """Every (row, head) has exactly one empty slot (``fill`` can take it)."""
+        fewest, most = self.kept_range()
+        return self._packed is None and fewest == most == self.length - 1
+
+    def kept_range(self) -> tuple[int, int]:
+        """(fewest, most) entries kept by any (row, head); remembered for the ``valid``
+        tensor it was counted on (a decoding step asks twice between two changes)."""
+        valid = self.valid
+        seen = self._kept_range
+        if seen is not None and seen[0] is valid and seen[1] == valid._version:
+            return seen[2]
+        if valid.numel() == 0:
+            found = (0, 0)
+        else:
+            low, high = valid.sum(-1).aminmax()
+            found = (int(low), int(high))
+        self._kept_range = (valid, valid._version, found)
+        return found
+
+    def append(self, key_states: Tensor, value_states: Tensor, real: Tensor, rope: Tensor,
+               kept_only: bool = False) -> tuple[Tensor, Tensor]:
         """Add ``Nq`` new tokens after the kept entries; ``real`` (B, Nq) marks the tokens
-        that are not padding, ``rope`` (B, Nq) the positions their keys were rotated at."""
+        that are not padding, ``rope`` (B, Nq) the positions their keys were rotated at.
+        Returns the keys and values for this call's attention: every slot, or with
+        ``kept_only`` (every row and head then keeps as many entries) the kept entries
+        alone, gathered, so that the call needs no mask."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         B, H, N = key_states.shape[:3]
         dev = self.device
         pos = torch.arange(self.seen, self.seen + N, device=dev).expand(B, H, N)
+        rooms = self.rooms
         if self._packed is not None:
             self._packed.append(key_states, value_states)
             keys, values = self._packed.materialise()  # for this call's attention only
         else:
-            self.keys = keys = torch.cat([self.keys, key_states], dim=-2)
-            self.values = values = torch.cat([self.values, value_states], dim=-2)
-        self.valid = torch.cat([self.valid, real.to(dev, torch.bool)[:, None, :].expand(B, H, N)], dim=-1)
-        self.pos = torch.cat([self.pos, pos], dim=-1)
-        self.rope = torch.cat([self.rope, rope.to(dev, torch.long)[:, None, :].expand(B, H, N)], dim=-1)
-        self.score = torch.cat([self.score, torch.zeros(B, H, N, dtype=torch.float64, device=dev)], dim=-1)
+            self._keys = keys = rooms["keys"].append(self._keys, key_states)
+            self._values = values = rooms["values"].append(self._values, value_states)
+        self.valid = rooms["valid"].append(self.valid, real.to(dev, torch.bool)[:, None, :].expand(B, H, N))
+        self.pos = rooms["pos"].append(self.pos, pos)
+        self.rope = rooms["rope"].append(self.rope, rope.to(dev, torch.long)[:, None, :].expand(B, H, N))
+        self.score = rooms["score"].append(self.score, torch.zeros(B, H, N, dtype=torch.float64, device=dev))
         self.seen += N
         self.full = self.full and bool(real.all())
+        if kept_only and not self.full:
+            B, H = self.valid.shape[:2]
+            slots = self.valid.nonzero()[:, 2].view(B, H, -1)
+            keys, values = rooms["keys"].gather(keys, slots), rooms["values"].gather(values, slots)
         return keys, values
+
+    def even(self) -> bool:
+        """Every row and head keeps as many entries."""
+        fewest, most = self.kept_range()
+        return fewest == most
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # The mask transformers builds is replaced per layer by the policy cache's hook;
@@ -212,14 +327,15 @@ class PolicyLayer(CacheLayerMixin):
         keep = keep & self.valid
         counts = keep.sum(-1)
         new_len = int(counts.max()) if counts.numel() else 0
-        # stable sort: kept entries first, each group in layout (= position) order
-        order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices[..., :new_len]
+        # kept entries first, in position order (distinct among kept entries)
+        order = torch.sort(torch.where(keep, self.pos, torch.iinfo(self.pos.dtype).max), dim=-1).indices[..., :new_len]
         idx4 = order[..., None].expand(*order.shape, self.keys.shape[-1])
         self.memo = {}
         self.keys = self.keys.gather(2, idx4).contiguous()
         self.values = self.values.gather(2, order[..., None].expand(*order.shape, self.values.shape[-1])).contiguous()
         self.valid = torch.arange(new_len, device=self.device)[None, None, :] < counts[..., None]
         self.full = bool((counts == new_len).all())
+        self.ordered = True
         zero = torch.zeros((), device=self.device)
         slots = self.valid[..., None]
         self.keys = torch.where(slots, self.keys, zero.to(self.keys.dtype))  # padded slots hold zeros, never stale keys
@@ -238,22 +354,20 @@ class PolicyLayer(CacheLayerMixin):
         indices when it compacted, else None (the layout is unchanged)."""
         self.valid = self.valid & keep
         self.memo = {}
-        counts = self.valid.sum(-1)
-        longest = int(counts.max()) if counts.numel() else 0
+        fewest, longest = self.kept_range()
         if self.length - longest > slack:
             return self.compact(self.valid)
-        self.full = self.full and bool((counts == self.length).all())
+        self.full = self.full and fewest == self.length
         return None
 
     def nbytes(self) -> int:
         """Bytes the layer's tensors occupy (keys, values and the bookkeeping)."""
         if not self.is_initialized:
             return 0
-        tensors = [self.valid, self.pos, self.rope, self.score, self.capacity]
-        if self._packed is None:
-            tensors += [self._keys, self._values]
+        names = ["valid", "pos", "rope", "score"] + (["keys", "values"] if self._packed is None else [])
         held = 0 if self._packed is None else self._packed.nbytes()
-        return held + sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        held += sum(self.rooms[n].nbytes(getattr(self, "_" + n if n in ("keys", "values") else n)) for n in names)
+        return held + (0 if self.capacity is None else self.capacity.numel() * self.capacity.element_size())
 
     def kv_nbytes(self) -> int:
         """Bytes of the keys and values alone."""
@@ -261,4 +375,4 @@ class PolicyLayer(CacheLayerMixin):
             return 0
         if self._packed is not None:
             return self._packed.kv_nbytes()
-        return sum(t.numel() * t.element_size() for t in (self._keys, self._values))
+        return self.rooms["keys"].nbytes(self._keys) + self.rooms["values"].nbytes(self._values)

@@ -30,6 +30,9 @@ class Step:
     score: Tensor  # (B, Hkv, L) float64, the layer's accumulated score (policies may update it in place)
     seen: int  # tokens fed to the layer so far
     extra: dict | None = None  # what the policy's ``before`` gathered for this call
+    #: None when the layout is in position order; else ``pos``, which then orders the
+    #: entries (a decoding step's token may fill an evicted entry's slot: ``PolicyLayer.fill``)
+    order: Tensor | None = None
 
 
 class Policy:

@@ -33,8 +33,8 @@ class H2O(Policy):
     def select(self, step: Step) -> torch.Tensor:
         step.score += group_mean(step.mass, step.keys.shape[1]).to(torch.float64)
         r = self._recent(step.capacity)
-        recent = last(step.valid, r)
-        return recent | top(step.score, step.valid & ~recent, step.capacity - r)
+        recent = last(step.valid, r, step.order)
+        return recent | top(step.score, step.valid & ~recent, step.capacity - r, step.order)
 
     def reference(self, weights, keys, held, capacity, state, phase):
         B, H, N = held.shape

@@ -25,7 +25,7 @@ class TOVA(Policy):
 
     def select(self, step: Step) -> torch.Tensor:
         score = step.mass.to(torch.float64).mean(1, keepdim=True).expand(-1, step.keys.shape[1], -1)
-        return top(score, step.valid, step.capacity)
+        return top(score, step.valid, step.capacity, step.order)
 
     def reference(self, weights, keys, held, capacity, state, phase):
         last_row = weights[:, :, -1].to(torch.float64).mean(1)  # (B, N): the current query, mean over heads
