@@ -71,8 +71,16 @@ def _by_position(valid: Tensor, count: Tensor, pos: Tensor, earliest: bool) -> T
     entry, so the entries left out are the few to rank (a top-k of a handful, not a sort)."""
     held = valid.sum(-1)
     count = torch.minimum(count.expand_as(held), held)
+    fewest, most = (int(c) for c in count.aminmax())
+    if fewest == most:
+        # one count for every row and head (a decoding step's usual case): the k-th position
+        if most == 0:
+            return torch.zeros_like(valid)
+        key = torch.where(valid, pos, torch.iinfo(pos.dtype).max if earliest else -1)
+        nth = torch.kthvalue(key, most if earliest else key.shape[-1] - most + 1, dim=-1, keepdim=True).values
+        return valid & (key <= nth if earliest else key >= nth)
     rest = held - count
-    if int(count.max()) <= int(rest.max()):
+    if most <= int(rest.max()):
         return _extreme(valid, count, pos, earliest)
     return valid & ~_extreme(valid, rest, pos, not earliest)
 
