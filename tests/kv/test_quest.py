@@ -2,11 +2,13 @@
 page; the page selection equals the literal rule; nothing is evicted; a decoding step
 equals dense attention restricted to the selected pages."""
 
+import pytest
 import torch
 from eager_reference import LayerMasks, attention_layers, padded_batch, positions
 from tiny_models import build
 
 import attnkit.kv as kv
+import attnkit.kv.cache as kv_cache
 from attnkit.kv.policies import Quest, page_bounds, page_extremes, page_mask
 
 
@@ -37,41 +39,56 @@ def test_page_bound_is_an_upper_bound_of_every_logit_in_the_page():
     torch.testing.assert_close(bound[b, h, i, p], (q[b, h, i] * corner).sum(), atol=1e-12, rtol=1e-12)
 
 
-def test_page_selection_equals_the_literal_rule():
+@pytest.mark.parametrize("heads", ["query", "group"])
+@pytest.mark.parametrize("L", [19, 18])  # an incomplete last page (always read), and none
+def test_page_selection_equals_the_literal_rule(heads, L):
     g = torch.Generator().manual_seed(1)
-    B, Hq, Hkv, Nq, L, D = 2, 4, 2, 2, 19, 6
+    B, Hq, Hkv, Nq, D = 2, 4, 2, 2, 6
     q = torch.randn(B, Hq, Nq, D, generator=g, dtype=torch.float64)
     k = torch.randn(B, Hkv, L, D, generator=g, dtype=torch.float64)
     valid = torch.rand(B, Hkv, L, generator=g) > 0.25
     tokens = torch.tensor([7, 10])
-    policy = Quest(page_size=3)
-    assert torch.equal(page_mask(q, k, valid, tokens, 3), policy.reference_pages(q, k, valid, tokens))
+    policy = Quest(page_size=3, heads=heads)
+    got = page_mask(q, k, valid, tokens, 3, per_group=policy.per_group)
+    assert torch.equal(got, policy.reference_pages(q, k, valid, tokens))
+    if heads == "group":  # the query heads of a KV head read the same pages
+        assert torch.equal(got[:, 0::2], got[:, 1::2])
 
 
 @torch.no_grad()
-def test_decoding_step_equals_dense_attention_on_the_selected_pages():
+@pytest.mark.parametrize("rows,heads", [(3, "query"), (1, "query"), (1, "group"), (3, "group")])
+def test_decoding_step_equals_dense_attention_on_the_selected_pages(rows, heads, monkeypatch):
+    """Three padded rows take the masked path; one row of 17 tokens (an incomplete last
+    page) gathers each head's pages instead: both equal the literal rule's dense attention."""
     model = build("llama", "sdpa").double()
     ids, mask = padded_batch(seed=9, n=16, pads=(0, 3, 5))
-    cache = kv.policy_cache(model, "quest", budget=4, page_size=2, dense_layers=1)
+    if rows == 1:
+        ids, mask = torch.cat([ids[:1], ids[:1, :1]], 1), torch.ones(1, 17, dtype=mask.dtype)
+    gathered = []
+    original = kv_cache.PolicyCache._page_slots
+    monkeypatch.setattr(kv_cache.PolicyCache, "_page_slots", lambda *a: gathered.append(original(*a)) or gathered[-1])
+    cache = kv.policy_cache(model, "quest", budget=4, page_size=2, dense_layers=1, heads=heads)
     model(ids, attention_mask=mask, position_ids=positions(mask), cache=cache)
     before = cache.kv_nbytes()
-    assert [int(cache.lengths(0)[b, 0]) for b in range(3)] == [16, 13, 11]  # only padding goes
+    if rows == 3:
+        assert [int(cache.lengths(0)[b, 0]) for b in range(3)] == [16, 13, 11]  # only padding goes
 
     captured = {}
     hooks = [a.register_forward_pre_hook(lambda m, a_, kw: captured.__setitem__(m.layer_idx, (kw["hidden_states"], kw["position_embeddings"])), with_kwargs=True)
              for a in attention_layers(model)]
-    x = torch.tensor([[3], [4], [5]])
-    full = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
+    x = torch.tensor([[3], [4], [5]])[:rows]
+    full = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype)], 1)
     got = model(x, attention_mask=full, position_ids=positions(full)[:, -1:], cache=cache).logits[:, -1]
     for h in hooks:
         h.remove()
     assert cache.kv_nbytes() > before  # nothing evicted: the cache only grew
+    assert gathered and all((slots is not None) == (rows == 1) for slots in gathered)
 
     # The reference: each layer's queries from its inputs (q_proj, RoPE), the literal page
     # rule on the keys held before the step, and dense attention over those entries.
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    policy = Quest(page_size=2, dense_layers=1)
+    policy = Quest(page_size=2, dense_layers=1, heads=heads)
     seq = torch.cat([ids, x], 1)
     N = seq.shape[1]
     real = full.bool()
@@ -82,17 +99,18 @@ def test_decoding_step_equals_dense_attention_on_the_selected_pages():
             i = layer.layer_idx
             see = ((j[:, None] >= j[None, :])[None] & real[:, None, :]) | torch.eye(N, dtype=torch.bool)
             see = see[:, None].repeat(1, 4, 1, 1)
+            B = see.shape[0]
             if i >= policy.dense_layers:
                 hidden, (cos, sin) = captured[i]
-                q = layer.q_proj(hidden).view(3, 1, 4, 16).transpose(1, 2)
+                q = layer.q_proj(hidden).view(B, 1, 4, 16).transpose(1, 2)
                 q, _ = apply_rotary_pos_emb(q, q, cos, sin)
                 lay = cache.layers[i]
                 held = lay.valid.clone()
                 held[..., -1] = held[..., -1] & (lay.pos[..., -1] < N - 1)  # entries before the step
                 L = lay.length - 1
-                chosen = policy.reference_pages(q, lay.keys[:, :, :L], held[:, :, :L], torch.tensor([4, 4, 4]))
-                row = torch.zeros(3, 4, N, dtype=torch.bool)
-                for b in range(3):
+                chosen = policy.reference_pages(q, lay.keys[:, :, :L], held[:, :, :L], torch.tensor([4] * B))
+                row = torch.zeros(B, 4, N, dtype=torch.bool)
+                for b in range(B):
                     for h in range(4):
                         row[b, h, lay.pos[b, h // 2, :L][chosen[b, h, 0]]] = True
                 row[:, :, -1] = True

@@ -27,7 +27,7 @@ from . import budget as budgets
 from .layer import PolicyLayer
 from .model_parts import attention_modules, recompute_queries, rotary_module, rotate, sliding_window
 from .policies.base import Policy, Step
-from .policies.quest import layer_extremes, page_mask
+from .policies.quest import layer_extremes, page_choice, page_mask
 from .scores import ReceivedMass
 from .weights import direct_ok, received_mass
 
@@ -58,6 +58,7 @@ class PolicyCache(Cache):
         self._armed: dict[int, Tensor] = {}  # layer -> RoPE positions of its pending update
         self._kept_only: dict[int, bool] = {}  # layer -> its update returns the kept entries alone
         self._fill: dict[int, bool] = {}  # layer -> its update fills the slots the last step evicted
+        self._slots: dict[int, Tensor] = {}  # layer -> the slots each query head reads (Quest), gathered
         # Evicting while decoding by masking, not gathering: nothing outside the cache follows
         # the layout (Selective's state does; StreamingLLM's cache positions turn every kept key
         # each step anyway). Such a layer's next token may also take the evicted slot.
@@ -91,7 +92,7 @@ class PolicyCache(Cache):
         if self._fill.pop(layer_idx, False):
             return layer.fill(key_states, value_states, rope)
         return layer.append(key_states, value_states, self._real(layer.seen, N, B, key_states.device), rope,
-                            kept_only=self._kept_only.pop(layer_idx, False))
+                            kept_only=self._kept_only.pop(layer_idx, False), slots=self._slots.pop(layer_idx, None))
 
     def _real(self, seen: int, n: int, batch: int, device) -> Tensor:
         pad = self._padding
@@ -150,6 +151,7 @@ class PolicyCache(Cache):
         self._armed.clear()
         self._kept_only.clear()
         self._fill.clear()
+        self._slots.clear()
         self._weighed.clear()
         self._extra.clear()
         self._queries.clear()
@@ -189,7 +191,14 @@ class PolicyCache(Cache):
         if self.policy.evicts(phase):
             self._extra[idx] = self.policy.before(module, layer, kwargs, phase)
         if layer.calls > 0:
-            if Nq == 1 and self.policy.name != "quest" and sliding_window(module) is None and (layer.full or layer.even()):
+            paged = self.policy.name == "quest" and idx >= self.policy.dense_layers and layer.length > 0
+            slots = self._page_slots(module, layer, hidden, kwargs) if paged and Nq == 1 else None
+            if slots is not None:
+                # one query per head over its pages: the pages' entries gathered per query
+                # head, no mask (attention reads a quarter of the keys, not all of them masked)
+                kwargs["attention_mask"] = None
+                self._slots[idx] = slots
+            elif Nq == 1 and not paged and sliding_window(module) is None and (layer.full or layer.even()):
                 # one query that sees every kept entry: no mask (the path transformers takes
                 # for a full cache: no O(L) mask, no copy of the keys per query head). The
                 # slot the last step evicted takes the new token; other holes are left out
@@ -202,6 +211,28 @@ class PolicyCache(Cache):
             else:
                 kwargs["attention_mask"] = self._mask(module, layer, hidden, kwargs, Nq)
         return args, kwargs
+
+    def _page_slots(self, module, layer: PolicyLayer, hidden: Tensor, kwargs: dict) -> Tensor | None:
+        """Quest's step as slots to gather: (B, Hq, n) the slots of each query head's pages
+        (B, Hkv, n with ``heads="group"``) and the new token's, when every row reads as
+        many (else None: the mask path). Needs sdpa (which takes one key head per query head as GQA), a full
+        layer and no sliding window."""
+        if module.config._attn_implementation != "sdpa" or not layer.full or sliding_window(module) is not None:
+            return None
+        size = self.policy.page_size
+        q = recompute_queries(module, hidden, kwargs["position_embeddings"])
+        chosen = page_choice(q, layer.valid, layer.capacity[:, 0], size, layer_extremes(layer, size),
+                             self.policy.per_group)[:, :, 0]
+        counts = chosen.sum(-1)
+        if not bool((counts == counts.view(-1)[:1]).all()):
+            return None  # rows with different budgets
+        B, H, P = chosen.shape
+        L = layer.length
+        pages = chosen.nonzero()[:, 2].view(B, H, -1, 1)
+        read = (pages * size + torch.arange(size, device=pages.device)).view(B, H, -1)
+        # the incomplete last page, read by every head, comes last: its slots past L go
+        read = read[..., : read.shape[-1] - (P * size - L)]
+        return torch.cat([read, torch.full((B, H, 1), L, dtype=read.dtype, device=read.device)], -1)
 
     def _mask(self, module, layer: PolicyLayer, hidden: Tensor, kwargs: dict, n_new: int) -> Tensor:
         """The layer's mask for this call: cached entries then the call's own tokens."""
@@ -219,7 +250,7 @@ class PolicyCache(Cache):
         if policy.name == "quest" and module.layer_idx >= policy.dense_layers and L:
             q = recompute_queries(module, hidden, kwargs["position_embeddings"])
             pages = layer_extremes(layer, policy.page_size)
-            old = old & page_mask(q, layer.keys, layer.valid, layer.capacity[:, 0], policy.page_size, pages)
+            old = old & page_mask(q, layer.keys, layer.valid, layer.capacity[:, 0], policy.page_size, pages, policy.per_group)
         j = torch.arange(n_new, device=dev)
         new = (j[None, :] <= j[:, None])[None, None]
         if window is not None:

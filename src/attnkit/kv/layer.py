@@ -67,12 +67,14 @@ class Room:
         return t.numel() * t.element_size()
 
     def gather(self, held: Tensor, slots: Tensor) -> Tensor:
-        """``held`` (B, H, L, D) at the slots (B, H, n): one row copy per slot (torch's
+        """``held`` (B, H, L, D) at the slots (B, H', n), H' a multiple of H (head h' reads
+        head h' // (H' / H): per query head of a KV group): one row copy per slot (torch's
         ``gather`` on the 4-D tensor copies element by element, ~10x slower)."""
         base = self.base(held).contiguous()
         B, H, cap, D = base.shape
-        rows = slots + torch.arange(0, B * H * cap, cap, device=slots.device).view(B, H, 1)
-        return base.view(-1, D).index_select(0, rows.view(-1)).view(B, H, -1, D)
+        heads = torch.arange(slots.shape[1], device=slots.device) // (slots.shape[1] // H)
+        rows = slots + ((torch.arange(B, device=slots.device)[:, None] * H + heads[None]) * cap)[..., None]
+        return base.view(-1, D).index_select(0, rows.view(-1)).view(B, slots.shape[1], -1, D)
 
 
 def headroom(slots: int) -> int:
@@ -206,12 +208,13 @@ class PolicyLayer(CacheLayerMixin):
         return found
 
     def append(self, key_states: Tensor, value_states: Tensor, real: Tensor, rope: Tensor,
-               kept_only: bool = False) -> tuple[Tensor, Tensor]:
+               kept_only: bool = False, slots: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Add ``Nq`` new tokens after the kept entries; ``real`` (B, Nq) marks the tokens
         that are not padding, ``rope`` (B, Nq) the positions their keys were rotated at.
         Returns the keys and values for this call's attention: every slot, or with
         ``kept_only`` (every row and head then keeps as many entries) the kept entries
-        alone, gathered, so that the call needs no mask."""
+        alone, gathered, so that the call needs no mask; or the ``slots`` (B, Hq, n)
+        of each query head (Quest's pages), gathered per query head."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         B, H, N = key_states.shape[:3]
@@ -230,6 +233,8 @@ class PolicyLayer(CacheLayerMixin):
         self.score = rooms["score"].append(self.score, torch.zeros(B, H, N, dtype=torch.float64, device=dev))
         self.seen += N
         self.full = self.full and bool(real.all())
+        if slots is not None:
+            return rooms["keys"].gather(keys, slots), rooms["values"].gather(values, slots)
         if kept_only and not self.full:
             B, H = self.valid.shape[:2]
             slots = self.valid.nonzero()[:, 2].view(B, H, -1)

@@ -37,6 +37,14 @@ def top(scores: Tensor, candidates: Tensor, count: Tensor, pos: Tensor | None = 
         out.scatter_(-1, latest, False)
         return torch.where((excess > 0)[..., None], out, candidates)
     s = torch.where(candidates, scores.to(torch.float64), -math.inf)
+    k = int(count.max())
+    if 0 < k < s.shape[-1] and bool((count == k).all()):
+        # one count for all: when the k-th highest score is strictly above the next, the
+        # top k are those at or above it, whatever the tie rule (a top-k, not a sort)
+        ranked = torch.topk(s, k + 1, dim=-1).values
+        nth = ranked[..., k - 1 : k]
+        if bool((nth > ranked[..., k:]).all()):
+            return (s >= nth) & candidates
     if pos is None:
         order = torch.sort(s, dim=-1, descending=True, stable=True).indices
     else:  # in position order first, so that the stable sort breaks ties by position

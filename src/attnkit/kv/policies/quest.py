@@ -7,7 +7,14 @@ of its keys, which bound any query's logit on the page from above:
 
 While decoding, each query head attends only to the pages with the highest bounds, as
 many as the token budget allows (``ceil(budget / page_size)``), plus the new tokens; the
-first ``dense_layers`` layers and the prefill stay dense, as in the paper. The selection
+first ``dense_layers`` layers and the prefill stay dense, as in the paper. The last page,
+while incomplete, is always among them (the tokens being written, whose extremes are
+still moving; Quest's and SGLang's kernels keep the recent page too), so that every head
+reads as many entries and a step can gather them instead of masking the whole cache.
+``heads="group"`` makes one choice per KV head (pages ranked by the highest bound among
+its query heads), for GQA models: a step then gathers each KV head's pages once, not
+once per query head (with 4 query heads per KV head at a quarter of the pages, per-query
+choices copy as many keys as the whole cache holds). The selection
 needs the queries, which the cache recomputes from the layer's inputs (Llama-style
 ``q_proj`` + RoPE), so Quest reads no attention weights and also runs under sdpa."""
 
@@ -38,12 +45,14 @@ def page_extremes(keys: Tensor, valid: Tensor, page_size: int) -> tuple[Tensor, 
 
 def page_bounds(q: Tensor, kmin: Tensor, kmax: Tensor) -> Tensor:
     """Quest's upper bound of q . k over each page: q (B, Hq, Nq, D), kmin/kmax
-    (B, Hkv, P, D) -> (B, Hq, Nq, P), unscaled."""
-    g = q.shape[1] // kmin.shape[1]
-    lo = kmin.repeat_interleave(g, 1)[:, :, None]  # (B, Hq, 1, P, D)
-    hi = kmax.repeat_interleave(g, 1)[:, :, None]
-    qd = q.to(torch.float64)[:, :, :, None, :]
-    return torch.maximum(qd * lo, qd * hi).sum(-1)
+    (B, Hkv, P, D) -> (B, Hq, Nq, P), unscaled. ``sum_d max(q_d min_d, q_d max_d)`` is
+    ``q+ . max + q- . min`` (q+ and q- the positive and negative parts of q): two small
+    products per KV head, its group's queries together."""
+    B, Hq, Nq, D = q.shape
+    Hkv, P = kmin.shape[1], kmin.shape[2]
+    qd = q.to(torch.float64).reshape(B, Hkv, (Hq // Hkv) * Nq, D)
+    bound = qd.clamp(min=0) @ kmax.transpose(-1, -2) + qd.clamp(max=0) @ kmin.transpose(-1, -2)
+    return bound.view(B, Hq, Nq, P)
 
 
 def layer_extremes(layer, page_size: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -64,29 +73,57 @@ def layer_extremes(layer, page_size: int) -> tuple[Tensor, Tensor, Tensor]:
     return kmin, kmax, has
 
 
-def page_mask(q: Tensor, keys: Tensor, valid: Tensor, tokens: Tensor, page_size: int,
-              extremes: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
-    """Cached entries each query head attends to, (B, Hq, Nq, L): the top
-    ``ceil(tokens / page_size)`` pages (tokens (B,)) by their bound. ``extremes``: the
-    pages' ``page_extremes``, when already known."""
-    kmin, kmax, has = page_extremes(keys, valid, page_size) if extremes is None else extremes
-    bound = page_bounds(q, torch.where(has[..., None], kmin, 0.0), torch.where(has[..., None], kmax, 0.0))
+def page_choice(q: Tensor, valid: Tensor, tokens: Tensor, page_size: int,
+                extremes: tuple[Tensor, Tensor, Tensor], per_group: bool = False) -> Tensor:
+    """Pages each query head attends to, (B, Hq, Nq, P): the incomplete last page, then
+    the pages with the highest bounds up to ``ceil(tokens / page_size)`` pages (tokens
+    (B,)); ties to the earlier page. ``per_group``: one choice per KV head, by the
+    highest bound among its query heads, (B, Hkv, Nq, P)."""
+    kmin, kmax, has = extremes
+    if not bool(has.all()):  # an empty page's extremes are +-inf: zeros keep its (unused) bound finite
+        kmin, kmax = torch.where(has[..., None], kmin, 0.0), torch.where(has[..., None], kmax, 0.0)
+    bound = page_bounds(q, kmin, kmax)
     B, Hq, Nq, P = bound.shape
+    Hkv = valid.shape[1]
+    g = Hq // Hkv
+    if per_group:
+        bound, g = bound.view(B, Hkv, g, Nq, P).amax(2), 1
     pages = torch.ceil(tokens.to(torch.float64) / page_size).to(torch.long).view(B, 1, 1)
-    g = Hq // keys.shape[1]
-    chosen = top(bound, has.repeat_interleave(g, 1)[:, :, None, :].expand_as(bound), pages)
+    candidates = has.repeat_interleave(g, 1)[:, :, None, :].expand_as(bound)
+    if valid.shape[2] % page_size == 0:
+        return top(bound, candidates, pages)
+    recent = torch.zeros_like(candidates)
+    recent[..., -1] = candidates[..., -1]
+    return recent | top(bound, candidates & ~recent, pages - recent[..., -1:].sum(-1))
+
+
+def page_mask(q: Tensor, keys: Tensor, valid: Tensor, tokens: Tensor, page_size: int,
+              extremes: tuple[Tensor, Tensor, Tensor] | None = None, per_group: bool = False) -> Tensor:
+    """Cached entries each query head attends to, (B, Hq, Nq, L): the slots of its
+    ``page_choice``. ``extremes``: the pages' ``page_extremes``, when already known."""
+    extremes = page_extremes(keys, valid, page_size) if extremes is None else extremes
     L = keys.shape[2]
+    g = q.shape[1] // keys.shape[1]
+    chosen = page_choice(q, valid, tokens, page_size, extremes, per_group)
+    if per_group:
+        chosen = chosen.repeat_interleave(g, 1)
     return chosen.repeat_interleave(page_size, -1)[..., :L] & valid.repeat_interleave(g, 1)[:, :, None, :]
 
 
 class Quest(Policy):
     name = "quest"
     paper = "arXiv:2406.10774"
-    params = {"page_size": 16, "dense_layers": 2}
+    params = {"page_size": 16, "dense_layers": 2, "heads": "query"}
 
     def check(self) -> None:
         check_int(self.page_size, "page_size", 1)
         check_int(self.dense_layers, "dense_layers", 0)
+        if self.heads not in ("query", "group"):
+            raise ValueError(f"heads: expected 'query' (a choice per query head, the paper's) or 'group' (one per KV head), got {self.heads!r}")
+
+    @property
+    def per_group(self) -> bool:
+        return self.heads == "group"
 
     def evicts(self, phase: str) -> bool:
         return phase == "prefill"  # only the padding goes; every real entry stays
@@ -99,27 +136,37 @@ class Quest(Policy):
 
     def reference_pages(self, q: Tensor, keys: Tensor, valid: Tensor, tokens: Tensor) -> Tensor:
         """Page selection of one call, literally: for every (row, query head, query) the
-        pages sorted by their bound (ties to the earlier page), the first ones kept."""
+        incomplete last page, then the pages sorted by their bound (ties to the earlier
+        page), the first ones kept up to the page budget."""
         B, Hq, Nq, D = q.shape
         H, L = keys.shape[1], keys.shape[2]
         g, ps = Hq // H, self.page_size
         out = torch.zeros(B, Hq, Nq, L, dtype=torch.bool)
+
+        def bound(b, h, i, members):
+            u = 0.0
+            for d in range(D):
+                qd = float(q[b, h, i, d])
+                u += max(qd * max(float(keys[b, h // g, j, d]) for j in members),
+                         qd * min(float(keys[b, h // g, j, d]) for j in members))
+            return u
+
         for b in range(B):
             n_pages = math.ceil(int(tokens[b]) / ps)
             for h in range(Hq):
+                # heads="group": the page's bound for the KV head is the highest of its query heads'
+                ranked_by = range(h - h % g, h - h % g + g) if self.per_group else (h,)
                 for i in range(Nq):
                     bounds = []
                     for p in range(math.ceil(L / ps)):
                         members = [j for j in range(p * ps, min((p + 1) * ps, L)) if valid[b, h // g, j]]
                         if not members:
                             continue
-                        u = 0.0
-                        for d in range(D):
-                            qd = float(q[b, h, i, d])
-                            u += max(qd * max(float(keys[b, h // g, j, d]) for j in members),
-                                     qd * min(float(keys[b, h // g, j, d]) for j in members))
-                        bounds.append((-u, p, members))
+                        bounds.append((-max(bound(b, r, i, members) for r in ranked_by), p, members))
                     bounds.sort(key=lambda t: (t[0], t[1]))
+                    last = math.ceil(L / ps) - 1
+                    if L % ps and bounds and any(p == last for _, p, _ in bounds):
+                        bounds.sort(key=lambda t: t[1] != last)  # stable: the incomplete last page first
                     for _, _, members in bounds[:n_pages]:
                         out[b, h, i, members] = True
         return out
