@@ -109,3 +109,26 @@ def test_cache_positions_rerotate_kept_keys():
         assert torch.equal(torch.where(layer.valid, layer.rope, -1),
                            torch.where(layer.valid, torch.arange(layer.length)[None, None].expand_as(layer.rope), -1))
         assert torch.equal(n, torch.full_like(n, 5))
+
+
+def test_gradients_flow_through_a_cache_that_keeps_everything():
+    """With autograd on, appended tokens are copied rather than written into storage that
+    earlier steps' graphs still read: a teacher-forced loss over a prefill and decoding
+    steps differentiates as with transformers' own cache."""
+    from transformers import DynamicCache
+
+    model = build("llama", "sdpa").double()
+    ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(8))
+
+    def grads(cache):
+        model.zero_grad()
+        loss = model(ids[:, :8], cache=cache).logits.square().mean()
+        for s in range(8, 12):
+            loss = loss + model(ids[:, s : s + 1], cache=cache).logits.square().mean()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = grads(DynamicCache())
+    got = grads(kv.policy_cache(model, "streaming", budget=64, sinks=2))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-12, rtol=1e-10)

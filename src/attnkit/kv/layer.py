@@ -42,6 +42,11 @@ class Room:
 
     def append(self, held: Tensor, new: Tensor) -> Tensor:
         L, N = held.shape[2], new.shape[2]
+        if held.requires_grad or new.requires_grad:
+            # autograd keeps the earlier slots for backward: writing into their storage
+            # would invalidate them, so a differentiable forward copies instead
+            self.storage = None
+            return torch.cat([held, new], 2)
         room = self.storage
         reusable = (room is not None and room.shape[2] >= L + N and held.data_ptr() == room.data_ptr()
                     and held.shape[:2] == room.shape[:2] and held.shape[3:] == room.shape[3:]
