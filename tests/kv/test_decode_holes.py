@@ -22,7 +22,33 @@ def _teacher_forced(model, name, params, budget, prompt, mask, forced):
         outs.append(model(forced[:, s : s + 1], attention_mask=full, position_ids=positions(full)[:, -1:], cache=cache).logits)
         kept.append(cache.kept_positions(0))
         lengths.append(cache.layers[0].length)
+    _teacher_forced.last_cache = cache
     return torch.cat(outs, 1), kept, lengths
+
+
+@torch.no_grad()
+def test_streaming_ring_matches_selecting_every_step(monkeypatch):
+    """Every row over its budget from the first step: StreamingLLM's evicted slots go
+    round a ring after the sinks, which the cache follows without calling ``select``;
+    kept sets and logits equal the general path's, through several turns of the ring."""
+    from attnkit.kv.policies.streaming import Streaming
+
+    sinks, budget, steps = 2, 4, 17
+    model = build("llama", "sdpa").double()
+    prompt, mask = padded_batch(seed=3, n=10, pads=(0, 2, 5))  # 10, 8 and 5 real tokens: all over 4
+    forced = torch.randint(1, 97, (3, steps), generator=torch.Generator().manual_seed(5))
+    ring, ring_kept, _ = _teacher_forced(model, "streaming", {"sinks": sinks}, budget, prompt, mask, forced)
+    rings = [layer.ring for layer in _teacher_forced.last_cache.layers]
+    assert all(r is not None and r[:2] == (sinks, budget + 1 - sinks) for r in rings)
+    monkeypatch.setattr(Streaming, "rolling", False)
+    general, general_kept, _ = _teacher_forced(model, "streaming", {"sinks": sinks}, budget, prompt, mask, forced)
+    assert not any(layer.ring for layer in _teacher_forced.last_cache.layers)
+    assert ring_kept == general_kept
+    torch.testing.assert_close(ring, general, atol=1e-10, rtol=1e-10)
+    for s, kept in enumerate(ring_kept):
+        for b, pad in enumerate((0, 2, 5)):
+            real = list(range(pad, 10 + s + 1))
+            assert kept[b] == [real[:sinks] + real[-(budget - sinks):]] * 2
 
 
 @torch.no_grad()

@@ -278,6 +278,9 @@ class PolicyCache(Cache):
             layer.capacity = cap[:, None].expand(B, Hkv).clone()
         if not self.policy.evicts(phase):
             return
+        if phase == "decode" and layer.ring is not None and layer.full:
+            layer.roll()  # StreamingLLM's steady state: the ring says which entry goes
+            return
         mass = None
         if self._weighed.pop(idx, False):
             if idx in self._queries:
@@ -300,6 +303,8 @@ class PolicyCache(Cache):
         keep = self.policy.select(step)
         if phase == "decode" and self._masks_evictions:
             layer.drop(keep, max(DECODE_SLACK_MIN, layer.length // DECODE_SLACK_DIV))
+            if self.policy.rolling and layer.ring is None:
+                layer.start_ring()
         else:
             order = layer.compact(keep)
             self.policy.after(module, layer, order, extra)

@@ -117,6 +117,10 @@ class PolicyLayer(CacheLayerMixin):
         #: the slots are in position order (False once a token filled an evicted slot)
         self.ordered = True
         self._kept_range = None
+        #: StreamingLLM's steady state, (start, size, hole): slots start.. start+size-1
+        #: hold the window as a ring whose one empty slot (``hole``) takes the next token,
+        #: after which the slot following it holds the oldest entry (``roll``)
+        self.ring: tuple[int, int, int] | None = None
         #: what a policy derives from the slots held and extends as tokens are appended
         #: (Quest's page extremes); emptied whenever existing slots change
         self.memo: dict = {}
@@ -178,19 +182,53 @@ class PolicyLayer(CacheLayerMixin):
         """Put one new real token per row into each (row, head)'s single hole (the entry
         the previous step evicted); the layer is then full. Returns every slot."""
         B, H = self.valid.shape[:2]
-        slot = (~self.valid).to(torch.uint8).argmax(-1, keepdim=True)  # (B, H, 1): the hole
         keys, values = self._keys, self._values
-        keys.scatter_(2, slot[..., None].expand(B, H, 1, keys.shape[-1]), key_states)
-        values.scatter_(2, slot[..., None].expand(B, H, 1, values.shape[-1]), value_states)
-        self.valid.scatter_(2, slot, True)
-        self.pos.scatter_(2, slot, self.seen)
-        self.rope.scatter_(2, slot, rope.to(self.device, torch.long)[:, None, :].expand(B, H, 1))
-        self.score.scatter_(2, slot, 0.0)
+        rope = rope.to(self.device, torch.long)[:, None, :].expand(B, H, 1)
+        if self.ring is not None:  # every (row, head)'s hole is the same known slot
+            h = self.ring[2]
+            keys[:, :, h : h + 1] = key_states
+            values[:, :, h : h + 1] = value_states
+            self.valid[:, :, h] = True
+            self.pos[:, :, h] = self.seen
+            self.rope[:, :, h : h + 1] = rope
+            self.score[:, :, h] = 0.0
+        else:
+            slot = (~self.valid).to(torch.uint8).argmax(-1, keepdim=True)  # (B, H, 1): the hole
+            keys.scatter_(2, slot[..., None].expand(B, H, 1, keys.shape[-1]), key_states)
+            values.scatter_(2, slot[..., None].expand(B, H, 1, values.shape[-1]), value_states)
+            self.valid.scatter_(2, slot, True)
+            self.pos.scatter_(2, slot, self.seen)
+            self.rope.scatter_(2, slot, rope)
+            self.score.scatter_(2, slot, 0.0)
         self.seen += 1
         self.full = True
         self.ordered = False
         self.memo = {}
         return keys, values
+
+    def start_ring(self) -> None:
+        """After a decoding step appended its token and StreamingLLM evicted the oldest
+        entry after the sinks: if that is the same slot s in every (row, head) of a layout
+        in position order, slots s.. hold the window in order, as a ring (``roll``)."""
+        if not self.ordered or not self.one_hole_each():
+            return
+        B, H, L = self.valid.shape
+        hole = (~self.valid).to(torch.uint8).argmax(-1)
+        s = int(hole.view(-1)[0])
+        if bool((hole == s).all()):
+            self.ring = (s, L - s, s)
+
+    def roll(self) -> None:
+        """StreamingLLM's eviction on a ring: the token that filled the hole is the newest,
+        and the slot after it holds the oldest entry of the window, which goes."""
+        start, size, hole = self.ring
+        h = start + (hole - start + 1) % size
+        self.valid[:, :, h] = False
+        self.ring = (start, size, h)
+        self.full = False
+        self.memo = {}
+        L = self.length
+        self._kept_range = (self.valid, self.valid._version, (L - 1, L - 1))
 
     def one_hole_each(self) -> bool:
         """Every (row, head) has exactly one empty slot (``fill`` can take it)."""
@@ -226,6 +264,7 @@ class PolicyLayer(CacheLayerMixin):
         dev = self.device
         pos = torch.arange(self.seen, self.seen + N, device=dev).expand(B, H, N)
         rooms = self.rooms
+        self.ring = None
         if self._packed is not None:
             self._packed.append(key_states, value_states)
             keys, values = self._packed.materialise()  # for this call's attention only
@@ -278,6 +317,7 @@ class PolicyLayer(CacheLayerMixin):
         if tokens_to_remove == 0 or not self.is_initialized:
             return
         self.memo = {}
+        self.ring = None
         packed = self._packed is not None
         removed = min(-tokens_to_remove, self.seen)
         self.seen -= removed
@@ -300,6 +340,7 @@ class PolicyLayer(CacheLayerMixin):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.memo = {}
+        self.ring = None
         packed = self._packed is not None
         if self.is_initialized:
             for name in ("keys", "values", "valid", "pos", "rope", "score", "capacity"):
@@ -311,6 +352,7 @@ class PolicyLayer(CacheLayerMixin):
 
     def batch_select_indices(self, indices: Tensor) -> None:
         self.memo = {}
+        self.ring = None
         packed = self._packed is not None
         if self.is_initialized:
             for name in ("keys", "values", "valid", "pos", "rope", "score", "capacity"):
@@ -346,6 +388,7 @@ class PolicyLayer(CacheLayerMixin):
         self.valid = torch.arange(new_len, device=self.device)[None, None, :] < counts[..., None]
         self.full = bool((counts == new_len).all())
         self.ordered = True
+        self.ring = None
         zero = torch.zeros((), device=self.device)
         slots = self.valid[..., None]
         self.keys = torch.where(slots, self.keys, zero.to(self.keys.dtype))  # padded slots hold zeros, never stale keys

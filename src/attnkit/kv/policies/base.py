@@ -47,6 +47,9 @@ class Policy:
     needs_weights = False
     #: evicts after decoding steps too, not only at prefill
     decodes = False
+    #: a decoding step evicts the oldest entry after a fixed prefix (StreamingLLM), so the
+    #: evicted slots go round a ring that the cache can follow without calling ``select``
+    rolling = False
 
     def __init__(self, **params):
         unknown = sorted(set(params) - set(self.params))

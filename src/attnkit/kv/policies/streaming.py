@@ -24,6 +24,7 @@ class Streaming(Policy):
     paper = "arXiv:2309.17453"
     params = {"sinks": 4, "positions": "original"}
     decodes = True
+    rolling = True
 
     def check(self) -> None:
         check_int(self.sinks, "sinks", 0)
