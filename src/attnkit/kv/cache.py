@@ -45,10 +45,12 @@ class PolicyCache(Cache):
 
     def __init__(self, model, policy, budget_spec: tuple[str, float], num_layers: int):
         super().__init__(layers=[PolicyLayer() for _ in range(num_layers)])
+        optional = (("rope",) if getattr(policy, "positions", None) == "cache" else ()) + (("score",) if policy.keeps_score else ())
         for layer in self.layers:
             # a rollback (crop) restores a layer exactly only if no entry was evicted after the
             # prefill: transformers' assisted decoding asks for that
             layer.is_croppable = not policy.decodes
+            layer.optional = optional
         self.policy = policy
         self.budget = budget_spec
         self.num_layers = num_layers

@@ -103,6 +103,9 @@ class PolicyLayer(CacheLayerMixin):
         self.valid: Tensor | None = None
         self.pos: Tensor | None = None
         self.rope: Tensor | None = None
+        #: which of ``rope`` and ``score`` the layer keeps (the cache drops what its policy
+        #: never reads: two fewer writes per token); the others stay None
+        self.optional = ("rope", "score")
         #: a per-entry score a policy accumulates across calls (H2O), aligned with the layout
         self.score: Tensor | None = None
         #: entries each (row, KV head) may keep, fixed at prefill, (B, Hkv) long
@@ -171,8 +174,10 @@ class PolicyLayer(CacheLayerMixin):
         self.values = value_states[:, :, :0].contiguous()
         self.valid = torch.zeros(B, H, 0, dtype=torch.bool, device=self.device)
         self.pos = torch.zeros(B, H, 0, dtype=torch.long, device=self.device)
-        self.rope = torch.zeros(B, H, 0, dtype=torch.long, device=self.device)
-        self.score = torch.zeros(B, H, 0, dtype=torch.float64, device=self.device)
+        if "rope" in self.optional:
+            self.rope = torch.zeros(B, H, 0, dtype=torch.long, device=self.device)
+        if "score" in self.optional:
+            self.score = torch.zeros(B, H, 0, dtype=torch.float64, device=self.device)
         self.is_initialized = True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
@@ -190,16 +195,20 @@ class PolicyLayer(CacheLayerMixin):
             values[:, :, h : h + 1] = value_states
             self.valid[:, :, h] = True
             self.pos[:, :, h] = self.seen
-            self.rope[:, :, h : h + 1] = rope
-            self.score[:, :, h] = 0.0
+            if self.rope is not None:
+                self.rope[:, :, h : h + 1] = rope
+            if self.score is not None:
+                self.score[:, :, h] = 0.0
         else:
             slot = (~self.valid).to(torch.uint8).argmax(-1, keepdim=True)  # (B, H, 1): the hole
             keys.scatter_(2, slot[..., None].expand(B, H, 1, keys.shape[-1]), key_states)
             values.scatter_(2, slot[..., None].expand(B, H, 1, values.shape[-1]), value_states)
             self.valid.scatter_(2, slot, True)
             self.pos.scatter_(2, slot, self.seen)
-            self.rope.scatter_(2, slot, rope)
-            self.score.scatter_(2, slot, 0.0)
+            if self.rope is not None:
+                self.rope.scatter_(2, slot, rope)
+            if self.score is not None:
+                self.score.scatter_(2, slot, 0.0)
         self.seen += 1
         self.full = True
         self.ordered = False
@@ -273,8 +282,10 @@ class PolicyLayer(CacheLayerMixin):
             self._values = values = rooms["values"].append(self._values, value_states)
         self.valid = rooms["valid"].append(self.valid, real.to(dev, torch.bool)[:, None, :].expand(B, H, N))
         self.pos = rooms["pos"].append(self.pos, pos)
-        self.rope = rooms["rope"].append(self.rope, rope.to(dev, torch.long)[:, None, :].expand(B, H, N))
-        self.score = rooms["score"].append(self.score, torch.zeros(B, H, N, dtype=torch.float64, device=dev))
+        if self.rope is not None:
+            self.rope = rooms["rope"].append(self.rope, rope.to(dev, torch.long)[:, None, :].expand(B, H, N))
+        if self.score is not None:
+            self.score = rooms["score"].append(self.score, torch.zeros(B, H, N, dtype=torch.float64, device=dev))
         self.seen += N
         self.full = self.full and bool(real.all())
         if slots is not None:
@@ -302,7 +313,9 @@ class PolicyLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
+        optional = self.optional
         self.__init__()
+        self.optional = optional
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens fed (transformers 5's convention, a
@@ -326,7 +339,7 @@ class PolicyLayer(CacheLayerMixin):
         tail = min(removed, L)
         if bool(gone[..., L - tail :].all()) and not bool(gone[..., : L - tail].any()):
             # the usual case: they are the layout's last slots (appended after everything else)
-            for name in ("keys", "values", "valid", "pos", "rope", "score"):
+            for name in ("keys", "values", "valid", "pos", *self.optional):
                 setattr(self, name, getattr(self, name)[:, :, : L - tail])
             counts = self.valid.sum(-1)
             self.full = bool((counts == self.length).all())
@@ -394,8 +407,10 @@ class PolicyLayer(CacheLayerMixin):
         self.keys = torch.where(slots, self.keys, zero.to(self.keys.dtype))  # padded slots hold zeros, never stale keys
         self.values = torch.where(slots, self.values, zero.to(self.values.dtype))
         self.pos = torch.where(self.valid, self.pos.gather(2, order), -1)
-        self.rope = torch.where(self.valid, self.rope.gather(2, order), -1)
-        self.score = torch.where(self.valid, self.score.gather(2, order), 0.0)
+        if self.rope is not None:
+            self.rope = torch.where(self.valid, self.rope.gather(2, order), -1)
+        if self.score is not None:
+            self.score = torch.where(self.valid, self.score.gather(2, order), 0.0)
         return order
 
     def drop(self, keep: Tensor, slack: int) -> Tensor | None:
@@ -417,7 +432,7 @@ class PolicyLayer(CacheLayerMixin):
         """Bytes the layer's tensors occupy (keys, values and the bookkeeping)."""
         if not self.is_initialized:
             return 0
-        names = ["valid", "pos", "rope", "score"] + (["keys", "values"] if self._packed is None else [])
+        names = ["valid", "pos", *self.optional] + (["keys", "values"] if self._packed is None else [])
         held = 0 if self._packed is None else self._packed.nbytes()
         held += sum(self.rooms[n].nbytes(getattr(self, "_" + n if n in ("keys", "values") else n)) for n in names)
         return held + (0 if self.capacity is None else self.capacity.numel() * self.capacity.element_size())

@@ -50,6 +50,8 @@ class Policy:
     #: a decoding step evicts the oldest entry after a fixed prefix (StreamingLLM), so the
     #: evicted slots go round a ring that the cache can follow without calling ``select``
     rolling = False
+    #: reads and updates ``Step.score``, an accumulated score per entry (H2O)
+    keeps_score = False
 
     def __init__(self, **params):
         unknown = sorted(set(params) - set(self.params))

@@ -20,6 +20,7 @@ class H2O(Policy):
     params = {"recent": 0.5}
     needs_weights = True
     decodes = True
+    keeps_score = True
 
     def check(self) -> None:
         check_fraction(self.recent, "recent")
