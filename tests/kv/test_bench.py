@@ -26,3 +26,16 @@ def test_quest_holds_every_entry_in_the_bench():
     n = 64
     rows = kv.measure("quest", {}, n, repeats=1, decode_steps=1, decode_repeats=1, model=kv.tiny_llama(n))
     assert set(rows[0].extra["policy_bytes"].values()) == {rows[0].extra["full_bytes"]}  # Quest evicts nothing
+
+
+def test_wide_subject_decode_rows(monkeypatch):
+    """The second subject (8 KV heads of 64 dimensions) gives one decode row per policy,
+    each against the full cache of the same prefill."""
+    monkeypatch.setattr(kv, "POLICIES", (("streaming", {}), ("knorm", {})))
+    rows = kv.wide_decode_rows(48, decode_steps=2, decode_repeats=1)
+    assert [r.case.split()[0] for r in rows] == ["streaming", "knorm"]
+    for r in rows:
+        assert "8 KV heads of 64" in r.case and r.attnkit_ms > 0 and r.baseline_ms > 0
+        assert r.ok == (r.baseline_ms / r.attnkit_ms >= 1.5)
+    model = kv.tiny_llama(48, **kv.WIDE)
+    assert (model.config.num_key_value_heads, model.config.head_dim, model.config.hidden_size) == (8, 64, 512)

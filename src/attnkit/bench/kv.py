@@ -21,6 +21,12 @@ selective attention and is left out):
 
 A prefill is a forward that returns the last position's logits only (as ``generate``
 does). ``quick`` runs N=512 with fewer steps and repeats.
+
+A second subject repeats the decode rows where the cache is a larger part of a step:
+the same Llama with 8 key-value heads of 64 dimensions (hidden 512, MLP 1024; 16 times
+the cache per token), closer to the cache a real model holds per token. On the first
+subject a step's fixed costs (projections, MLP, the cache's own bookkeeping) are most of
+it, which bounds what a quarter of the keys can give.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 from .harness import Row, run_steps, time_pair
 
 LAYERS, D_MODEL, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = 4, 256, 8, 2, 32, 512, 256
+WIDE = {"hidden_size": 512, "intermediate_size": 1024, "num_key_value_heads": 8, "head_dim": 64}  # the second subject
 BUDGETS = (0.1, 0.25, 0.5)
 BUDGET = 0.25  # where decoding and prefill are timed
 DECODE_STEPS = 16  # decoding steps per timed block
@@ -38,19 +45,19 @@ TARGET_DECODE = 1.5  # x the full cache's tokens/s
 TARGET_PREFILL = 1.2  # x a plain sdpa prefill
 POLICIES = (("streaming", {}), ("h2o", {}), ("snapkv", {}), ("tova", {}), ("quest", {}), ("pyramid", {}), ("adakv", {}),
             ("knorm", {}))
-STEPS = len(POLICIES) + 1
+STEPS = len(POLICIES) + 2
 
 
-def tiny_llama(n: int):
+def tiny_llama(n: int, **sizes):
     """The subject, on transformers' sdpa attention (the policies' masks and the full
-    cache's baseline go through the same kernel)."""
+    cache's baseline go through the same kernel); ``sizes`` override its config."""
     import transformers as T
 
     torch.manual_seed(0)
-    config = T.LlamaConfig(vocab_size=VOCAB, hidden_size=D_MODEL, intermediate_size=MLP, num_hidden_layers=LAYERS,
-                           num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                           max_position_embeddings=max(2 * n, 256))
-    return T.LlamaForCausalLM._from_config(config, attn_implementation="sdpa").eval()
+    config = dict(vocab_size=VOCAB, hidden_size=D_MODEL, intermediate_size=MLP, num_hidden_layers=LAYERS,
+                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                  max_position_embeddings=max(2 * n, 256)) | sizes
+    return T.LlamaForCausalLM._from_config(T.LlamaConfig(**config), attn_implementation="sdpa").eval()
 
 
 def prompt(n: int) -> torch.Tensor:
@@ -160,10 +167,44 @@ def attnkit_prefill_row(n: int, repeats: int, model=None) -> list[Row]:
                 "the part of a weight-reading policy's prefill that is attnkit's attention, not scoring")]
 
 
+def wide_decode_rows(n: int, decode_steps: int, decode_repeats: int) -> list[Row]:
+    """The decode rows again on the second subject (``WIDE``): one prefill per policy at
+    budget ``BUDGET``, then each policy's blocks of steps interleaved with the full
+    cache's."""
+    from transformers import DynamicCache
+
+    from ..kv import policy_cache
+
+    model = tiny_llama(n, **WIDE)
+    ids = prompt(n)
+    full = DynamicCache()
+    state = {"full": (full, prefill(model, ids, full))}
+    rows = []
+    for name, params in POLICIES:
+        if full.get_seq_length() > n:  # every policy against the full cache of the prompt alone
+            full.crop(n - full.get_seq_length())
+        cache = policy_cache(model, name, budget=BUDGET, **params)
+        state[name] = (cache, prefill(model, ids, cache))
+
+        def step(key):
+            cache, token = state[key]
+            state[key] = (cache, decode(model, cache, token, decode_steps))
+
+        dec_c, dec_b = time_pair(lambda: step(name), lambda: step("full"), repeats=decode_repeats)
+        speed = dec_b / dec_c
+        rows.append(Row("kv", f"{name} at budget {BUDGET}: {decode_steps} decoding steps, 8 KV heads of 64", f"N={n}", dec_c,
+                        "DynamicCache (sdpa)", dec_b, f">= {TARGET_DECODE}x tokens/s", speed >= TARGET_DECODE,
+                        f"{decode_steps / dec_c * 1e3:.0f} vs {decode_steps / dec_b * 1e3:.0f} tokens/s, {speed:.2f}x",
+                        extra={"speedup": speed}))
+        del state[name]
+    return rows
+
+
 def run(quick: bool = False, progress=None) -> list[Row]:
     n, repeats, decode_steps, decode_repeats = (512, 2, 4, 3) if quick else (8192, 3, DECODE_STEPS, 9)
     model = tiny_llama(n)
     steps = [(name, lambda name=name, params=params: measure(name, params, n, repeats, decode_steps, decode_repeats, model))
              for name, params in POLICIES]
     steps.append(("attnkit prefill", lambda: attnkit_prefill_row(n, repeats, model)))
+    steps.append(("8 KV heads of 64: decoding", lambda: wide_decode_rows(n, decode_steps, max(3, decode_repeats - 2))))
     return run_steps(steps, progress)
