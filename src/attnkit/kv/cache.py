@@ -196,8 +196,8 @@ class PolicyCache(Cache):
             paged = self.policy.name == "quest" and idx >= self.policy.dense_layers and layer.length > 0
             slots = self._page_slots(module, layer, hidden, kwargs) if paged and Nq == 1 else None
             if slots is not None:
-                # one query per head over its pages: the pages' entries gathered per query
-                # head, no mask (attention reads a quarter of the keys, not all of them masked)
+                # one query per head over its pages: the pages' entries gathered per head,
+                # no mask (attention reads those entries only, not the whole cache masked)
                 kwargs["attention_mask"] = None
                 self._slots[idx] = slots
             elif Nq == 1 and not paged and sliding_window(module) is None and (layer.full or layer.even()):
@@ -217,8 +217,8 @@ class PolicyCache(Cache):
     def _page_slots(self, module, layer: PolicyLayer, hidden: Tensor, kwargs: dict) -> Tensor | None:
         """Quest's step as slots to gather: (B, Hq, n) the slots of each query head's pages
         (B, Hkv, n with ``heads="group"``) and the new token's, when every row reads as
-        many (else None: the mask path). Needs sdpa (which takes one key head per query head as GQA), a full
-        layer and no sliding window."""
+        many (else None: the mask path). Needs sdpa (which takes one key head per query
+        head as GQA), a full layer and no sliding window."""
         if module.config._attn_implementation != "sdpa" or not layer.full or sliding_window(module) is not None:
             return None
         size = self.policy.page_size

@@ -7,8 +7,8 @@ entry's token position ``pos`` (its index in the padded sequence, as transformer
 different numbers of entries, so a head shorter than L has invalid slots at the end of
 its kept entries, which the attention mask hides; eviction gathers the kept entries into
 new, smaller tensors, so the bytes held fall with the budget (``nbytes``). While
-decoding, an evicted entry first becomes an invalid slot in place (a hole the mask hides)
-and the layer is gathered once enough holes have gathered (``drop``).
+decoding, an evicted entry first becomes an invalid slot in place (a hole), and the layer
+is gathered once enough holes have gathered (``drop``).
 
 New tokens are appended after the L slots, in place into storage with room for more
 (``Room``), so a decoding step copies its new entries only, not the layer, as a growing
@@ -41,6 +41,7 @@ class Room:
         self.storage: Tensor | None = None
 
     def append(self, held: Tensor, new: Tensor) -> Tensor:
+        """``held`` followed by ``new`` along dim 2, written after ``held`` in its room."""
         L, N = held.shape[2], new.shape[2]
         if held.requires_grad or new.requires_grad:
             # autograd keeps the earlier slots for backward: writing into their storage
@@ -291,7 +292,6 @@ class PolicyLayer(CacheLayerMixin):
         if slots is not None:
             return rooms["keys"].gather(keys, slots), rooms["values"].gather(values, slots)
         if kept_only and not self.full:
-            B, H = self.valid.shape[:2]
             slots = self.valid.nonzero()[:, 2].view(B, H, -1)
             keys, values = rooms["keys"].gather(keys, slots), rooms["values"].gather(values, slots)
         return keys, values

@@ -9,14 +9,14 @@ While decoding, each query head attends only to the pages with the highest bound
 many as the token budget allows (``ceil(budget / page_size)``), plus the new tokens; the
 first ``dense_layers`` layers and the prefill stay dense, as in the paper. The last page,
 while incomplete, is always among them (the tokens being written, whose extremes are
-still moving; Quest's and SGLang's kernels keep the recent page too), so that every head
+still moving; SGLang's Quest also keeps the most recent pages), so that every head
 reads as many entries and a step can gather them instead of masking the whole cache.
 ``heads="group"`` makes one choice per KV head (pages ranked by the highest bound among
 its query heads), for GQA models: a step then gathers each KV head's pages once, not
 once per query head (with 4 query heads per KV head at a quarter of the pages, per-query
-choices copy as many keys as the whole cache holds). The selection
-needs the queries, which the cache recomputes from the layer's inputs (Llama-style
-``q_proj`` + RoPE), so Quest reads no attention weights and also runs under sdpa."""
+choices copy as many keys as the whole cache holds). The selection needs the queries,
+which the cache recomputes from the layer's inputs (Llama-style ``q_proj`` + RoPE), so
+Quest reads no attention weights and also runs under sdpa."""
 
 from __future__ import annotations
 
