@@ -83,9 +83,14 @@ def test_adakv_heads_keep_different_lengths_and_match_masked_dense_attention():
     assert (lengths[..., 0] != lengths[..., 1]).any(), lengths  # heads of one layer and row keep different counts
     for i in range(3):
         assert cache.layers[i].keys.shape[2] == int(cache.lengths(i).max())  # no longer than the longest head
-    x = torch.tensor([[5], [7], [11]])
-    full = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
-    got = cached(x, attention_mask=full, position_ids=positions(full)[:, -1:], cache=cache, use_cache=True).logits[:, -1]
+    x = torch.tensor([[5, 6, 9], [7, 8, 2], [11, 3, 4]])  # three decoding steps (the mask is extended per step)
+    full, got = mask, []
+    for s in range(x.shape[1]):
+        full = torch.cat([full, torch.ones(3, 1, dtype=mask.dtype)], 1)
+        out = cached(x[:, s : s + 1], attention_mask=full, position_ids=positions(full)[:, -1:], cache=cache, use_cache=True)
+        got.append(out.logits[:, -1])
+    got = torch.stack(got, 1)
+    S = x.shape[1]
 
     from eager_reference import LayerMasks, attention_layers, layer_window
 
@@ -99,14 +104,15 @@ def test_adakv_heads_keep_different_lengths_and_match_masked_dense_attention():
             m = (causal[None] & real[:, None, :]).clone()  # prompt rows: the model's own mask
             w = layer_window(layer)
             m = m[:, None].repeat(1, 4, 1, 1)
-            kept = cache.kept_mask(i, N - 1).repeat_interleave(2, 1)  # (B, Hq, N-1)
-            m[:, :, -1, :-1] = kept
-            m[:, :, -1, -1] = True
+            kept = cache.kept_mask(i)[..., : N - S].repeat_interleave(2, 1)  # (B, Hq, prompt)
+            assert cache.kept_mask(i)[..., N - S :].all()  # decoding evicts nothing
+            m[:, :, -S:, : N - S] = kept[:, :, None, :]
+            m[:, :, -S:, -S:] = torch.tril(torch.ones(S, S, dtype=torch.bool))
             if w is not None:
                 q = torch.arange(N)
                 m &= (q[:, None] - q[None, :] < w)
             masks.masks[i] = m | torch.eye(N, dtype=torch.bool)  # a padded query sees itself (no empty rows)
-        want = model(seq, attention_mask=full, position_ids=positions(full)).logits[:, -1]
+        want = model(seq, attention_mask=full, position_ids=positions(full)).logits[:, -S:]
     finally:
         masks.remove()
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)

@@ -242,14 +242,17 @@ class PolicyCache(Cache):
         B, Hkv, L = layer.valid.shape
         Hq = module.config.num_attention_heads
         g = Hq // Hkv
-        q_pos = layer.seen + torch.arange(n_new, device=dev)
         window = sliding_window(module)
+        policy = self.policy
+        paged = policy.name == "quest" and module.layer_idx >= policy.dense_layers and L
+        if n_new == 1 and window is None and not paged:
+            return self._as_impl(module, hidden, _step_mask(layer, g))
+        q_pos = layer.seen + torch.arange(n_new, device=dev)
         old = layer.valid[:, :, None, :].expand(B, Hkv, n_new, L)
         if window is not None:
             old = old & (q_pos[None, None, :, None] - layer.pos[:, :, None, :] < window)
         old = old.repeat_interleave(g, 1)
-        policy = self.policy
-        if policy.name == "quest" and module.layer_idx >= policy.dense_layers and L:
+        if paged:
             q = recompute_queries(module, hidden, kwargs["position_embeddings"])
             pages = layer_extremes(layer, policy.page_size)
             old = old & page_mask(q, layer.keys, layer.valid, layer.capacity[:, 0], policy.page_size, pages, policy.per_group)
@@ -259,7 +262,11 @@ class PolicyCache(Cache):
             new = new & (j[:, None] - j[None, :] < window)
         real = self._real(layer.seen, n_new, B, dev)
         new = (new & real[:, None, None, :]) | torch.eye(n_new, dtype=torch.bool, device=dev)  # a padded query sees itself
-        mask = torch.cat([old, new.expand(B, Hq, n_new, n_new)], dim=-1)
+        return self._as_impl(module, hidden, torch.cat([old, new.expand(B, Hq, n_new, n_new)], dim=-1))
+
+    @staticmethod
+    def _as_impl(module, hidden: Tensor, mask: Tensor) -> Tensor:
+        """A boolean mask in the form the module's attention implementation takes."""
         impl = module.config._attn_implementation
         if impl == "eager":
             dtype = hidden.dtype
@@ -318,6 +325,24 @@ class PolicyCache(Cache):
             target = torch.where(layer.valid, layer.valid.cumsum(-1) - 1, layer.rope)
             layer.keys = rotate(layer.keys, target - layer.rope, self._inv_freq)
             layer.rope = torch.where(layer.valid, target, -1)
+
+
+def _step_mask(layer: PolicyLayer, g: int) -> Tensor:
+    """A one-token step's mask, (B, Hq, 1, L + 1): each query head sees its KV head's kept
+    entries, and the token itself. Kept in ``layer.memo`` (emptied whenever existing slots
+    change) and extended by the slots appended since, so that a step writes a column or
+    two instead of building the mask again."""
+    B, Hkv, L = layer.valid.shape
+    storage, done = layer.memo.get("step_mask", (None, 0))
+    if storage is None or storage.shape[-1] < L + 1:
+        grown = torch.empty(B, Hkv * g, 1, L + 1 + max(1, (L + 1) // 16), dtype=torch.bool, device=layer.valid.device)
+        if storage is not None:
+            grown[..., :done] = storage[..., :done]
+        storage = grown
+    storage[..., done:L] = layer.valid[:, :, None, done:L].repeat_interleave(g, 1)
+    storage[..., L] = True  # a query sees itself, padded or not
+    layer.memo["step_mask"] = (storage, L)  # its own column is rewritten from ``valid`` next time
+    return storage[..., : L + 1]
 
 
 def _outer_switch(module):

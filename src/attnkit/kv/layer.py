@@ -135,7 +135,7 @@ class PolicyLayer(CacheLayerMixin):
     @property
     def keys(self) -> Tensor | None:
         packed = self._packed
-        return packed.padded(packed.k, packed.tail_k) if packed is not None else self._keys
+        return packed.padded(packed.k) if packed is not None else self._keys
 
     @keys.setter
     def keys(self, value: Tensor | None) -> None:
@@ -145,7 +145,7 @@ class PolicyLayer(CacheLayerMixin):
     @property
     def values(self) -> Tensor | None:
         packed = self._packed
-        return packed.padded(packed.v, packed.tail_v) if packed is not None else self._values
+        return packed.padded(packed.v) if packed is not None else self._values
 
     @values.setter
     def values(self, value: Tensor | None) -> None:
