@@ -90,8 +90,9 @@ def test_decode_rows_over_a_layout_with_holes_equal_the_literal_softmax(window):
 @torch.no_grad()
 @pytest.mark.parametrize("name", ["h2o", "tova", "snapkv"])
 def test_weight_policies_keep_the_model_on_its_own_attention(name, monkeypatch):
-    """No attnkit switch is entered for a Llama-style model: every attention call of the
-    prefill and of decoding steps runs under sdpa with no switch active."""
+    """No attnkit switch is entered for a Llama-style model: the prefill runs under sdpa;
+    the decoding steps too, except those of the policies that score every decoded token
+    (H2O, TOVA), which run in the cache's step_attention for the length of the call."""
     model = build("llama", "sdpa")
     ids, mask = padded_batch(seed=4, n=10, pads=(0, 2, 4))
     cache = kv.policy_cache(model, name, budget=0.5, **({"window": 3} if name == "snapkv" else {}))
@@ -104,7 +105,10 @@ def test_weight_policies_keep_the_model_on_its_own_attention(name, monkeypatch):
     finally:
         for h in hooks:
             h.remove()
-    assert len(seen) == 3 * 3 and all(impl == "sdpa" and sw is None for impl, sw in seen)
+    step = "attnkit_kv_step" if kv.POLICIES[name].decodes else "sdpa"
+    assert len(seen) == 3 * 3 and all(sw is None for _, sw in seen)
+    assert [impl for impl, _ in seen] == ["sdpa"] * 3 + [step] * 6  # 3 layers: the prefill, then two steps
+    assert model.config._attn_implementation == "sdpa"
     assert int(cache.lengths(0).max()) <= 5 + (3 if name != "snapkv" else 3)
 
 
@@ -125,3 +129,53 @@ def test_a_model_whose_queries_cannot_be_recomputed_reads_weights_through_attnki
     for layer in range(3):
         assert torch.equal(direct.kept_mask(layer), observed.kept_mask(layer))
         torch.testing.assert_close(direct.layers[layer].score, observed.layers[layer].score, atol=1e-12, rtol=1e-12)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["h2o", "tova"])
+def test_step_attention_equals_the_model_attention_with_recomputed_weights(name, monkeypatch):
+    """A scored policy's decoding step in step_attention (weights from the step's own
+    softmax) gives the logits and kept sets of the model's sdpa with the weights
+    recomputed beside it, over padded rows whose empty slots step_attention hides."""
+    import attnkit.kv.cache as kv_cache
+
+    model = build("llama", "sdpa").double()
+    ids, mask = padded_batch(seed=6, n=12, pads=(0, 3, 5))
+    forced = torch.randint(1, 97, (3, 6), generator=torch.Generator().manual_seed(7))
+
+    def run():
+        cache = kv.policy_cache(model, name, budget=0.5)
+        outs = [model(ids, attention_mask=mask, position_ids=positions(mask), cache=cache).logits[:, -1]]
+        full, kept = mask, []
+        for s in range(forced.shape[1]):
+            full = torch.cat([full, torch.ones(3, 1, dtype=full.dtype)], 1)
+            outs.append(model(forced[:, s : s + 1], attention_mask=full, position_ids=positions(full)[:, -1:], cache=cache).logits[:, -1])
+            kept.append([cache.kept_positions(i) for i in range(3)])
+        return torch.stack(outs, 1), kept
+
+    stepped, stepped_kept = run()
+    monkeypatch.setattr(kv_cache.PolicyCache, "_steps_here", lambda *a: False)
+    recomputed, recomputed_kept = run()
+    assert stepped_kept == recomputed_kept
+    torch.testing.assert_close(stepped, recomputed, atol=1e-10, rtol=1e-10)
+
+
+def test_a_failing_step_leaves_the_model_on_its_own_attention():
+    from transformers import AttentionInterface
+
+    import attnkit.kv.step_attention as steps
+
+    model = build("llama", "sdpa")
+    ids, mask = padded_batch(seed=6, n=8, pads=(0, 2, 3))
+    cache = kv.policy_cache(model, "tova", budget=0.5)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("step failed")
+
+    AttentionInterface.register(steps.NAME, fail)
+    try:
+        with pytest.raises(RuntimeError, match="step failed"):
+            model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    finally:
+        AttentionInterface.register(steps.NAME, steps.step_attention)
+    assert model.config._attn_implementation == "sdpa"

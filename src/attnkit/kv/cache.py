@@ -29,6 +29,9 @@ from .model_parts import attention_modules, recompute_queries, rotary_module, ro
 from .policies.base import Policy, Step
 from .policies.quest import layer_extremes, page_choice, page_mask
 from .scores import ReceivedMass
+from .step_attention import NAME as STEP_NAME
+from .step_attention import StepCall
+from .step_attention import register as register_step_attention
 from .weights import direct_ok, received_mass
 
 Tensor = torch.Tensor
@@ -61,6 +64,8 @@ class PolicyCache(Cache):
         self._kept_only: dict[int, bool] = {}  # layer -> its update returns the kept entries alone
         self._fill: dict[int, bool] = {}  # layer -> its update fills the slots the last step evicted
         self._slots: dict[int, Tensor] = {}  # layer -> the slots each query head reads (Quest), gathered
+        self._steps: dict[int, StepCall] = {}  # layer -> its step's attention runs in step_attention
+        self._switched = None  # (config, its attention implementation) while a step runs in step_attention
         # Evicting while decoding by masking, not gathering: nothing outside the cache follows
         # the layout (Selective's state does; StreamingLLM's cache positions turn every kept key
         # each step anyway). Such a layer's next token may also take the evicted slot.
@@ -92,9 +97,14 @@ class PolicyCache(Cache):
         layer = self.layers[layer_idx]
         B, _, N, _ = key_states.shape
         if self._fill.pop(layer_idx, False):
-            return layer.fill(key_states, value_states, rope)
-        return layer.append(key_states, value_states, self._real(layer.seen, N, B, key_states.device), rope,
-                            kept_only=self._kept_only.pop(layer_idx, False), slots=self._slots.pop(layer_idx, None))
+            out = layer.fill(key_states, value_states, rope)
+        else:
+            out = layer.append(key_states, value_states, self._real(layer.seen, N, B, key_states.device), rope,
+                               kept_only=self._kept_only.pop(layer_idx, False), slots=self._slots.pop(layer_idx, None))
+        call = self._steps.get(layer_idx)
+        if call is not None and not layer.full:
+            call.hide = ~layer.valid  # step_attention reads every slot: the empty ones are hidden there
+        return out
 
     def _real(self, seen: int, n: int, batch: int, device) -> Tensor:
         pad = self._padding
@@ -154,6 +164,8 @@ class PolicyCache(Cache):
         self._kept_only.clear()
         self._fill.clear()
         self._slots.clear()
+        self._steps.clear()
+        self._unswitch()
         self._weighed.clear()
         self._extra.clear()
         self._queries.clear()
@@ -183,7 +195,13 @@ class PolicyCache(Cache):
             rows = self.policy.rows(phase, Nq)
             if rows is not None:
                 self._weighed[idx] = True
-                if self._direct_now:
+                if self._direct_now and phase == "decode" and self._steps_here(module, layer, hidden, Nq):
+                    # the step's own attention gives its weights (step_attention)
+                    call = self._steps[idx] = StepCall()
+                    kwargs["attnkit_kv_step"] = call
+                    self._switched = (module.config, module.config._attn_implementation_internal)
+                    module.config._attn_implementation_internal = STEP_NAME
+                elif self._direct_now:
                     lo, hi = rows
                     cos, sin = kwargs["position_embeddings"]
                     q = recompute_queries(module, hidden[:, lo:hi], (cos[:, lo:hi], sin[:, lo:hi]))
@@ -200,19 +218,34 @@ class PolicyCache(Cache):
                 # no mask (attention reads those entries only, not the whole cache masked)
                 kwargs["attention_mask"] = None
                 self._slots[idx] = slots
-            elif Nq == 1 and not paged and sliding_window(module) is None and (layer.full or layer.even()):
+            elif idx in self._steps or (Nq == 1 and not paged and sliding_window(module) is None
+                                        and (layer.full or layer.even())):
                 # one query that sees every kept entry: no mask (the path transformers takes
-                # for a full cache: no O(L) mask, no copy of the keys per query head). The
-                # slot the last step evicted takes the new token; other holes are left out
-                # by gathering the kept entries.
+                # for a full cache, no O(L) mask). The slot the last step evicted takes the
+                # new token; other holes are left out by gathering the kept entries, or
+                # hidden by step_attention itself.
                 kwargs["attention_mask"] = None
                 fill = (not layer.full and self._masks_evictions and not hidden.requires_grad
                         and bool(self._real(layer.seen, 1, B, hidden.device).all()) and layer.one_hole_each())
                 self._fill[idx] = fill
-                self._kept_only[idx] = not layer.full and not fill
+                self._kept_only[idx] = not layer.full and not fill and idx not in self._steps
             else:
                 kwargs["attention_mask"] = self._mask(module, layer, hidden, kwargs, Nq)
         return args, kwargs
+
+    def _steps_here(self, module, layer: PolicyLayer, hidden: Tensor, Nq: int) -> bool:
+        """Whether this one-token step's attention can run in ``step_attention``: a real
+        token, a plain softmax on sdpa or eager (``direct``), no sliding window, no
+        dropout."""
+        return (Nq == 1 and module.config._attn_implementation in ("sdpa", "eager") and sliding_window(module) is None
+                and not (module.training and getattr(module, "attention_dropout", 0.0))
+                and bool(self._real(layer.seen, 1, hidden.shape[0], hidden.device).all()))
+
+    def _unswitch(self) -> None:
+        if self._switched is not None:
+            config, impl = self._switched
+            config._attn_implementation_internal = impl
+            self._switched = None
 
     def _page_slots(self, module, layer: PolicyLayer, hidden: Tensor, kwargs: dict) -> Tensor | None:
         """Quest's step as slots to gather: (B, Hq, n) the slots of each query head's pages
@@ -276,6 +309,7 @@ class PolicyCache(Cache):
         raise ValueError(f"model: attn_implementation {impl!r} cannot take a policy cache's per-head masks; use 'sdpa', 'eager' or attnkit")
 
     def after_attention(self, module) -> None:
+        self._unswitch()
         idx = module.layer_idx
         layer = self.layers[idx]
         phase = "prefill" if layer.calls == 0 else "decode"
@@ -292,7 +326,9 @@ class PolicyCache(Cache):
             return
         mass = None
         if self._weighed.pop(idx, False):
-            if idx in self._queries:
+            if idx in self._steps:
+                mass = self._steps.pop(idx).mass
+            elif idx in self._queries:
                 q, q_pos = self._queries.pop(idx)
                 mass = received_mass(q, q_pos, layer.keys, layer.valid, layer.pos, float(module.scaling),
                                      sliding_window(module), phase == "prefill", all_valid=layer.full or None,
@@ -408,6 +444,7 @@ def _attn_post(module, args, kwargs, output):
 
 def install_hooks(model) -> None:
     """Hook ``model`` once; the hooks act only on forwards whose cache is a PolicyCache."""
+    register_step_attention()
     if getattr(model, HOOKS_ATTR, None):
         return
     handles = [

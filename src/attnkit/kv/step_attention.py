@@ -1,0 +1,59 @@
+"""A one-token decoding step's attention computed where the policy cache can see its
+weights: for the policies that score every decoded token (H2O, TOVA), the cache routes
+that step's attention call here instead of the model's sdpa/eager function. The query
+arrives rotated, as the model computed it, and the softmax that makes the output is the
+step's weights, so nothing is computed twice (no second query projection, no second
+product with the keys).
+
+The model's attention module looks its function up by ``config._attn_implementation``;
+the cache names this one (``NAME``) for the length of that call and restores the name
+right after (and at the end of the forward, whatever happens in between).
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+NAME = "attnkit_kv_step"
+_registered = False
+
+
+def register() -> None:
+    """Register ``step_attention`` in transformers' AttentionInterface (once)."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(NAME, step_attention)
+        _registered = True
+
+
+class StepCall:
+    """What the cache and the attention call exchange for one layer's step."""
+
+    __slots__ = ("hide", "mass")
+
+    def __init__(self):
+        self.hide: Tensor | None = None  # (B, Hkv, L) slots the query must not see, set by the cache's update
+        self.mass: Tensor | None = None  # (B, Hq, L) the step's softmax weights, set here
+
+
+def step_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
+                   scaling: float | None = None, attnkit_kv_step: StepCall | None = None, **kwargs):
+    """softmax(q k^T * scaling | visible) v for one query per head, GQA without copying
+    the keys per query head: (B, 1, Hq, Dv) as transformers' attention functions return,
+    and the weights left in ``attnkit_kv_step.mass``."""
+    call = attnkit_kv_step
+    B, Hq, _, D = query.shape
+    Hkv, L = key.shape[1], key.shape[2]
+    scaling = D**-0.5 if scaling is None else scaling
+    cd = torch.float64 if query.dtype == torch.float64 else torch.float32
+    q = query.to(cd).view(B, Hkv, Hq // Hkv, D) * scaling
+    logits = torch.matmul(q, key.to(cd).transpose(-1, -2))  # (B, Hkv, g, L)
+    if call.hide is not None:
+        logits.masked_fill_(call.hide[:, :, None, :], float("-inf"))
+    weights = torch.softmax(logits, dim=-1)
+    call.mass = weights.view(B, Hq, L)
+    out = torch.matmul(weights, value.to(cd)).to(query.dtype)  # (B, Hkv, g, Dv)
+    return out.view(B, Hq, 1, -1).transpose(1, 2), None
