@@ -91,8 +91,9 @@ def test_decode_rows_over_a_layout_with_holes_equal_the_literal_softmax(window):
 @pytest.mark.parametrize("name", ["h2o", "tova", "snapkv"])
 def test_weight_policies_keep_the_model_on_its_own_attention(name, monkeypatch):
     """No attnkit switch is entered for a Llama-style model: the prefill runs under sdpa;
-    the decoding steps too, except those of the policies that score every decoded token
-    (H2O, TOVA), which run in the cache's step_attention for the length of the call."""
+    the one-token steps of this padded batch (whose rows keep different counts) and those
+    of the policies that score every decoded token run in the cache's step_attention for
+    the length of the call, and the model is back on sdpa after."""
     model = build("llama", "sdpa")
     ids, mask = padded_batch(seed=4, n=10, pads=(0, 2, 4))
     cache = kv.policy_cache(model, name, budget=0.5, **({"window": 3} if name == "snapkv" else {}))
@@ -105,9 +106,8 @@ def test_weight_policies_keep_the_model_on_its_own_attention(name, monkeypatch):
     finally:
         for h in hooks:
             h.remove()
-    step = "attnkit_kv_step" if kv.POLICIES[name].decodes else "sdpa"
     assert len(seen) == 3 * 3 and all(sw is None for _, sw in seen)
-    assert [impl for impl, _ in seen] == ["sdpa"] * 3 + [step] * 6  # 3 layers: the prefill, then two steps
+    assert [impl for impl, _ in seen] == ["sdpa"] * 3 + ["attnkit_kv_step"] * 6  # 3 layers: the prefill, two steps
     assert model.config._attn_implementation == "sdpa"
     assert int(cache.lengths(0).max()) <= 5 + (3 if name != "snapkv" else 3)
 

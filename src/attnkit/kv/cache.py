@@ -78,7 +78,9 @@ class PolicyCache(Cache):
         # model allows it; the forward then stays on the model's own attention
         modules = attention_modules(model)
         self._first_module = modules[0] if modules else None
-        self.direct = policy.needs_weights and direct_ok(modules)
+        self.plain = direct_ok(modules)  # plain scaled softmax, Llama-style queries
+        self.direct = policy.needs_weights and self.plain
+        self._plain_now = False
         self._direct_now = False
         self._queries: dict[int, tuple[Tensor, Tensor]] = {}  # layer -> (queries of its rows, their positions)
         rot = rotary_module(model)
@@ -150,6 +152,9 @@ class PolicyCache(Cache):
     def begin_forward(self, model, kwargs: dict) -> None:
         mask = kwargs.get("attention_mask")
         self._padding = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
+        # a one-token step that needs a mask may run in step_attention (a plain softmax, and
+        # no enclosing attnkit.hf.use block, whose attention it would replace)
+        self._plain_now = self.plain and self.layers[0].calls > 0 and _outer_switch(self._first_module) is None
         # weights are read at prefill, and while decoding only by policies that evict then
         if self.scorer is not None and (self.layers[0].calls == 0 or self.policy.decodes):
             # inside an enclosing attnkit.hf.use block the attention may not be the model's
@@ -196,11 +201,7 @@ class PolicyCache(Cache):
             if rows is not None:
                 self._weighed[idx] = True
                 if self._direct_now and phase == "decode" and self._steps_here(module, layer, hidden, Nq):
-                    # the step's own attention gives its weights (step_attention)
-                    call = self._steps[idx] = StepCall()
-                    kwargs["attnkit_kv_step"] = call
-                    self._switched = (module.config, module.config._attn_implementation_internal)
-                    module.config._attn_implementation_internal = STEP_NAME
+                    self._run_step_attention(module, idx, kwargs)  # the step's own softmax gives its weights
                 elif self._direct_now:
                     lo, hi = rows
                     cos, sin = kwargs["position_embeddings"]
@@ -229,6 +230,10 @@ class PolicyCache(Cache):
                         and bool(self._real(layer.seen, 1, B, hidden.device).all()) and layer.one_hole_each())
                 self._fill[idx] = fill
                 self._kept_only[idx] = not layer.full and not fill and idx not in self._steps
+            elif self._plain_now and not paged and self._steps_here(module, layer, hidden, Nq):
+                # heads of different lengths (AdaKV, rows of different budgets): the step runs in
+                # step_attention, which hides the empty slots itself (no mask to build or apply)
+                self._run_step_attention(module, idx, kwargs)
             else:
                 kwargs["attention_mask"] = self._mask(module, layer, hidden, kwargs, Nq)
         return args, kwargs
@@ -240,6 +245,13 @@ class PolicyCache(Cache):
         return (Nq == 1 and module.config._attn_implementation in ("sdpa", "eager") and sliding_window(module) is None
                 and not (module.training and getattr(module, "attention_dropout", 0.0))
                 and bool(self._real(layer.seen, 1, hidden.shape[0], hidden.device).all()))
+
+    def _run_step_attention(self, module, idx: int, kwargs: dict) -> None:
+        """Route this layer's call to step_attention (until ``_unswitch``)."""
+        self._steps[idx] = kwargs["attnkit_kv_step"] = StepCall()
+        kwargs["attention_mask"] = None
+        self._switched = (module.config, module.config._attn_implementation_internal)
+        module.config._attn_implementation_internal = STEP_NAME
 
     def _unswitch(self) -> None:
         if self._switched is not None:
