@@ -24,7 +24,8 @@ def test_bad_budget(model, budget):
     ("streaming", {"sinks": -1}, "sinks"), ("streaming", {"positions": "rope"}, "positions"),
     ("snapkv", {"window": 0}, "window"), ("snapkv", {"pooling": "min"}, "pooling"), ("snapkv", {"kernel": 1.5}, "kernel"),
     ("h2o", {"recent": 1.5}, "recent"), ("adakv", {"floor": -0.1}, "floor"), ("pyramid", {"beta": 0.5}, "beta"),
-    ("quest", {"page_size": 0}, "page_size"), ("snapkv", {"sinks": 4}, "sinks"), ("knorm", {"window": 4}, "window"),
+    ("quest", {"page_size": 0}, "page_size"), ("quest", {"heads": "kv"}, "heads"), ("snapkv", {"sinks": 4}, "sinks"),
+    ("knorm", {"window": 4}, "window"),
 ])
 def test_bad_parameter(model, policy, params, name):
     with pytest.raises(ValueError, match=f"^{name}: "):

@@ -61,9 +61,10 @@ class PolicyCache(Cache):
         self._model = weakref.ref(model)
         self._padding: Tensor | None = None  # the 2-D mask of the forward in progress
         self._armed: dict[int, Tensor] = {}  # layer -> RoPE positions of its pending update
-        self._kept_only: dict[int, bool] = {}  # layer -> its update returns the kept entries alone
-        self._fill: dict[int, bool] = {}  # layer -> its update fills the slots the last step evicted
-        self._slots: dict[int, Tensor] = {}  # layer -> the slots each query head reads (Quest), gathered
+        # layer -> how its pending update returns keys and values other than appending them all:
+        # "fill" (the token takes the slot the last step evicted), "kept" (the kept entries
+        # alone, gathered) or a tensor of slots to gather per query head (Quest's pages)
+        self._update_as: dict[int, str | Tensor] = {}
         self._steps: dict[int, StepCall] = {}  # layer -> its step's attention runs in step_attention
         self._switched = None  # (config, its attention implementation) while a step runs in step_attention
         # Evicting while decoding by masking, not gathering: nothing outside the cache follows
@@ -98,11 +99,13 @@ class PolicyCache(Cache):
             )
         layer = self.layers[layer_idx]
         B, _, N, _ = key_states.shape
-        if self._fill.pop(layer_idx, False):
+        how = self._update_as.pop(layer_idx, None)
+        if isinstance(how, str) and how == "fill":
             out = layer.fill(key_states, value_states, rope)
         else:
             out = layer.append(key_states, value_states, self._real(layer.seen, N, B, key_states.device), rope,
-                               kept_only=self._kept_only.pop(layer_idx, False), slots=self._slots.pop(layer_idx, None))
+                               kept_only=isinstance(how, str) and how == "kept",
+                               slots=how if isinstance(how, Tensor) else None)
         call = self._steps.get(layer_idx)
         if call is not None and not layer.full:
             call.hide = ~layer.valid  # step_attention reads every slot: the empty ones are hidden there
@@ -166,9 +169,7 @@ class PolicyCache(Cache):
     def end_forward(self) -> None:
         self._padding = None
         self._armed.clear()
-        self._kept_only.clear()
-        self._fill.clear()
-        self._slots.clear()
+        self._update_as.clear()
         self._steps.clear()
         self._unswitch()
         self._weighed.clear()
@@ -212,13 +213,13 @@ class PolicyCache(Cache):
         if self.policy.evicts(phase):
             self._extra[idx] = self.policy.before(module, layer, kwargs, phase)
         if layer.calls > 0:
-            paged = self.policy.name == "quest" and idx >= self.policy.dense_layers and layer.length > 0
+            paged = self._paged(idx, layer)
             slots = self._page_slots(module, layer, hidden, kwargs) if paged and Nq == 1 else None
             if slots is not None:
                 # one query per head over its pages: the pages' entries gathered per head,
                 # no mask (attention reads those entries only, not the whole cache masked)
                 kwargs["attention_mask"] = None
-                self._slots[idx] = slots
+                self._update_as[idx] = slots
             elif idx in self._steps or (Nq == 1 and not paged and sliding_window(module) is None
                                         and (layer.full or layer.even())):
                 # one query that sees every kept entry: no mask (the path transformers takes
@@ -226,10 +227,12 @@ class PolicyCache(Cache):
                 # new token; other holes are left out by gathering the kept entries, or
                 # hidden by step_attention itself.
                 kwargs["attention_mask"] = None
-                fill = (not layer.full and self._masks_evictions and not hidden.requires_grad
-                        and bool(self._real(layer.seen, 1, B, hidden.device).all()) and layer.one_hole_each())
-                self._fill[idx] = fill
-                self._kept_only[idx] = not layer.full and not fill and idx not in self._steps
+                fills = (not layer.full and self._masks_evictions and not hidden.requires_grad
+                         and layer.one_hole_each() and bool(self._real(layer.seen, 1, B, hidden.device).all()))
+                if fills:
+                    self._update_as[idx] = "fill"
+                elif not layer.full and idx not in self._steps:
+                    self._update_as[idx] = "kept"
             elif self._plain_now and not paged and self._steps_here(module, layer, hidden, Nq):
                 # heads of different lengths (AdaKV, rows of different budgets): the step runs in
                 # step_attention, which hides the empty slots itself (no mask to build or apply)
@@ -237,6 +240,10 @@ class PolicyCache(Cache):
             else:
                 kwargs["attention_mask"] = self._mask(module, layer, hidden, kwargs, Nq)
         return args, kwargs
+
+    def _paged(self, idx: int, layer: PolicyLayer) -> bool:
+        """Quest reads this layer's cache by pages (past its dense layers)."""
+        return self.policy.name == "quest" and idx >= self.policy.dense_layers and layer.length > 0
 
     def _steps_here(self, module, layer: PolicyLayer, hidden: Tensor, Nq: int) -> bool:
         """Whether this one-token step's attention can run in ``step_attention``: a real
@@ -289,7 +296,7 @@ class PolicyCache(Cache):
         g = Hq // Hkv
         window = sliding_window(module)
         policy = self.policy
-        paged = policy.name == "quest" and module.layer_idx >= policy.dense_layers and L
+        paged = self._paged(module.layer_idx, layer)
         if n_new == 1 and window is None and not paged:
             return self._as_impl(module, hidden, _step_mask(layer, g))
         q_pos = layer.seen + torch.arange(n_new, device=dev)

@@ -34,19 +34,6 @@ class Streaming(Policy):
     def select(self, step: Step) -> torch.Tensor:
         cap = step.capacity
         sinks = torch.clamp(cap, max=self.sinks)
-        if step.phase == "decode":
-            over = step.valid.sum(-1) - cap
-            most = int(over.max())
-            if most <= 0:
-                return step.valid
-            if most == 1:
-                # a decoding step's one token over: the earliest entry after the sinks goes
-                # (what the rule below keeps, for a handful of operations a step)
-                key = torch.where(step.valid, step.pos, torch.iinfo(step.pos.dtype).max)
-                k = min(int(sinks.max()) + 1, key.shape[-1])  # an over-full row holds sinks + 1 at least
-                earliest = torch.topk(key, k, dim=-1, largest=False, sorted=True).values
-                oldest = earliest.gather(-1, sinks.clamp(max=k - 1)[..., None])
-                return step.valid & ~((key == oldest) & (over > 0)[..., None])
         return first(step.valid, sinks, step.order) | last(step.valid, cap - sinks, step.order)
 
     def reference(self, weights, keys, held, capacity, state, phase):
