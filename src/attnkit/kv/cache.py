@@ -23,6 +23,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache
 
+from ..kernels.cpu import kv as native_kv
 from . import budget as budgets
 from .layer import PolicyLayer
 from .model_parts import attention_modules, recompute_queries, rotary_module, rotate, sliding_window
@@ -116,6 +117,11 @@ class PolicyCache(Cache):
         if pad is None or pad.shape[-1] < seen + n:
             return torch.ones(batch, n, dtype=torch.bool, device=device)
         return pad[:, seen : seen + n].to(device=device, dtype=torch.bool)
+
+    def _all_real(self, seen: int, n: int) -> bool:
+        """No padding among the forward's tokens seen.. seen + n - 1."""
+        pad = self._padding
+        return pad is None or pad.shape[-1] < seen + n or bool(pad[:, seen : seen + n].all())
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens in every layer (see ``PolicyLayer.crop``)."""
@@ -228,7 +234,7 @@ class PolicyCache(Cache):
                 # hidden by step_attention itself.
                 kwargs["attention_mask"] = None
                 fills = (not layer.full and self._masks_evictions and not hidden.requires_grad
-                         and layer.one_hole_each() and bool(self._real(layer.seen, 1, B, hidden.device).all()))
+                         and layer.one_hole_each() and self._all_real(layer.seen, 1))
                 if fills:
                     self._update_as[idx] = "fill"
                 elif not layer.full and idx not in self._steps:
@@ -241,6 +247,21 @@ class PolicyCache(Cache):
                 kwargs["attention_mask"] = self._mask(module, layer, hidden, kwargs, Nq)
         return args, kwargs
 
+    def _evict_natively(self, layer: PolicyLayer, mass: Tensor | None, slack: int) -> bool:
+        """A decoding step's eviction in one C++ pass (``kernels.cpu.kv``) for the policies
+        that drop their lowest-scoring entry (H2O, TOVA), instead of ``select`` and ``drop``:
+        the same kept sets. False (nothing done) without the operators, or when some head
+        must drop more than one entry."""
+        rule = self.policy.lowest_rule
+        if rule is None or mass is None or mass.dtype not in (torch.float32, torch.float64) or not native_kv.available():
+            return False
+        slot, fewest, most = native_kv.evict_lowest(mass.contiguous(), layer.valid, layer.pos, layer.capacity,
+                                                    layer.score, *rule)
+        if slot is None:
+            return False
+        layer.settle(slack, (fewest, most))
+        return True
+
     def _paged(self, idx: int, layer: PolicyLayer) -> bool:
         """Quest reads this layer's cache by pages (past its dense layers)."""
         return self.policy.name == "quest" and idx >= self.policy.dense_layers and layer.length > 0
@@ -251,7 +272,7 @@ class PolicyCache(Cache):
         dropout."""
         return (Nq == 1 and module.config._attn_implementation in ("sdpa", "eager") and sliding_window(module) is None
                 and not (module.training and getattr(module, "attention_dropout", 0.0))
-                and bool(self._real(layer.seen, 1, hidden.shape[0], hidden.device).all()))
+                and self._all_real(layer.seen, 1))
 
     def _run_step_attention(self, module, idx: int, kwargs: dict) -> None:
         """Route this layer's call to step_attention (until ``_unswitch``)."""
@@ -362,11 +383,14 @@ class PolicyCache(Cache):
                     "model must run its attention through attnkit (pass the cache as a keyword: cache= or past_key_values=)"
                 )
         extra = self._extra.pop(idx, None)
+        slack = max(DECODE_SLACK_MIN, layer.length // DECODE_SLACK_DIV)
+        if phase == "decode" and self._masks_evictions and self._evict_natively(layer, mass, slack):
+            return
         step = Step(idx, self.num_layers, phase, layer.keys, layer.valid, layer.pos, layer.capacity, mass, layer.score,
                     layer.seen, extra, None if layer.ordered else layer.pos)
         keep = self.policy.select(step)
         if phase == "decode" and self._masks_evictions:
-            layer.drop(keep, max(DECODE_SLACK_MIN, layer.length // DECODE_SLACK_DIV))
+            layer.drop(keep, slack)
             if self.policy.rolling and layer.ring is None:
                 layer.start_ring()
         else:

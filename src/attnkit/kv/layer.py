@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from ..kernels.cpu import kv as native_kv
 from .packed import PackedKV
 
 Tensor = torch.Tensor
@@ -200,6 +201,9 @@ class PolicyLayer(CacheLayerMixin):
                 self.rope[:, :, h : h + 1] = rope
             if self.score is not None:
                 self.score[:, :, h] = 0.0
+        elif native_kv.available() and key_states.stride(-1) == 1 and value_states.stride(-1) == 1:
+            native_kv.fill_hole(keys, values, self.valid, self.pos, self.rope, self.score, key_states, value_states,
+                                rope[:, 0, 0], self.seen)
         else:
             slot = (~self.valid).to(torch.uint8).argmax(-1, keepdim=True)  # (B, H, 1): the hole
             keys.scatter_(2, slot[..., None].expand(B, H, 1, keys.shape[-1]), key_states)
@@ -214,6 +218,8 @@ class PolicyLayer(CacheLayerMixin):
         self.full = True
         self.ordered = False
         self.memo = {}
+        L = self.length
+        self._kept_range = (self.valid, self.valid._version, (L, L))
         return keys, values
 
     def start_ring(self) -> None:
@@ -421,7 +427,15 @@ class PolicyLayer(CacheLayerMixin):
         layer per token; this copies it once per ``slack`` tokens. Returns the gather
         indices when it compacted, else None (the layout is unchanged)."""
         self.valid = self.valid & keep
+        return self.settle(slack)
+
+    def settle(self, slack: int, kept: tuple[int, int] | None = None) -> Tensor | None:
+        """After entries stopped being valid (``drop``, or in place by the C++ step, which
+        counts the ``kept`` (fewest, most) entries): gather the layer if more than ``slack``
+        slots of its longest head are holes. Returns the gather indices, or None."""
         self.memo = {}
+        if kept is not None:
+            self._kept_range = (self.valid, self.valid._version, kept)
         fewest, longest = self.kept_range()
         if self.length - longest > slack:
             return self.compact(self.valid)

@@ -38,7 +38,7 @@ HERE = Path(__file__).parent
 #: the translation units: the loops (no torch headers, quick to compile), the matrix
 #: products, and one binding file per family of operators
 SOURCES = ["loops_pointwise.cpp", "loops_fused.cpp", "loops_mixed.cpp", "loops_sparse.cpp", "gemm.cpp", "pointwise.cpp",
-           "fused.cpp", "mixed.cpp", "sparse.cpp"]
+           "fused.cpp", "mixed.cpp", "sparse.cpp", "kv.cpp"]
 HEADERS = ["common.h", "parallel.h", "binding.h"]
 # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers, compiled into this
 # library; without the flag it runs every part on one thread. Linked with -fopenmp, the
@@ -100,9 +100,9 @@ def _load(verbose: bool = False) -> Status:
         cpp_extension.load(name=extension_name(), sources=[str(HERE / s) for s in SOURCES], extra_cflags=FLAGS, extra_ldflags=LDFLAGS,
                            extra_include_paths=[str(HERE)], is_python_module=False, verbose=verbose)
         torch.ops.attnkit._gemm_mode  # the library registered its operators  # noqa: B018
-        from . import fused, mixed, pointwise, sparse
+        from . import fused, kv, mixed, pointwise, sparse
 
-        for family in (pointwise, fused, mixed, sparse):
+        for family in (pointwise, fused, mixed, sparse, kv):
             family.register()
         _guard_fork()
     except Exception as err:  # a missing compiler, a failed build, a library that does not load: all fall back

@@ -52,6 +52,9 @@ class Policy:
     rolling = False
     #: reads and updates ``Step.score``, an accumulated score per entry (H2O)
     keeps_score = False
+    #: a decoding step's rule as the C++ operator runs it (``kernels.cpu.kv.evict_lowest``:
+    #: drop the lowest-scoring entry), (mode, recent share); None: only ``select``
+    lowest_rule: tuple[int, float] | None = None
 
     def __init__(self, **params):
         unknown = sorted(set(params) - set(self.params))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels.cpu.kv import H2O as LOWEST_ACCUMULATED
 from ..select import group_mean, last, top
 from .base import Policy, Step, check_fraction
 
@@ -27,6 +28,10 @@ class H2O(Policy):
 
     def rows(self, phase, q_len):
         return (0, q_len)
+
+    @property
+    def lowest_rule(self):
+        return (LOWEST_ACCUMULATED, float(self.recent))
 
     def _recent(self, capacity: torch.Tensor) -> torch.Tensor:
         return torch.floor(capacity.to(torch.float64) * self.recent).to(torch.long)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels.cpu.kv import TOVA as LOWEST_MEAN
 from ..select import top
 from .base import Policy, Step
 
@@ -19,6 +20,7 @@ class TOVA(Policy):
     params = {}
     needs_weights = True
     decodes = True
+    lowest_rule = (LOWEST_MEAN, 0.0)
 
     def rows(self, phase, q_len):
         return (q_len - 1, q_len)

@@ -1,0 +1,44 @@
+"""Python side of kv.cpp: a KV-cache policy's decoding step in one pass each — evicting
+the lowest-scoring entry per (row, KV head) (TOVA, arXiv 2401.06104; H2O, arXiv
+2306.14048) and writing the next token into the slot it left. Callers (``attnkit.kv``)
+check ``kernels.cpu.available()`` first and run their PyTorch rule otherwise."""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.graph import increment_version
+
+from .build import available  # noqa: F401  (callers ask here whether the operators run)
+
+Tensor = torch.Tensor
+
+#: ``evict_lowest`` modes
+TOVA, H2O = 0, 1
+
+
+def evict_lowest(mass: Tensor, valid: Tensor, pos: Tensor, capacity: Tensor, score: Tensor | None, mode: int,
+                 recent: float = 0.0) -> tuple[Tensor | None, int, int]:
+    """Per (row, KV head) holding one entry more than ``capacity`` (B, H): drop the entry
+    with the lowest score, the latest position among equal lowest, by clearing it in
+    ``valid`` (B, H, L) in place. TOVA scores by ``mass`` (B, Hq, L) averaged over all
+    query heads; H2O adds ``mass`` averaged over each head's group to ``score`` (B, H, L)
+    float64 in place and exempts the floor(capacity * recent) latest positions. Returns
+    (evicted slot per (row, head), -1 for none; fewest kept; most kept), or (None, -1, -1)
+    without changing anything when some head would evict more than one entry."""
+    slot, fewest, most = torch.ops.attnkit.kv_evict_lowest(mass, valid, pos, capacity, score, mode, float(recent))
+    # the operator writes through data pointers: tell autograd (and ``_version`` readers)
+    increment_version(valid if score is None else (valid, score))
+    return slot, fewest, most  # an undefined tensor arrives as None
+
+
+def fill_hole(keys: Tensor, values: Tensor, valid: Tensor, pos: Tensor, rope: Tensor | None, score: Tensor | None,
+              key_new: Tensor, value_new: Tensor, rope_new: Tensor, seen: int) -> None:
+    """Write one new token per (row, KV head) into its first empty slot, in place: key and
+    value (B, H, 1, D), ``valid`` set, position ``seen``, RoPE position ``rope_new`` (B,),
+    score 0."""
+    torch.ops.attnkit.kv_fill_hole(keys, values, valid, pos, rope, score, key_new, value_new, rope_new, seen)
+    increment_version([t for t in (keys, values, valid, pos, rope, score) if t is not None])
+
+
+def register() -> None:
+    """Nothing to register: the operators mutate the cache in place and are not traced."""

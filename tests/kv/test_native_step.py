@@ -1,0 +1,132 @@
+"""The C++ decoding step of H2O and TOVA (``kernels.cpu.kv``): evicting the lowest-scoring
+entry per (row, KV head) must keep exactly what the policies' PyTorch ``select`` keeps
+(the tie rule included, on layouts that are not in position order), and writing the
+next token into the evicted slot must equal the scatter it replaces; end to end, the
+kept sets and logits equal the PyTorch path's through many steps."""
+
+import pytest
+import torch
+from eager_reference import padded_batch, positions
+from tiny_models import build
+
+import attnkit.kv as kv
+from attnkit.kernels import cpu
+from attnkit.kernels.cpu import kv as native_kv
+from attnkit.kv.policies import POLICIES
+from attnkit.kv.policies.base import Step
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason=f"operators unavailable: {cpu.status().reason}")
+
+
+def _layout(g, B, H, Hq, L, dtype, holes):
+    """Shuffled positions, a few empty slots, weights on a 1/8 grid (exact sums: real ties)."""
+    pos = torch.stack([torch.randperm(L, generator=g) for _ in range(B * H)]).view(B, H, L)
+    valid = torch.ones(B, H, L, dtype=torch.bool)
+    for b in range(B):
+        for h in range(H):
+            valid[b, h, torch.randperm(L, generator=g)[: holes[(b * H + h) % len(holes)]]] = False
+    mass = (torch.randint(0, 4, (B, Hq, L), generator=g) / 8).to(dtype)
+    return mass, valid, pos
+
+
+@pytest.mark.parametrize("name,params", [("tova", {}), ("h2o", {}), ("h2o", {"recent": 0.25}), ("h2o", {"recent": 1.0})])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_operator_keeps_what_select_keeps(name, params, dtype):
+    g = torch.Generator().manual_seed(7)
+    policy = POLICIES[name](**params)
+    B, H, Hq, L = 3, 2, 8, 13
+    for trial in range(40):
+        holes = (0, 1, 3, 2)
+        mass, valid, pos = _layout(g, B, H, Hq, L, dtype, holes)
+        held = valid.sum(-1)
+        # one over the capacity (a decoding step), exactly at it, or under it
+        # one over the capacity everywhere (a decoding step), or per head one over, at it or under it
+        over = torch.ones(B, H, dtype=torch.long) if trial % 3 == 0 else torch.randint(-1, 2, (B, H), generator=g)
+        capacity = (held - over).clamp(min=0)
+        score = torch.randint(0, 6, (B, H, L), generator=g).double() / 4
+        step = Step(0, 1, "decode", torch.zeros(B, H, L, 4), valid.clone(), pos, capacity, mass, score.clone(), L, None, pos)
+        keep = policy.select(step)
+        v, s = valid.clone(), score.clone()
+        slot, fewest, most = native_kv.evict_lowest(mass, v, pos, capacity, s if name == "h2o" else None,
+                                                    *policy.lowest_rule)
+        assert torch.equal(v, valid & keep), trial
+        if name == "h2o":
+            assert torch.equal(s, step.score), trial  # the accumulated score, every slot
+        gone = valid & ~keep
+        assert torch.equal(slot, torch.where(gone.any(-1), gone.to(torch.uint8).argmax(-1), -1)), trial
+        assert (fewest, most) == tuple(int(x) for x in v.sum(-1).aminmax())
+
+
+def test_operator_leaves_a_layer_over_by_two_unchanged():
+    g = torch.Generator().manual_seed(1)
+    mass, valid, pos = _layout(g, 1, 2, 4, 9, torch.float32, (0,))
+    v = valid.clone()
+    slot, _, _ = native_kv.evict_lowest(mass, v, pos, torch.tensor([[8, 7]]), None, native_kv.TOVA)
+    assert slot is None and torch.equal(v, valid)
+
+
+def test_fill_writes_what_the_scatter_writes():
+    """Into views of larger storage (the cache's rooms), each head's first empty slot."""
+    g = torch.Generator().manual_seed(2)
+    B, H, L, D = 2, 3, 7, 5
+    room = torch.randn(B, H, L + 4, D, generator=g)
+    keys, values = room[:, :, :L], torch.randn(B, H, L, D, generator=g)
+    valid = torch.rand(B, H, L, generator=g) > 0.3
+    valid[:, :, 2] = False  # every head has a hole
+    pos, rope = torch.randint(0, 50, (2, B, H, L), generator=g)
+    score = torch.rand(B, H, L, generator=g).double()
+    k_new, v_new = torch.randn(2, B, H, 1, D, generator=g)
+    rope_new = torch.tensor([40, 41])
+    want = [t.clone() for t in (keys, values, valid, pos, rope, score)]
+    past_view = room[:, :, L:].clone()
+    slot = (~valid).to(torch.uint8).argmax(-1, keepdim=True)
+    want[0].scatter_(2, slot[..., None].expand(B, H, 1, D), k_new)
+    want[1].scatter_(2, slot[..., None].expand(B, H, 1, D), v_new)
+    want[2].scatter_(2, slot, True)
+    want[3].scatter_(2, slot, 60)
+    want[4].scatter_(2, slot, rope_new[:, None, None].expand(B, H, 1))
+    want[5].scatter_(2, slot, 0.0)
+    native_kv.fill_hole(keys, values, valid, pos, rope, score, k_new, v_new, rope_new, 60)
+    for got, expected in zip((keys, values, valid, pos, rope, score), want):
+        assert torch.equal(got, expected)
+    assert torch.equal(room[:, :, L:], past_view)  # nothing written past the view
+    full = torch.ones(1, 1, 3, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="no empty slot"):
+        native_kv.fill_hole(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2), full, torch.zeros(1, 1, 3, dtype=torch.long),
+                            None, None, torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), torch.tensor([0]), 3)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name,params", [("h2o", {}), ("tova", {})])
+def test_decoding_with_the_operators_equals_the_pytorch_path(name, params, monkeypatch):
+    """A padded batch of 3 decoded 30 steps (one eviction each, slots refilled, gathers
+    after 16 holes): the same kept sets and logits with and without the operators."""
+    model = build("llama", "sdpa").double()
+    prompt, mask = padded_batch(seed=3, n=10, pads=(0, 2, 5))
+    forced = torch.randint(1, 97, (3, 30), generator=torch.Generator().manual_seed(6))
+
+    def run():
+        cache = kv.policy_cache(model, name, budget=6, **params)
+        outs, kept, full = [model(prompt, attention_mask=mask, position_ids=positions(mask), cache=cache).logits], [], mask
+        for s in range(forced.shape[1]):
+            full = torch.cat([full, torch.ones(3, 1, dtype=full.dtype)], 1)
+            outs.append(model(forced[:, s : s + 1], attention_mask=full, position_ids=positions(full)[:, -1:],
+                              cache=cache).logits)
+            kept.append([cache.kept_positions(i) for i in range(len(cache.layers))])
+        return torch.cat(outs, 1), kept
+
+    calls = {"evict": 0, "fill": 0}
+    for op in ("evict_lowest", "fill_hole"):
+        real = getattr(native_kv, op)
+
+        def counted(*a, _real=real, _op=op, **k):
+            calls["evict" if _op == "evict_lowest" else "fill"] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(native_kv, op, counted)
+    native, native_kept = run()
+    assert calls["evict"] > 0 and calls["fill"] > 0  # the operators ran
+    monkeypatch.setattr(native_kv, "available", lambda: False)
+    torch_path, torch_kept = run()
+    assert native_kept == torch_kept
+    torch.testing.assert_close(native, torch_path, atol=1e-10, rtol=1e-10)  # float64, same entries
