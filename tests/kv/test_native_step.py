@@ -130,3 +130,56 @@ def test_decoding_with_the_operators_equals_the_pytorch_path(name, params, monke
     torch_path, torch_kept = run()
     assert native_kept == torch_kept
     torch.testing.assert_close(native, torch_path, atol=1e-10, rtol=1e-10)  # float64, same entries
+
+
+def _dense_step(q, keys, values, visible, scale):
+    """softmax(q k^T * scale | visible) v for one query per head, GQA by repeating heads."""
+    g = q.shape[1] // keys.shape[1]
+    logits = (q * scale) @ keys.repeat_interleave(g, 1).transpose(-1, -2)  # (B, Hq, 1, L)
+    logits = logits.masked_fill(~visible[:, :, None], float("-inf"))
+    return (logits.softmax(-1) @ values.repeat_interleave(g, 1)).transpose(1, 2)  # (B, 1, Hq, Dv)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.float64, 1e-13)])
+def test_packed_attention_equals_dense_attention_over_the_kept_entries(dtype, tol):
+    from attnkit.kv.packed import PackedKV
+
+    g = torch.Generator().manual_seed(3)
+    B, Hq, H, L, D, Dv = 2, 8, 2, 41, 32, 24
+    keys, values = torch.randn(B, H, L, D, generator=g, dtype=dtype), torch.randn(B, H, L, Dv, generator=g, dtype=dtype)
+    valid = torch.rand(B, H, L, generator=g) > 0.4  # heads of different lengths
+    q = torch.randn(B, Hq, 1, D, generator=g, dtype=dtype)
+    packed = PackedKV(keys, values, valid)
+    packed.append(keys[:, :, :1], values[:, :, :1])  # a token every head receives, at the end of the rows
+    visible = torch.cat([valid, torch.ones(B, H, 1, dtype=torch.bool)], -1).repeat_interleave(Hq // H, 1)
+    want = _dense_step(q, torch.cat([keys, keys[:, :, :1]], 2), torch.cat([values, values[:, :, :1]], 2), visible, 0.3)
+    got = native_kv.packed_attention(q, packed.k, packed.v, packed.source, packed.empty_row, 0.3)
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)  # float32: exp and sums over 42 entries
+    with pytest.raises(RuntimeError, match="outside the"):
+        native_kv.packed_attention(q, packed.k[:3], packed.v[:3], packed.source, packed.empty_row, 0.3)
+
+
+@pytest.mark.parametrize("heads", ["query", "group"])
+@pytest.mark.parametrize("cached", [37, 36])  # an incomplete last page, and none (the next key opens a page)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.float64, 1e-13)])
+def test_quest_attention_chooses_pages_attends_and_folds_as_the_pytorch_rule(heads, cached, dtype, tol):
+    from attnkit.kv.policies.quest import page_choice, page_extremes
+
+    g = torch.Generator().manual_seed(4)
+    B, Hq, H, D, size = 2, 8, 2, 16, 4
+    keys = torch.randn(B, H, cached + 1, D, generator=g, dtype=dtype)
+    values = torch.randn(B, H, cached + 1, D, generator=g, dtype=dtype)
+    q = torch.randn(B, Hq, 1, D, generator=g, dtype=dtype)
+    budget = torch.tensor([16, 9])  # 4 and 3 pages
+    every = torch.ones(B, H, cached, dtype=torch.bool)
+    extremes = page_extremes(keys[:, :, :cached], every, size)
+    room = [torch.cat([t, torch.zeros_like(t[:, :, :2])], 2) for t in extremes]  # space for the page after
+    out, chosen = native_kv.quest_attention(q, keys, values, *room, budget, size, cached, heads == "group", 0.3, True)
+    want_pages = page_choice(q, every, budget, size, extremes, heads == "group")[:, :, 0]
+    assert torch.equal(chosen, want_pages)
+    pages = want_pages.repeat_interleave(Hq // chosen.shape[1], 1)
+    visible = torch.cat([pages.repeat_interleave(size, -1)[..., :cached], torch.ones(B, Hq, 1, dtype=torch.bool)], -1)
+    torch.testing.assert_close(out, _dense_step(q, keys, values, visible, 0.3), atol=tol, rtol=tol)
+    after = page_extremes(keys, torch.ones(B, H, cached + 1, dtype=torch.bool), size)  # the new key folded in
+    for stored, fresh in zip(room, after):
+        assert torch.equal(stored[:, :, : fresh.shape[2]], fresh)

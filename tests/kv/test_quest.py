@@ -9,6 +9,7 @@ from tiny_models import build
 
 import attnkit.kv as kv
 import attnkit.kv.cache as kv_cache
+from attnkit.kernels.cpu import kv as native_kv
 from attnkit.kv.policies import Quest, page_bounds, page_extremes, page_mask
 
 
@@ -56,17 +57,23 @@ def test_page_selection_equals_the_literal_rule(heads, L):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("rows,heads", [(3, "query"), (1, "query"), (1, "group"), (3, "group")])
-def test_decoding_step_equals_dense_attention_on_the_selected_pages(rows, heads, monkeypatch):
+@pytest.mark.parametrize("rows,heads,native", [(3, "query", True), (1, "query", True), (1, "query", False),
+                                               (1, "group", True), (1, "group", False), (3, "group", True)])
+def test_decoding_step_equals_dense_attention_on_the_selected_pages(rows, heads, native, monkeypatch):
     """Three padded rows take the masked path; one row of 17 tokens (an incomplete last
-    page) gathers each head's pages instead: both equal the literal rule's dense attention."""
+    page) runs the C++ step over the pages where they lie, or without the operators
+    gathers each head's pages: all equal the literal rule's dense attention."""
     model = build("llama", "sdpa").double()
     ids, mask = padded_batch(seed=9, n=16, pads=(0, 3, 5))
     if rows == 1:
         ids, mask = torch.cat([ids[:1], ids[:1, :1]], 1), torch.ones(1, 17, dtype=mask.dtype)
-    gathered = []
+    gathered, stepped = [], []
     original = kv_cache.PolicyCache._page_slots
     monkeypatch.setattr(kv_cache.PolicyCache, "_page_slots", lambda *a: gathered.append(original(*a)) or gathered[-1])
+    original_step = native_kv.quest_attention
+    monkeypatch.setattr(native_kv, "quest_attention", lambda *a: stepped.append(original_step(*a)) or stepped[-1])
+    if not native:
+        monkeypatch.setattr(native_kv, "available", lambda: False)
     cache = kv.policy_cache(model, "quest", budget=4, page_size=2, dense_layers=1, heads=heads)
     model(ids, attention_mask=mask, position_ids=positions(mask), cache=cache)
     before = cache.kv_nbytes()
@@ -82,7 +89,11 @@ def test_decoding_step_equals_dense_attention_on_the_selected_pages(rows, heads,
     for h in hooks:
         h.remove()
     assert cache.kv_nbytes() > before  # nothing evicted: the cache only grew
-    assert gathered and all((slots is not None) == (rows == 1) for slots in gathered)
+    if rows == 1 and native:  # the C++ step in every paged layer, which chose as many pages as the budget allows
+        assert not gathered and len(stepped) == len(cache.layers) - 1
+        assert stepped[0][1].sum(-1).unique().tolist() == [2]
+    else:
+        assert not stepped and gathered and all((slots is not None) == (rows == 1) for slots in gathered)
 
     # The reference: each layer's queries from its inputs (q_proj, RoPE), the literal page
     # rule on the keys held before the step, and dense attention over those entries.
@@ -123,12 +134,14 @@ def test_decoding_step_equals_dense_attention_on_the_selected_pages(rows, heads,
 
 
 @torch.no_grad()
-def test_page_extremes_kept_between_steps_equal_a_fresh_computation():
+@pytest.mark.parametrize("pads", [(0, 2, 3), (0, 0, 0)])
+def test_page_extremes_kept_between_steps_equal_a_fresh_computation(pads):
     """The page extremes a layer keeps (only the pages touched by new tokens are
-    recomputed) equal page_extremes over the slots held, across page boundaries, and the
+    recomputed on the masked path; the C++ step of unpadded rows folds each new key in)
+    equal page_extremes over the slots held, across page boundaries, and the
     teacher-forced logits equal those of recomputing every step."""
     model = build("llama", "sdpa").double()
-    ids, mask = padded_batch(seed=11, n=10, pads=(0, 2, 3))
+    ids, mask = padded_batch(seed=11, n=10, pads=pads)
     forced = torch.randint(1, 97, (3, 7), generator=torch.Generator().manual_seed(12))
 
     def run(forget):
@@ -143,10 +156,11 @@ def test_page_extremes_kept_between_steps_equal_a_fresh_computation():
             out.append(model(forced[:, s : s + 1], attention_mask=full, position_ids=positions(full)[:, -1:], cache=cache).logits)
             for lay in cache.layers[1:]:
                 kmin, kmax, has, size, upto = lay.memo["quest_pages"]
-                assert size == 3 and upto == lay.length - 1  # computed before the step's token came
+                # the masked path computes them before the step's token came; the C++ step adds it
+                assert size == 3 and upto == lay.length - (1 if any(pads) else 0)
                 fresh = page_extremes(lay.keys[:, :, :upto], lay.valid[:, :, :upto], 3)
                 for a, b in zip((kmin, kmax, has), fresh):
-                    assert torch.equal(a, b)
+                    assert torch.equal(a[:, :, : b.shape[2]], b)
         return torch.cat(out, 1)
 
     torch.testing.assert_close(run(False), run(True), atol=0, rtol=0)

@@ -70,10 +70,19 @@ def test_kept_sets_equal_reference(model_name, name, params, f):
 
 
 @torch.no_grad()
-def test_adakv_heads_keep_different_lengths_and_match_masked_dense_attention():
+@pytest.mark.parametrize("native", [True, False])
+def test_adakv_heads_keep_different_lengths_and_match_masked_dense_attention(native, monkeypatch):
     """AdaKV's per-head lengths differ, are stored compactly, and the cache's next-token
     logits equal a dense eager forward of the whole sequence where the new token sees
-    exactly the kept entries of each layer and head."""
+    exactly the kept entries of each layer and head: decoding steps read the packed rows
+    where they lie (the C++ step), or without the operators the padded layout."""
+    from attnkit.kernels.cpu import kv as native_kv
+
+    stepped = []
+    original = native_kv.packed_attention
+    monkeypatch.setattr(native_kv, "packed_attention", lambda *a: stepped.append(1) or original(*a))
+    if not native:
+        monkeypatch.setattr(native_kv, "available", lambda: False)
     model = build("llama", "sdpa").double()  # the dense reference: torch SDPA in float64, per-layer masks
     cached = build("llama", "sdpa").double()
     ids, mask = padded_batch(seed=3, n=14, pads=(0, 2, 4))
@@ -91,6 +100,7 @@ def test_adakv_heads_keep_different_lengths_and_match_masked_dense_attention():
         got.append(out.logits[:, -1])
     got = torch.stack(got, 1)
     S = x.shape[1]
+    assert len(stepped) == (S * 3 if native else 0)  # every layer's step, packed
 
     from eager_reference import LayerMasks, attention_layers, layer_window
 

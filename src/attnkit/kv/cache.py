@@ -64,7 +64,8 @@ class PolicyCache(Cache):
         self._armed: dict[int, Tensor] = {}  # layer -> RoPE positions of its pending update
         # layer -> how its pending update returns keys and values other than appending them all:
         # "fill" (the token takes the slot the last step evicted), "kept" (the kept entries
-        # alone, gathered) or a tensor of slots to gather per query head (Quest's pages)
+        # alone, gathered), a tensor of slots to gather per query head (Quest's pages), or for a
+        # step the C++ attention reads in place, "packed" (a packed layer's rows) or "quest"
         self._update_as: dict[int, str | Tensor] = {}
         self._steps: dict[int, StepCall] = {}  # layer -> its step's attention runs in step_attention
         self._switched = None  # (config, its attention implementation) while a step runs in step_attention
@@ -101,15 +102,35 @@ class PolicyCache(Cache):
         layer = self.layers[layer_idx]
         B, _, N, _ = key_states.shape
         how = self._update_as.pop(layer_idx, None)
-        if isinstance(how, str) and how == "fill":
-            out = layer.fill(key_states, value_states, rope)
-        else:
-            out = layer.append(key_states, value_states, self._real(layer.seen, N, B, key_states.device), rope,
-                               kept_only=isinstance(how, str) and how == "kept",
-                               slots=how if isinstance(how, Tensor) else None)
+        slots = how if isinstance(how, Tensor) else None  # Quest's pages, gathered
+        how = None if slots is not None else how
         call = self._steps.get(layer_idx)
-        if call is not None and not layer.full:
+        if how == "fill":
+            return layer.fill(key_states, value_states, rope)
+        if how == "quest":
+            # the pages' extremes of the slots held, before the new token joins them
+            pages = layer_extremes(layer, self.policy.page_size, room=True)
+            cached = layer.length
+        out = layer.append(key_states, value_states, self._real(layer.seen, N, B, key_states.device), rope,
+                           kept_only=how == "kept", slots=slots, materialise=how != "packed")
+        if how == "packed":
+            packed = layer._packed
+            call.attend = lambda q, scale: native_kv.packed_attention(q, packed.k, packed.v, packed.source,
+                                                                      packed.empty_row, scale)
+        elif how == "quest":
+            call.attend = lambda q, scale: self._quest_step(layer, q, scale, pages, cached)
+        elif call is not None and not layer.full:
             call.hide = ~layer.valid  # step_attention reads every slot: the empty ones are hidden there
+        return out
+
+    def _quest_step(self, layer: PolicyLayer, q: Tensor, scale: float, pages: tuple, cached: int) -> Tensor:
+        """Quest's step in C++ (``kernels.cpu.kv.quest_attention``): pages chosen by their
+        bounds, attention over them and the new token, the new key folded into the pages'
+        extremes (kept in ``layer.memo``, which then covers every slot)."""
+        size = self.policy.page_size
+        out, _ = native_kv.quest_attention(q, layer.keys, layer.values, *pages, layer.capacity[:, 0], size, cached,
+                                           self.policy.per_group, scale, True)
+        layer.memo["quest_pages"] = (*pages, size, cached + 1)
         return out
 
     def _real(self, seen: int, n: int, batch: int, device) -> Tensor:
@@ -220,6 +241,13 @@ class PolicyCache(Cache):
             self._extra[idx] = self.policy.before(module, layer, kwargs, phase)
         if layer.calls > 0:
             paged = self._paged(idx, layer)
+            if (paged and layer.full and self._plain_now and native_kv.available()
+                    and self._steps_here(module, layer, hidden, Nq)):
+                # Quest's step in one C++ pass over the pages where they lie: no recomputed query,
+                # no gathered copy
+                self._run_step_attention(module, idx, kwargs)
+                self._update_as[idx] = "quest"
+                return args, kwargs
             slots = self._page_slots(module, layer, hidden, kwargs) if paged and Nq == 1 else None
             if slots is not None:
                 # one query per head over its pages: the pages' entries gathered per head,
@@ -241,8 +269,11 @@ class PolicyCache(Cache):
                     self._update_as[idx] = "kept"
             elif self._plain_now and not paged and self._steps_here(module, layer, hidden, Nq):
                 # heads of different lengths (AdaKV, rows of different budgets): the step runs in
-                # step_attention, which hides the empty slots itself (no mask to build or apply)
+                # step_attention, which hides the empty slots itself (no mask to build or apply);
+                # a packed layer's rows are read where they lie when the C++ step runs
                 self._run_step_attention(module, idx, kwargs)
+                if layer._packed is not None and idx not in self._weighed and native_kv.available():
+                    self._update_as[idx] = "packed"
             else:
                 kwargs["attention_mask"] = self._mask(module, layer, hidden, kwargs, Nq)
         return args, kwargs

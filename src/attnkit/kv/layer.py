@@ -267,13 +267,15 @@ class PolicyLayer(CacheLayerMixin):
         return found
 
     def append(self, key_states: Tensor, value_states: Tensor, real: Tensor, rope: Tensor,
-               kept_only: bool = False, slots: Tensor | None = None) -> tuple[Tensor, Tensor]:
+               kept_only: bool = False, slots: Tensor | None = None, materialise: bool = True) -> tuple[Tensor, Tensor]:
         """Add ``Nq`` new tokens after the kept entries; ``real`` (B, Nq) marks the tokens
         that are not padding, ``rope`` (B, Nq) the positions their keys were rotated at.
         Returns the keys and values for this call's attention: every slot, or with
         ``kept_only`` (every row and head then keeps as many entries) the kept entries
         alone, gathered, so that the call needs no mask; or the ``slots`` (B, Hq, n)
-        of each query head (Quest's pages), gathered per query head."""
+        of each query head (Quest's pages), gathered per query head. A packed layer returns
+        its padded keys and values, or without ``materialise`` its packed rows (for an
+        attention that reads them where they lie)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         B, H, N = key_states.shape[:3]
@@ -281,9 +283,13 @@ class PolicyLayer(CacheLayerMixin):
         pos = torch.arange(self.seen, self.seen + N, device=dev).expand(B, H, N)
         rooms = self.rooms
         self.ring = None
+        known = self._kept_range
+        known = known[2] if known is not None and known[0] is self.valid and known[1] == self.valid._version else None
         if self._packed is not None:
-            self._packed.append(key_states, value_states)
-            keys, values = self._packed.materialise()  # for this call's attention only
+            packed = self._packed
+            packed.append(key_states, value_states)
+            # the padded layout for this call's attention only
+            keys, values = packed.materialise() if materialise else (packed.k, packed.v)
         else:
             self._keys = keys = rooms["keys"].append(self._keys, key_states)
             self._values = values = rooms["values"].append(self._values, value_states)
@@ -294,7 +300,10 @@ class PolicyLayer(CacheLayerMixin):
         if self.score is not None:
             self.score = rooms["score"].append(self.score, torch.zeros(B, H, N, dtype=torch.float64, device=dev))
         self.seen += N
-        self.full = self.full and bool(real.all())
+        all_real = bool(real.all())
+        self.full = self.full and all_real
+        if known is not None and all_real:  # every head gained N entries: no need to count them again
+            self._kept_range = (self.valid, self.valid._version, (known[0] + N, known[1] + N))
         if slots is not None:
             return rooms["keys"].gather(keys, slots), rooms["values"].gather(values, slots)
         if kept_only and not self.full:

@@ -30,6 +30,7 @@ class PackedKV:
         self.k = torch.cat([keys.reshape(-1, D).index_select(0, kept), keys.new_zeros(1, D)])
         self.v = torch.cat([values.reshape(-1, values.shape[-1]).index_select(0, kept), values.new_zeros(1, values.shape[-1])])
         self.rows = T + 1  # rows in use; ``k`` and ``v`` may hold more, for the tokens to come
+        self.empty_row = T  # the row of zeros an empty slot reads
         source = torch.full((flat.numel(),), T, dtype=torch.int32, device=keys.device)
         source[kept] = torch.arange(T, dtype=torch.int32, device=keys.device)
         self.source = source.view(B, H, L)  # the row each slot reads (int32: half the bytes)

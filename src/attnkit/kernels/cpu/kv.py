@@ -1,14 +1,18 @@
 """Python side of kv.cpp: a KV-cache policy's decoding step in one pass each — evicting
 the lowest-scoring entry per (row, KV head) (TOVA, arXiv 2401.06104; H2O, arXiv
-2306.14048) and writing the next token into the slot it left. Callers (``attnkit.kv``)
-check ``kernels.cpu.available()`` first and run their PyTorch rule otherwise."""
+2306.14048), writing the next token into the slot it left, and one-token attention that
+reads the cache in place: over heads stored packed (AdaKV) or over Quest's pages (arXiv
+2406.10774), chosen in the same pass. Callers (``attnkit.kv``) check ``available()``
+first and run their PyTorch path otherwise."""
 
 from __future__ import annotations
 
 import torch
 from torch.autograd.graph import increment_version
 
-from .build import available  # noqa: F401  (callers ask here whether the operators run)
+from .build import available
+
+__all__ = ["H2O", "TOVA", "available", "evict_lowest", "fill_hole", "packed_attention", "quest_attention"]
 
 Tensor = torch.Tensor
 
@@ -38,6 +42,29 @@ def fill_hole(keys: Tensor, values: Tensor, valid: Tensor, pos: Tensor, rope: Te
     score 0."""
     torch.ops.attnkit.kv_fill_hole(keys, values, valid, pos, rope, score, key_new, value_new, rope_new, seen)
     increment_version([t for t in (keys, values, valid, pos, rope, score) if t is not None])
+
+
+def packed_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, source: Tensor, empty_row: int, scale: float) -> Tensor:
+    """softmax(q k^T * scale) v for one query per head, q (B, Hq, 1, D), over heads stored
+    packed: ``source`` (B, Hkv, L) int32 names each slot's row of ``k_rows`` (T, D) and
+    ``v_rows`` (T, Dv); slots naming ``empty_row`` are empty. Returns (B, 1, Hq, Dv)."""
+    return torch.ops.attnkit.kv_packed_attention(q, k_rows, v_rows, source, empty_row, scale)
+
+
+def quest_attention(q: Tensor, keys: Tensor, values: Tensor, kmin: Tensor, kmax: Tensor, has: Tensor, budget: Tensor,
+                    page_size: int, cached: int, per_group: bool, scale: float, fold: bool) -> tuple[Tensor, Tensor]:
+    """Quest's step for one query per head, q (B, Hq, 1, D): pages of the ``cached`` slots
+    ranked by their key bound (``kmin``/``kmax`` (B, Hkv, >= P, D) float64, ``has``
+    (B, Hkv, >= P)), ceil(budget[b] / page_size) chosen per query head (per KV head with
+    ``per_group``; the incomplete last page first, ties to the earlier page), attention
+    over their slots and the new token's (slot ``cached``) of ``keys``/``values``.
+    ``fold``: the new key then joins its page's extremes, in place. Returns (out (B, 1,
+    Hq, Dv), chosen pages (B, Hq or Hkv, P) bool)."""
+    out = torch.ops.attnkit.kv_quest_attention(q, keys, values, kmin, kmax, has, budget, page_size, cached, per_group,
+                                               scale, fold)
+    if fold:
+        increment_version((kmin, kmax, has))
+    return out
 
 
 def register() -> None:

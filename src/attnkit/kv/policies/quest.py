@@ -55,22 +55,37 @@ def page_bounds(q: Tensor, kmin: Tensor, kmax: Tensor) -> Tensor:
     return bound.view(B, Hq, Nq, P)
 
 
-def layer_extremes(layer, page_size: int) -> tuple[Tensor, Tensor, Tensor]:
+def layer_extremes(layer, page_size: int, room: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """``page_extremes`` of a cache layer's slots, kept in ``layer.memo`` between
     decoding steps: appended tokens only touch the last pages, so only those are
-    recomputed (the layer empties the memo whenever existing slots change)."""
+    recomputed (the layer empties the memo whenever existing slots change). They are
+    stored with room for more pages; ``room``: return that storage itself, with space for
+    at least one page past the slots (Quest's C++ step folds the next key into it),
+    instead of the P = ceil(L / page_size) pages."""
     L = layer.length
+    P = math.ceil(L / page_size)
     memo = layer.memo.get("quest_pages")
     if memo is None or memo[3] != page_size or memo[4] > L:
-        kmin, kmax, has = page_extremes(layer.keys, layer.valid, page_size)
+        stored, p0 = None, 0
     else:
-        kmin, kmax, has, _, upto = memo
+        *stored, _, upto = memo
         p0 = upto // page_size  # the first page that was not complete
-        if upto < L:
-            tail = page_extremes(layer.keys[:, :, p0 * page_size :], layer.valid[:, :, p0 * page_size :], page_size)
-            kmin, kmax, has = (torch.cat([old[:, :, :p0], new], 2) for old, new in zip((kmin, kmax, has), tail))
-    layer.memo["quest_pages"] = (kmin, kmax, has, page_size, L)
-    return kmin, kmax, has
+        if upto == L:
+            p0 = P
+    tail = None
+    if stored is None or p0 < P:
+        tail = page_extremes(layer.keys[:, :, p0 * page_size :], layer.valid[:, :, p0 * page_size :], page_size)
+    if stored is None or stored[0].shape[2] < P + 1:  # room for the page after the slots, and a few more
+        like = tail if stored is None else stored
+        grown = [t.new_empty(*t.shape[:2], P + 1 + P // 16, *t.shape[3:]) for t in like]
+        for new, old in zip(grown, stored or ()):
+            new[:, :, :p0] = old[:, :, :p0]
+        stored = grown
+    if tail is not None:
+        for into, part in zip(stored, tail):
+            into[:, :, p0:P] = part
+    layer.memo["quest_pages"] = (*stored, page_size, L)
+    return tuple(stored) if room else tuple(t[:, :, :P] for t in stored)
 
 
 def page_choice(q: Tensor, valid: Tensor, tokens: Tensor, page_size: int,
