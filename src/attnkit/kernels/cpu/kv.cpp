@@ -223,8 +223,15 @@ inline float dot(const float *a, const float *b, int64_t n) {
 }
 
 inline double dot(const double *a, const double *b, int64_t n) {
+    int64_t d = 0;
     double s = 0.0;
-    for (int64_t d = 0; d < n; ++d) s += a[d] * b[d];
+#ifdef AK_AVX2
+    __m256d acc = _mm256_setzero_pd();
+    for (; d + 4 <= n; d += 4) acc = _mm256_fmadd_pd(_mm256_loadu_pd(a + d), _mm256_loadu_pd(b + d), acc);
+    const __m128d pair = _mm_add_pd(_mm256_castpd256_pd128(acc), _mm256_extractf128_pd(acc, 1));
+    s = _mm_cvtsd_f64(_mm_add_sd(pair, _mm_unpackhi_pd(pair, pair)));
+#endif
+    for (; d < n; ++d) s += a[d] * b[d];
     return s;
 }
 
@@ -374,24 +381,24 @@ std::tuple<Tensor, Tensor> quest_attention_impl(const Tensor &q_, const Tensor &
     const int64_t *bp = budget.data_ptr<int64_t>();
     attnkit::over_units(B * H, 1, [&](int64_t u0, int64_t u1) {
         std::vector<T> buf;
-        std::vector<double> bound(g * P);
+        std::vector<double> bound(g * P), q_pos(g * D), q_neg(g * D);
         std::vector<int64_t> order, rows;
         for (int64_t u = u0; u < u1; ++u) {
             const int64_t b = u / H, h = u % H;
             const double *mn = lo + b * kmin.stride(0) + h * kmin.stride(1), *mx = hi + b * kmax.stride(0) + h * kmax.stride(1);
             const bool *hs = hp + b * has.stride(0) + h * has.stride(1);
-            // Quest's bound of q . k over a page: sum_d max(q_d min_d, q_d max_d) (an empty page's is unused)
-            for (int64_t i = 0; i < g; ++i) {
-                const T *qi = qp + (b * Hq + h * g + i) * D;
-                for (int64_t p = 0; p < P; ++p) {
-                    double s = 0.0;
-                    if (hs[p])
-                        for (int64_t d = 0; d < D; ++d) {
-                            const double x = (double)qi[d];
-                            s += x >= 0 ? x * mx[p * kmax.stride(2) + d] : x * mn[p * kmin.stride(2) + d];
-                        }
-                    bound[i * P + p] = s;
+            // Quest's bound of q . k over a page, sum_d max(q_d min_d, q_d max_d), as q+ . max + q- . min
+            // (q+, q- the positive and negative parts of q); an empty page's is unused
+            for (int64_t i = 0; i < g; ++i)
+                for (int64_t d = 0; d < D; ++d) {
+                    const double x = (double)qp[(b * Hq + h * g + i) * D + d];
+                    q_pos[i * D + d] = x > 0 ? x : 0.0;
+                    q_neg[i * D + d] = x < 0 ? x : 0.0;
                 }
+            for (int64_t p = 0; p < P; ++p) {
+                const double *pmx = mx + p * kmax.stride(2), *pmn = mn + p * kmin.stride(2);
+                for (int64_t i = 0; i < g; ++i)
+                    bound[i * P + p] = hs[p] ? dot(q_pos.data() + i * D, pmx, D) + dot(q_neg.data() + i * D, pmn, D) : 0.0;
             }
             if (per_group)
                 for (int64_t i = 1; i < g; ++i)
