@@ -183,3 +183,22 @@ def test_quest_attention_chooses_pages_attends_and_folds_as_the_pytorch_rule(hea
     after = page_extremes(keys, torch.ones(B, H, cached + 1, dtype=torch.bool), size)  # the new key folded in
     for stored, fresh in zip(room, after):
         assert torch.equal(stored[:, :, : fresh.shape[2]], fresh)
+
+
+@pytest.mark.parametrize("hidden", [False, True])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.float64, 1e-13)])
+def test_step_attention_returns_the_output_and_weights_of_dense_attention(hidden, dtype, tol):
+    """Over the slots of views into larger storage (the cache's rooms), some hidden."""
+    g = torch.Generator().manual_seed(5)
+    B, Hq, H, L, D = 2, 8, 2, 45, 32
+    keys = torch.randn(B, H, L + 5, D, generator=g, dtype=dtype)[:, :, :L]
+    values = torch.randn(B, H, L + 5, D, generator=g, dtype=dtype)[:, :, :L]
+    q = torch.randn(B, Hq, 1, D, generator=g, dtype=dtype)
+    hide = (torch.rand(B, H, L, generator=g) < 0.3) if hidden else None
+    visible = torch.ones(B, Hq, L, dtype=torch.bool) if hide is None else ~hide.repeat_interleave(Hq // H, 1)
+    out, weights = native_kv.step_attention(q, keys, values, hide, 0.2)
+    torch.testing.assert_close(out, _dense_step(q, keys, values, visible, 0.2), atol=tol, rtol=tol)
+    logits = ((q * 0.2) @ keys.repeat_interleave(Hq // H, 1).transpose(-1, -2))[:, :, 0]
+    want = logits.masked_fill(~visible, float("-inf")).softmax(-1)
+    torch.testing.assert_close(weights, want, atol=tol, rtol=tol)
+    assert not bool(weights[~visible].any())  # a hidden slot receives nothing

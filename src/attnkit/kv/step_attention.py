@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.cpu import kv as native_kv
+
 Tensor = torch.Tensor
 NAME = "attnkit_kv_step"
 _registered = False
@@ -53,6 +55,11 @@ def step_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_
     B, Hq, _, D = query.shape
     Hkv, L = key.shape[1], key.shape[2]
     scaling = D**-0.5 if scaling is None else scaling
+    if (query.dtype in (torch.float32, torch.float64) and key.dtype == value.dtype == query.dtype
+            and not (query.requires_grad or key.requires_grad or value.requires_grad)
+            and key.stride(-1) == 1 and value.stride(-1) == 1 and native_kv.available()):
+        out, call.mass = native_kv.step_attention(query, key, value, call.hide, scaling)  # one pass, same softmax
+        return out, None
     cd = torch.float64 if query.dtype == torch.float64 else torch.float32
     q = query.to(cd).view(B, Hkv, Hq // Hkv, D) * scaling
     logits = torch.matmul(q, key.to(cd).transpose(-1, -2))  # (B, Hkv, g, L)

@@ -251,10 +251,12 @@ inline double exp_rows(double *x, int64_t n) {
 
 /* softmax_j(q_i . k_j * scale) v_j for g query heads (q: g rows of D, ``q_stride`` apart)
  * over n entries whose key and value rows ``key(j)`` and ``value(j)`` point to; out: g
- * rows of Dv, ``out_stride`` apart. The logits and the accumulators live in ``buf``. */
+ * rows of Dv, ``out_stride`` apart. The logits and the accumulators live in ``buf``;
+ * ``probs`` (g rows of n, ``probs_stride`` apart) receives the weights when given. */
 template <typename T, class KeyRow, class ValueRow>
 void attend(const T *q, int64_t q_stride, int64_t g, int64_t D, int64_t Dv, double scale, int64_t n, const KeyRow &key,
-            const ValueRow &value, T *out, int64_t out_stride, std::vector<T> &buf) {
+            const ValueRow &value, T *out, int64_t out_stride, std::vector<T> &buf, T *probs = nullptr,
+            int64_t probs_stride = 0) {
     buf.assign(g * D + g * n + g * Dv, T(0));
     T *qs = buf.data(), *logits = qs + g * D, *acc = logits + g * n;
     for (int64_t i = 0; i < g; ++i)
@@ -275,6 +277,9 @@ void attend(const T *q, int64_t q_stride, int64_t g, int64_t D, int64_t Dv, doub
     }
     for (int64_t i = 0; i < g; ++i)
         for (int64_t d = 0; d < Dv; ++d) out[i * out_stride + d] = acc[i * Dv + d] / sums[i];
+    if (probs)  // the softmax weights themselves, for a policy that reads them
+        for (int64_t i = 0; i < g; ++i)
+            for (int64_t j = 0; j < n; ++j) probs[i * probs_stride + j] = logits[i * n + j] / sums[i];
 }
 
 void check_query(const Tensor &q, const Tensor &k, const char *k_name) {
@@ -283,6 +288,70 @@ void check_query(const Tensor &q, const Tensor &k, const char *k_name) {
     TORCH_CHECK(q.dim() == 4 && q.size(2) == 1, "attnkit: query must be (B, Hq, 1, D) (one token), got ", q.sizes());
     TORCH_CHECK(k.scalar_type() == q.scalar_type(), "attnkit: ", k_name, " must have the query's dtype, got ",
                 k.scalar_type(), " and ", q.scalar_type());
+}
+
+template <typename T>
+std::tuple<Tensor, Tensor> step_attention_impl(const Tensor &q_, const Tensor &keys, const Tensor &values,
+                                               const std::optional<Tensor> &hide, double scale) {
+    const Tensor q = q_.contiguous();
+    const int64_t B = q.size(0), Hq = q.size(1), D = q.size(3), H = keys.size(1), L = keys.size(2);
+    const int64_t Dv = values.size(3), g = Hq / H;
+    Tensor out = at::empty({B, 1, Hq, Dv}, q.options()), weights = at::empty({B, Hq, L}, q.options());
+    const T *qp = q.data_ptr<T>(), *kp = keys.data_ptr<T>(), *vp = values.data_ptr<T>();
+    T *op = out.data_ptr<T>(), *wp = weights.data_ptr<T>();
+    const bool *hp = hide ? hide->data_ptr<bool>() : nullptr;
+    attnkit::over_units(B * H, 1, [&](int64_t u0, int64_t u1) {
+        std::vector<T> buf, probs;
+        std::vector<int64_t> rows;
+        for (int64_t u = u0; u < u1; ++u) {
+            const int64_t b = u / H, h = u % H;
+            const T *kh = kp + b * keys.stride(0) + h * keys.stride(1), *vh = vp + b * values.stride(0) + h * values.stride(1);
+            const int64_t ks = keys.stride(2), vs = values.stride(2);
+            T *w = wp + (b * Hq + h * g) * L;
+            if (!hp) {  // every slot: the weights go straight into their rows
+                attend<T>(qp + (b * Hq + h * g) * D, D, g, D, Dv, scale, L, [&](int64_t j) { return kh + j * ks; },
+                          [&](int64_t j) { return vh + j * vs; }, op + (b * Hq + h * g) * Dv, Dv, buf, w, L);
+                continue;
+            }
+            const bool *hidden = hp + b * hide->stride(0) + h * hide->stride(1);
+            rows.clear();
+            for (int64_t j = 0; j < L; ++j)
+                if (!hidden[j]) rows.push_back(j);
+            const int64_t n = (int64_t)rows.size();
+            probs.resize(g * n);
+            attend<T>(qp + (b * Hq + h * g) * D, D, g, D, Dv, scale, n, [&](int64_t j) { return kh + rows[j] * ks; },
+                      [&](int64_t j) { return vh + rows[j] * vs; }, op + (b * Hq + h * g) * Dv, Dv, buf, probs.data(), n);
+            for (int64_t i = 0; i < g; ++i) {
+                std::fill(w + i * L, w + (i + 1) * L, T(0));
+                for (int64_t j = 0; j < n; ++j) w[i * L + rows[j]] = probs[i * n + j];
+            }
+        }
+        return 0;
+    });
+    return {out, weights};
+}
+
+/* softmax(q k^T * scale | not hidden) v for one query per head (B, Hq, 1, D) over keys and
+ * values (B, Hkv, L, D|Dv) (any strides, unit last), GQA without repeating heads;
+ * ``hide`` (B, Hkv, L) bool: slots no query sees. Returns (out (B, 1, Hq, Dv), the
+ * weights (B, Hq, L), 0 on hidden slots). */
+std::tuple<Tensor, Tensor> kv_step_attention(const Tensor &q, const Tensor &keys, const Tensor &values,
+                                             const std::optional<Tensor> &hide, double scale) {
+    check_query(q, keys, "keys");
+    TORCH_CHECK(values.scalar_type() == q.scalar_type(), "attnkit: values must have the query's dtype");
+    const int64_t B = q.size(0);
+    TORCH_CHECK(keys.dim() == 4 && values.dim() == 4 && keys.size(0) == B && values.size(0) == B && keys.size(1) > 0 &&
+                    values.size(1) == keys.size(1) && q.size(1) % keys.size(1) == 0 && keys.size(3) == q.size(3) &&
+                    values.size(2) == keys.size(2) && keys.stride(3) == 1 && values.stride(3) == 1,
+                "attnkit: keys and values must be (", B, ", Hkv, L, D) with a unit last stride, got ", keys.sizes(),
+                " and ", values.sizes());
+    if (hide)
+        TORCH_CHECK(hide->scalar_type() == at::kBool && hide->dim() == 3 && hide->size(0) == B &&
+                        hide->size(1) == keys.size(1) && hide->size(2) == keys.size(2) &&
+                        (keys.size(2) <= 1 || hide->stride(2) == 1),
+                    "attnkit: hide must be (B, Hkv, L) bool, got ", hide->sizes());
+    if (q.scalar_type() == at::kFloat) return step_attention_impl<float>(q, keys, values, hide, scale);
+    return step_attention_impl<double>(q, keys, values, hide, scale);
 }
 
 template <typename T>
@@ -481,6 +550,7 @@ TORCH_LIBRARY_FRAGMENT(attnkit, m) {
           "float recent) -> (Tensor, int, int)");
     m.def("kv_fill_hole(Tensor(a!) keys, Tensor(b!) values, Tensor(c!) valid, Tensor(d!) pos, Tensor(e!)? rope, "
           "Tensor(f!)? score, Tensor key_new, Tensor value_new, Tensor rope_new, int seen) -> ()");
+    m.def("kv_step_attention(Tensor q, Tensor keys, Tensor values, Tensor? hide, float scale) -> (Tensor, Tensor)");
     m.def("kv_packed_attention(Tensor q, Tensor k_rows, Tensor v_rows, Tensor source, int empty_row, float scale) -> Tensor");
     m.def("kv_quest_attention(Tensor q, Tensor keys, Tensor values, Tensor(a!) kmin, Tensor(b!) kmax, Tensor(c!) has, "
           "Tensor budget, int page_size, int cached, bool per_group, float scale, bool fold) -> (Tensor, Tensor)");
@@ -489,6 +559,7 @@ TORCH_LIBRARY_FRAGMENT(attnkit, m) {
 TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
     m.impl("kv_evict_lowest", &kv_evict_lowest);
     m.impl("kv_fill_hole", &kv_fill_hole);
+    m.impl("kv_step_attention", &kv_step_attention);
     m.impl("kv_packed_attention", &kv_packed_attention);
     m.impl("kv_quest_attention", &kv_quest_attention);
 }

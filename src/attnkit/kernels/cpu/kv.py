@@ -12,7 +12,7 @@ from torch.autograd.graph import increment_version
 
 from .build import available
 
-__all__ = ["H2O", "TOVA", "available", "evict_lowest", "fill_hole", "packed_attention", "quest_attention"]
+__all__ = ["H2O", "TOVA", "available", "evict_lowest", "fill_hole", "packed_attention", "quest_attention", "step_attention"]
 
 Tensor = torch.Tensor
 
@@ -42,6 +42,13 @@ def fill_hole(keys: Tensor, values: Tensor, valid: Tensor, pos: Tensor, rope: Te
     score 0."""
     torch.ops.attnkit.kv_fill_hole(keys, values, valid, pos, rope, score, key_new, value_new, rope_new, seen)
     increment_version([t for t in (keys, values, valid, pos, rope, score) if t is not None])
+
+
+def step_attention(q: Tensor, keys: Tensor, values: Tensor, hide: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+    """softmax(q k^T * scale | not hidden) v for one query per head, q (B, Hq, 1, D), over
+    keys and values (B, Hkv, L, D|Dv) without repeating them per query head; ``hide``
+    (B, Hkv, L) bool or None. Returns (out (B, 1, Hq, Dv), weights (B, Hq, L))."""
+    return torch.ops.attnkit.kv_step_attention(q, keys, values, hide, scale)
 
 
 def packed_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, source: Tensor, empty_row: int, scale: float) -> Tensor:
