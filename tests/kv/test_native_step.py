@@ -202,3 +202,51 @@ def test_step_attention_returns_the_output_and_weights_of_dense_attention(hidden
     want = logits.masked_fill(~visible, float("-inf")).softmax(-1)
     torch.testing.assert_close(weights, want, atol=tol, rtol=tol)
     assert not bool(weights[~visible].any())  # a hidden slot receives nothing
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.float64, 1e-13)])
+def test_prefill_attention_returns_causal_attention_and_the_mass_each_key_receives(dtype, tol):
+    g = torch.Generator().manual_seed(6)
+    B, Hq, H, N, D, Dv = 2, 8, 2, 75, 16, 24
+    q = torch.randn(B, Hq, N, D, generator=g, dtype=dtype)
+    k, v = torch.randn(B, H, N, D, generator=g, dtype=dtype), torch.randn(B, H, N, Dv, generator=g, dtype=dtype)
+    out, mass = native_kv.prefill_attention(q, k, v, 0.25)
+    logits = (q * 0.25) @ k.repeat_interleave(Hq // H, 1).transpose(-1, -2)
+    weights = logits.masked_fill(~torch.ones(N, N, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+    torch.testing.assert_close(out, (weights @ v.repeat_interleave(Hq // H, 1)).transpose(1, 2), atol=tol, rtol=tol)
+    assert mass.dtype == torch.float64
+    # column sums of up to N weights: float32 rounding grows with the count
+    torch.testing.assert_close(mass, weights.sum(2).double(), atol=N * tol, rtol=tol)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("model_name", ["llama", "qwen2"])
+def test_h2o_prefill_with_the_fused_pass_keeps_the_reference_sets(model_name, monkeypatch):
+    """An unpadded batch: H2O's prefill runs its attention and mass in one C++ pass; the
+    kept sets equal the paper's rule on eager weights (prefill, then three steps), and the
+    prefill's logits equal the model's own."""
+    from eager_reference import fraction_capacity, simulate
+
+    ids = torch.randint(1, 97, (2, 23), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(ids)
+    steps = torch.randint(1, 97, (2, 3), generator=torch.Generator().manual_seed(9))
+    policy = kv.POLICIES["h2o"](recent=0.5)
+    expected = simulate(build(model_name, "eager").double(), policy, ids, mask, fraction_capacity(0.4), steps)
+    model = build(model_name, "sdpa").double()
+    called = []
+    original = native_kv.prefill_attention
+    monkeypatch.setattr(native_kv, "prefill_attention", lambda *a: called.append(1) or original(*a))
+    cache = kv.policy_cache(model, "h2o", budget=0.4, recent=0.5)
+    logits = model(ids, attention_mask=mask, cache=cache).logits
+    # the fused pass in every layer without a sliding window (qwen2's two windowed layers take the other path)
+    from attnkit.kv.model_parts import attention_modules, sliding_window
+
+    assert len(called) == sum(sliding_window(m) is None for m in attention_modules(model)) > 0
+    torch.testing.assert_close(logits, model(ids, attention_mask=mask).logits, atol=1e-10, rtol=1e-10)
+    full = mask
+    for s in range(steps.shape[1] + 1):
+        for layer, want in expected[s].items():
+            assert torch.equal(cache.kept_mask(layer), want), (s, layer)
+        if s < steps.shape[1]:
+            full = torch.cat([full, torch.ones(2, 1, dtype=full.dtype)], 1)
+            model(steps[:, s : s + 1], attention_mask=full, position_ids=positions(full)[:, -1:], cache=cache)

@@ -65,7 +65,8 @@ class PolicyCache(Cache):
         # layer -> how its pending update returns keys and values other than appending them all:
         # "fill" (the token takes the slot the last step evicted), "kept" (the kept entries
         # alone, gathered), a tensor of slots to gather per query head (Quest's pages), or for a
-        # step the C++ attention reads in place, "packed" (a packed layer's rows) or "quest"
+        # call that runs a C++ step of kernels.cpu.kv, "packed" (a packed layer's rows read in
+        # place), "quest" (pages chosen and read in place) or "prefill" (attention with its mass)
         self._update_as: dict[int, str | Tensor] = {}
         self._steps: dict[int, StepCall] = {}  # layer -> its step's attention runs in step_attention
         self._switched = None  # (config, its attention implementation) while a step runs in step_attention
@@ -115,10 +116,12 @@ class PolicyCache(Cache):
                            kept_only=how == "kept", slots=slots, materialise=how != "packed")
         if how == "packed":
             packed = layer._packed
-            call.attend = lambda q, scale: native_kv.packed_attention(q, packed.k, packed.v, packed.source,
-                                                                      packed.empty_row, scale)
+            call.attend = lambda q, k, v, scale: native_kv.packed_attention(q, packed.k, packed.v, packed.source,
+                                                                            packed.empty_row, scale)
         elif how == "quest":
-            call.attend = lambda q, scale: self._quest_step(layer, q, scale, pages, cached)
+            call.attend = lambda q, k, v, scale: self._quest_step(layer, q, scale, pages, cached)
+        elif how == "prefill":
+            call.attend = lambda q, k, v, scale: _prefill_step(call, q, k, v, scale)
         elif call is not None and not layer.full:
             call.hide = ~layer.valid  # step_attention reads every slot: the empty ones are hidden there
         return out
@@ -230,6 +233,10 @@ class PolicyCache(Cache):
                 self._weighed[idx] = True
                 if self._direct_now and phase == "decode" and self._steps_here(module, layer, hidden, Nq):
                     self._run_step_attention(module, idx, kwargs)  # the step's own softmax gives its weights
+                elif self._direct_now and rows == (0, Nq) and self._prefills_here(module, layer, hidden):
+                    # every prompt query's weights (H2O): the attention and the mass in one C++ pass
+                    self._run_step_attention(module, idx, kwargs)
+                    self._update_as[idx] = "prefill"
                 elif self._direct_now:
                     lo, hi = rows
                     cos, sin = kwargs["position_embeddings"]
@@ -304,6 +311,15 @@ class PolicyCache(Cache):
         return (Nq == 1 and module.config._attn_implementation in ("sdpa", "eager") and sliding_window(module) is None
                 and not (module.training and getattr(module, "attention_dropout", 0.0))
                 and self._all_real(layer.seen, 1))
+
+    def _prefills_here(self, module, layer: PolicyLayer, hidden: Tensor) -> bool:
+        """Whether this prefill's attention can run in C++ with the mass each key receives
+        (``kernels.cpu.kv.prefill_attention``): a fresh layer, no padding, a causal plain
+        softmax on sdpa or eager, no sliding window or dropout, float32/float64, no autograd."""
+        return (layer.seen == 0 and getattr(module, "is_causal", True) and hidden.dtype in (torch.float32, torch.float64)
+                and not hidden.requires_grad and module.config._attn_implementation in ("sdpa", "eager")
+                and sliding_window(module) is None and not (module.training and getattr(module, "attention_dropout", 0.0))
+                and self._all_real(0, hidden.shape[1]) and native_kv.available())
 
     def _run_step_attention(self, module, idx: int, kwargs: dict) -> None:
         """Route this layer's call to step_attention (until ``_unswitch``)."""
@@ -435,6 +451,13 @@ class PolicyCache(Cache):
             target = torch.where(layer.valid, layer.valid.cumsum(-1) - 1, layer.rope)
             layer.keys = rotate(layer.keys, target - layer.rope, self._inv_freq)
             layer.rope = torch.where(layer.valid, target, -1)
+
+
+def _prefill_step(call: StepCall, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """A prefill's causal attention in C++, its mass (every query's weights summed per key)
+    left in ``call.mass`` for the policy."""
+    out, call.mass = native_kv.prefill_attention(q, k, v, scale)
+    return out
 
 
 def _step_mask(layer: PolicyLayer, g: int) -> Tensor:

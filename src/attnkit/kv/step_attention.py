@@ -39,8 +39,8 @@ class StepCall:
     def __init__(self):
         self.hide: Tensor | None = None  # (B, Hkv, L) slots the query must not see, set by the cache's update
         self.mass: Tensor | None = None  # (B, Hq, L) the step's softmax weights, set here
-        #: set by the cache's update when the step reads the cache where it lies (the C++
-        #: steps of kernels.cpu.kv: packed heads, Quest's pages): (query, scaling) -> output
+        #: set by the cache's update when the call runs one of kernels.cpu.kv's C++ steps (packed
+        #: heads, Quest's pages, a prefill with its mass): (query, key, value, scaling) -> output
         self.attend = None
 
 
@@ -51,7 +51,7 @@ def step_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_
     and the weights left in ``attnkit_kv_step.mass``."""
     call = attnkit_kv_step
     if call.attend is not None:  # the key and value the module passes are the cache's own storage
-        return call.attend(query, query.shape[-1] ** -0.5 if scaling is None else scaling), None
+        return call.attend(query, key, value, query.shape[-1] ** -0.5 if scaling is None else scaling), None
     B, Hq, _, D = query.shape
     Hkv, L = key.shape[1], key.shape[2]
     scaling = D**-0.5 if scaling is None else scaling

@@ -12,7 +12,8 @@ from torch.autograd.graph import increment_version
 
 from .build import available
 
-__all__ = ["H2O", "TOVA", "available", "evict_lowest", "fill_hole", "packed_attention", "quest_attention", "step_attention"]
+__all__ = ["H2O", "TOVA", "available", "evict_lowest", "fill_hole", "packed_attention", "prefill_attention", "quest_attention",
+           "step_attention"]
 
 Tensor = torch.Tensor
 
@@ -49,6 +50,14 @@ def step_attention(q: Tensor, keys: Tensor, values: Tensor, hide: Tensor | None,
     keys and values (B, Hkv, L, D|Dv) without repeating them per query head; ``hide``
     (B, Hkv, L) bool or None. Returns (out (B, 1, Hq, Dv), weights (B, Hq, L))."""
     return torch.ops.attnkit.kv_step_attention(q, keys, values, hide, scale)
+
+
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Causal softmax attention over a fresh, unpadded sequence, q (B, Hq, N, D), k and v
+    (B, Hkv, N, D|Dv), with the weight each key receives summed over all N queries (H2O's
+    score, arXiv 2306.14048) from the same pass. Returns (out (B, N, Hq, Dv), mass (B, Hq,
+    N) float64)."""
+    return torch.ops.attnkit.kv_prefill_attention(q, k, v, scale)
 
 
 def packed_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, source: Tensor, empty_row: int, scale: float) -> Tensor:
