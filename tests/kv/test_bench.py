@@ -1,6 +1,8 @@
 """The kv benchmark suite runs and its rows carry what the caches really hold (no
 timing is asserted: only the wiring of rows, targets and byte counts)."""
 
+import pytest
+
 from attnkit.bench import SUITES, kv
 
 
@@ -39,3 +41,26 @@ def test_wide_subject_decode_rows(monkeypatch):
         assert r.ok == (r.baseline_ms / r.attnkit_ms >= 1.5)
     model = kv.tiny_llama(48, **kv.WIDE)
     assert (model.config.num_key_value_heads, model.config.head_dim, model.config.hidden_size) == (8, 64, 512)
+
+
+def test_floor_row_times_a_cache_of_the_budgets_size():
+    """The floor row decodes on a DynamicCache that holds a quarter of the prompt (no
+    policy) against the full one, and reports (no target) the speed-up."""
+    from transformers import DynamicCache
+
+    n = 64
+    made = []
+    original = DynamicCache.__init__
+
+    def tracked(self, *a, **k):
+        original(self, *a, **k)
+        made.append(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DynamicCache, "__init__", tracked)
+        (row,) = kv.floor_row(n, decode_steps=2, decode_repeats=1, model=kv.tiny_llama(n))
+    assert row.target == "report" and row.ok is None and row.attnkit_ms > 0 and row.baseline_ms > 0
+    short, full = made
+    # the prefill, then the warm-up and timed blocks of 2 steps each
+    assert full.get_seq_length() - n == short.get_seq_length() - n // 4 > 0
+    assert row.extra["speedup"] == row.baseline_ms / row.attnkit_ms

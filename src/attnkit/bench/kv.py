@@ -12,6 +12,9 @@ selective attention and is left out):
   cache at budget 0.25 against the same steps on the full ``DynamicCache`` (same model,
   same prompt), interleaved blocks, medians (target: at least 1.5x the full cache's
   tokens/s, as each step attends to a quarter of the keys);
+- floor: a ``DynamicCache`` holding only a quarter of the prompt, against the full one
+  (reported): the speed-up of attending to a quarter of the keys with no policy at all,
+  which bounds the decode rows;
 - prefill: the prefill with the policy's scoring and compression (at budget 0.25)
   against a plain prefill into ``DynamicCache`` on sdpa (target: at most 1.2x). Policies
   that read attention weights stay on sdpa and the cache computes the scored rows'
@@ -45,7 +48,7 @@ TARGET_DECODE = 1.5  # x the full cache's tokens/s
 TARGET_PREFILL = 1.2  # x a plain sdpa prefill
 POLICIES = (("streaming", {}), ("h2o", {}), ("snapkv", {}), ("tova", {}), ("quest", {}), ("pyramid", {}), ("adakv", {}),
             ("knorm", {}))
-STEPS = len(POLICIES) + 2
+STEPS = len(POLICIES) + 3
 
 
 def tiny_llama(n: int, **sizes):
@@ -167,6 +170,30 @@ def attnkit_prefill_row(n: int, repeats: int, model=None) -> list[Row]:
                 "the part of a weight-reading policy's prefill that is attnkit's attention, not scoring")]
 
 
+def floor_row(n: int, decode_steps: int, decode_repeats: int, model=None) -> list[Row]:
+    """The ceiling of the decode rows: a ``DynamicCache`` that holds only the budget's
+    share of the prompt (its last ``BUDGET * n`` tokens, no policy at all) against the full
+    one. A policy at that budget attends to as many keys, so its speed-up can only come
+    near this one."""
+    from transformers import DynamicCache
+
+    model = tiny_llama(n) if model is None else model
+    ids = prompt(n)
+    short, full = DynamicCache(), DynamicCache()
+    state = {"short": (short, prefill(model, ids[:, -int(BUDGET * n):], short)), "full": (full, prefill(model, ids, full))}
+
+    def step(key):
+        cache, token = state[key]
+        state[key] = (cache, decode(model, cache, token, decode_steps))
+
+    dec_c, dec_b = time_pair(lambda: step("short"), lambda: step("full"), repeats=decode_repeats)
+    speed = dec_b / dec_c
+    return [Row("kv", f"floor: a DynamicCache of {int(BUDGET * n)} tokens, {decode_steps} decoding steps", f"N={n}", dec_c,
+                "DynamicCache (sdpa)", dec_b, "report", None,
+                f"{speed:.2f}x: the most a policy keeping {BUDGET} of the prompt can give on this subject",
+                extra={"speedup": speed})]
+
+
 def wide_decode_rows(n: int, decode_steps: int, decode_repeats: int) -> list[Row]:
     """The decode rows again on the second subject (``WIDE``): one prefill per policy at
     budget ``BUDGET``, then each policy's blocks of steps interleaved with the full
@@ -206,5 +233,6 @@ def run(quick: bool = False, progress=None) -> list[Row]:
     steps = [(name, lambda name=name, params=params: measure(name, params, n, repeats, decode_steps, decode_repeats, model))
              for name, params in POLICIES]
     steps.append(("attnkit prefill", lambda: attnkit_prefill_row(n, repeats, model)))
+    steps.append(("floor", lambda: floor_row(n, decode_steps, decode_repeats, model)))
     steps.append(("8 KV heads of 64: decoding", lambda: wide_decode_rows(n, decode_steps, max(3, decode_repeats - 2))))
     return run_steps(steps, progress)
