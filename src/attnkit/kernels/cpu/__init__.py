@@ -8,7 +8,11 @@ C++ beside its Python binding:
   free head sizes and softcap, top-k forward;
 - ``mixed``: softmax with a logit transform and head mixing (multi-token attention,
   talking heads), forward and backward;
-- ``sparse``: NSA's inference forward.
+- ``sparse``: NSA's inference forward;
+- ``kv``: the KV-cache policies' steps (``attnkit.kv``): evicting the lowest-scoring entry
+  and refilling its slot (H2O, TOVA), and attention that reads the cache where it lies
+  and returns what the policy reads (a step's weights, a prefill's mass per key, packed
+  heads, Quest's pages).
 
 Numerics live in common.h (vectorised exp, bands), the tile products in gemm.cpp: oneDNN's
 brgemm ukernel for A B (``at::native::cpublas::brgemm``), ATen's addmm on views of the

@@ -38,7 +38,7 @@ HERE = Path(__file__).parent
 #: the translation units: the loops (no torch headers, quick to compile), the matrix
 #: products, and one binding file per family of operators
 SOURCES = ["loops_pointwise.cpp", "loops_fused.cpp", "loops_mixed.cpp", "loops_sparse.cpp", "gemm.cpp", "pointwise.cpp",
-           "fused.cpp", "mixed.cpp", "sparse.cpp", "kv.cpp"]
+           "fused.cpp", "mixed.cpp", "sparse.cpp", "kv.cpp", "kv_attention.cpp"]
 HEADERS = ["common.h", "parallel.h", "binding.h"]
 # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers, compiled into this
 # library; without the flag it runs every part on one thread. Linked with -fopenmp, the

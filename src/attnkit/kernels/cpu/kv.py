@@ -1,4 +1,4 @@
-"""Python side of kv.cpp: a KV-cache policy's decoding step in one pass each — evicting
+"""Python side of kv.cpp and kv_attention.cpp: a KV-cache policy's decoding step in one pass each — evicting
 the lowest-scoring entry per (row, KV head) (TOVA, arXiv 2401.06104; H2O, arXiv
 2306.14048), writing the next token into the slot it left, and one-token attention that
 reads the cache in place: over heads stored packed (AdaKV) or over Quest's pages (arXiv
