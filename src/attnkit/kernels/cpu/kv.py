@@ -1,9 +1,10 @@
-"""Python side of kv.cpp and kv_attention.cpp: a KV-cache policy's decoding step in one pass each — evicting
-the lowest-scoring entry per (row, KV head) (TOVA, arXiv 2401.06104; H2O, arXiv
-2306.14048), writing the next token into the slot it left, and one-token attention that
-reads the cache in place: over heads stored packed (AdaKV) or over Quest's pages (arXiv
-2406.10774), chosen in the same pass. Callers (``attnkit.kv``) check ``available()``
-first and run their PyTorch path otherwise."""
+"""Python side of kv.cpp and kv_attention.cpp, the KV-cache policies' steps in one pass
+each: evicting the lowest-scoring entry per (row, KV head) (TOVA, arXiv 2401.06104; H2O,
+arXiv 2306.14048) and writing the next token into the slot it left; attention that reads
+the cache where it lies and returns what the policy reads beside the output (a step's
+weights, a causal prefill's mass per key), over heads stored packed (AdaKV) or over
+Quest's pages (arXiv 2406.10774), chosen in the same pass. Callers (``attnkit.kv``)
+check ``available()`` first and run their PyTorch path otherwise."""
 
 from __future__ import annotations
 
