@@ -202,6 +202,9 @@ def test_step_attention_returns_the_output_and_weights_of_dense_attention(hidden
     want = logits.masked_fill(~visible, float("-inf")).softmax(-1)
     torch.testing.assert_close(weights, want, atol=tol, rtol=tol)
     assert not bool(weights[~visible].any())  # a hidden slot receives nothing
+    every = torch.ones(B, H, L, dtype=torch.bool)
+    out, weights = native_kv.step_attention(q, keys, values, every, 0.2)  # nothing visible: zeros, not NaN
+    assert not bool(out.any()) and not bool(weights.any())
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.float64, 1e-13)])

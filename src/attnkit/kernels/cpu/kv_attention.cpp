@@ -87,6 +87,10 @@ template <typename T, class KeyRow, class ValueRow>
 void attend(const T *q, int64_t q_stride, int64_t g, int64_t D, int64_t Dv, double scale, int64_t n, const KeyRow &key,
             const ValueRow &value, T *out, int64_t out_stride, std::vector<T> &buf, T *probs = nullptr,
             int64_t probs_stride = 0) {
+    if (n == 0) {  // nothing visible (every slot hidden): zeros, as a fully masked row of the kernels gets
+        for (int64_t i = 0; i < g; ++i) std::fill(out + i * out_stride, out + i * out_stride + Dv, T(0));
+        return;
+    }
     buf.assign(g * D + g * n + g * Dv, T(0));
     T *qs = buf.data(), *logits = qs + g * D, *acc = logits + g * n;
     for (int64_t i = 0; i < g; ++i)
