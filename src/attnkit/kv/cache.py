@@ -121,7 +121,8 @@ class PolicyCache(Cache):
         elif how == "quest":
             call.attend = lambda q, k, v, scale: self._quest_step(layer, q, scale, pages, cached)
         elif how == "prefill":
-            call.attend = lambda q, k, v, scale: _prefill_step(call, q, k, v, scale)
+            start = self._prefill_start(N, B, key_states.device)
+            call.attend = lambda q, k, v, scale: _prefill_step(call, q, k, v, scale, start)
         elif call is not None and not layer.full:
             call.hide = ~layer.valid  # step_attention reads every slot: the empty ones are hidden there
         return out
@@ -314,12 +315,25 @@ class PolicyCache(Cache):
 
     def _prefills_here(self, module, layer: PolicyLayer, hidden: Tensor) -> bool:
         """Whether this prefill's attention can run in C++ with the mass each key receives
-        (``kernels.cpu.kv.prefill_attention``): a fresh layer, no padding, a causal plain
-        softmax on sdpa or eager, no sliding window or dropout, float32/float64, no autograd."""
+        (``kernels.cpu.kv.prefill_attention``): a fresh layer, rows without padding or
+        left-padded, a causal plain softmax on sdpa or eager, no sliding window or dropout,
+        float32/float64, no autograd."""
         return (layer.seen == 0 and getattr(module, "is_causal", True) and hidden.dtype in (torch.float32, torch.float64)
                 and not hidden.requires_grad and module.config._attn_implementation in ("sdpa", "eager")
                 and sliding_window(module) is None and not (module.training and getattr(module, "attention_dropout", 0.0))
-                and self._all_real(0, hidden.shape[1]) and native_kv.available())
+                and self._prefill_start(hidden.shape[1], hidden.shape[0], hidden.device) is not None
+                and native_kv.available())
+
+    def _prefill_start(self, n: int, batch: int, device) -> Tensor | None:
+        """(B,) each row's first real token when the forward's first ``n`` tokens are
+        left-padded (or not padded at all), else None."""
+        pad = self._padding
+        if pad is None or pad.shape[-1] < n:
+            return torch.zeros(batch, dtype=torch.long, device=device)
+        real = pad[:, :n].to(device=device, dtype=torch.bool)
+        if not bool((real[:, 1:] >= real[:, :-1]).all()):
+            return None  # a real token before a padded one: not left padding
+        return n - real.sum(-1)
 
     def _run_step_attention(self, module, idx: int, kwargs: dict) -> None:
         """Route this layer's call to step_attention (until ``_unswitch``)."""
@@ -453,10 +467,10 @@ class PolicyCache(Cache):
             layer.rope = torch.where(layer.valid, target, -1)
 
 
-def _prefill_step(call: StepCall, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-    """A prefill's causal attention in C++, its mass (every query's weights summed per key)
-    left in ``call.mass`` for the policy."""
-    out, call.mass = native_kv.prefill_attention(q, k, v, scale)
+def _prefill_step(call: StepCall, q: Tensor, k: Tensor, v: Tensor, scale: float, start: Tensor) -> Tensor:
+    """A prefill's causal attention in C++, its mass (every real query's weights summed per
+    key) left in ``call.mass`` for the policy."""
+    out, call.mass = native_kv.prefill_attention(q, k, v, scale, start)
     return out
 
 

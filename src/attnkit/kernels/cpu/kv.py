@@ -53,12 +53,13 @@ def step_attention(q: Tensor, keys: Tensor, values: Tensor, hide: Tensor | None,
     return torch.ops.attnkit.kv_step_attention(q, keys, values, hide, scale)
 
 
-def prefill_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """Causal softmax attention over a fresh, unpadded sequence, q (B, Hq, N, D), k and v
-    (B, Hkv, N, D|Dv), with the weight each key receives summed over all N queries (H2O's
-    score, arXiv 2306.14048) from the same pass. Returns (out (B, N, Hq, Dv), mass (B, Hq,
-    N) float64)."""
-    return torch.ops.attnkit.kv_prefill_attention(q, k, v, scale)
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, start: Tensor) -> tuple[Tensor, Tensor]:
+    """Causal softmax attention over a fresh sequence, q (B, Hq, N, D), k and v (B, Hkv, N,
+    D|Dv), with the weight each key receives summed over all real queries (H2O's score,
+    arXiv 2306.14048) from the same pass. Row b is left-padded up to ``start[b]`` (B,)
+    int64: its padding queries see themselves alone and give no mass. Returns (out (B, N,
+    Hq, Dv), mass (B, Hq, N) float64)."""
+    return torch.ops.attnkit.kv_prefill_attention(q, k, v, scale, start)
 
 
 def packed_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, source: Tensor, empty_row: int, scale: float) -> Tensor:

@@ -219,8 +219,10 @@ inline void product_ab(int64_t m, int64_t n, int64_t k, const double *a, int64_t
 }
 
 template <typename T>
-std::tuple<Tensor, Tensor> prefill_attention_impl(const Tensor &q_, const Tensor &k_, const Tensor &v_, double scale) {
-    const Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
+std::tuple<Tensor, Tensor> prefill_attention_impl(const Tensor &q_, const Tensor &k_, const Tensor &v_, double scale,
+                                                  const Tensor &start_) {
+    const Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous(), start = start_.contiguous();
+    const int64_t *first_real = start.data_ptr<int64_t>();
     const int64_t B = q.size(0), Hq = q.size(1), N = q.size(2), D = q.size(3), H = k.size(1), Dv = v.size(3);
     const int64_t g = Hq / H;
     // positions per block: the block's logits over every key it sees, for the g heads, stay in
@@ -231,12 +233,12 @@ std::tuple<Tensor, Tensor> prefill_attention_impl(const Tensor &q_, const Tensor
     const T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
     T *op = out.data_ptr<T>();
     double *mp = mass.data_ptr<double>();
-    // a KV head's g query heads together: block rows are (head i, position i0 + r) at i * BQ + r,
+    // a KV head's g query heads together: block rows are (head i, position i0 + r) at i * rows + r,
     // so that one product reads the block's keys once for the whole group
     attnkit::over_units(B * H, 1, [&](int64_t u0, int64_t u1) {
         std::vector<T> s(g * BQ * N), colsum(N), inv(g * BQ), qb(g * BQ * D), ob(g * BQ * Dv);
         for (int64_t u = u0; u < u1; ++u) {
-            const int64_t b = u / H, h = u % H;
+            const int64_t b = u / H, h = u % H, s0 = first_real[b];  // keys before s0 are left padding
             const T *kh = kp + u * N * D, *vh = vp + u * N * Dv;
             for (int64_t i0 = 0; i0 < N; i0 += BQ) {
                 const int64_t rows = std::min(BQ, N - i0), n = i0 + rows, m = g * rows;  // causal: keys up to the block's last query
@@ -248,9 +250,16 @@ std::tuple<Tensor, Tensor> prefill_attention_impl(const Tensor &q_, const Tensor
                     std::fill(colsum.begin(), colsum.begin() + n, T(0));
                     for (int64_t r = 0; r < rows; ++r) {
                         T *row = s.data() + (i * rows + r) * n;
-                        const int64_t seen = i0 + r + 1;
-                        const T w = inv[i * rows + r] = T(1) / exp_rows(row, seen);  // the row's weights: row * w
-                        for (int64_t j = 0; j < seen; ++j) colsum[j] += row[j] * w;
+                        const int64_t at = i0 + r, seen = at + 1;
+                        if (at < s0) {  // a padding query sees itself alone (its output is unused) and gives no mass
+                            std::fill(row, row + n, T(0));
+                            row[at] = T(1);
+                            inv[i * rows + r] = T(1);
+                            continue;
+                        }
+                        std::fill(row, row + s0, T(0));  // the padding before the row's first real token
+                        const T w = inv[i * rows + r] = T(1) / exp_rows(row + s0, seen - s0);  // weights: row * w
+                        for (int64_t j = s0; j < seen; ++j) colsum[j] += row[j] * w;
                         std::fill(row + seen, row + n, T(0));  // the keys after the query
                     }
                     double *mh = mp + (b * Hq + h * g + i) * N;
@@ -275,9 +284,12 @@ std::tuple<Tensor, Tensor> prefill_attention_impl(const Tensor &q_, const Tensor
  * Hkv, N, Dv), and beside it the weight each key receives summed over every query, the
  * score H2O (arXiv 2306.14048) accumulates: one pass that keeps a block of queries'
  * normalised weights for the value product and the column sums, instead of a second
- * pass over the logits after the model's attention. No padding (every key is real).
- * Returns (out (B, N, Hq, Dv), transformers' layout; mass (B, Hq, N) float64). */
-std::tuple<Tensor, Tensor> kv_prefill_attention(const Tensor &q, const Tensor &k, const Tensor &v, double scale) {
+ * pass over the logits after the model's attention. Rows may be left-padded: row b's
+ * first real token is at ``start[b]``; its real queries see the real keys up to
+ * themselves, a padding query sees itself alone and gives no mass. Returns (out (B, N,
+ * Hq, Dv), transformers' layout; mass (B, Hq, N) float64). */
+std::tuple<Tensor, Tensor> kv_prefill_attention(const Tensor &q, const Tensor &k, const Tensor &v, double scale,
+                                                const Tensor &start) {
     TORCH_CHECK(q.device().is_cpu() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble) &&
                     k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
                 "attnkit: q, k and v must be float32 or float64 CPU tensors of one dtype, got ", q.scalar_type(), ", ",
@@ -287,8 +299,14 @@ std::tuple<Tensor, Tensor> kv_prefill_attention(const Tensor &q, const Tensor &k
                     v.size(2) == q.size(2) && k.size(3) == q.size(3),
                 "attnkit: prefill attention takes q (B, Hq, N, D), k (B, Hkv, N, D), v (B, Hkv, N, Dv), got ", q.sizes(),
                 ", ", k.sizes(), ", ", v.sizes());
-    if (q.scalar_type() == at::kFloat) return prefill_attention_impl<float>(q, k, v, scale);
-    return prefill_attention_impl<double>(q, k, v, scale);
+    TORCH_CHECK(start.scalar_type() == at::kLong && start.dim() == 1 && start.size(0) == q.size(0),
+                "attnkit: start must be (B,) int64, got ", start.sizes(), " ", start.scalar_type());
+    const Tensor st = start.contiguous();
+    for (int64_t b = 0; b < st.numel(); ++b)
+        TORCH_CHECK(st.data_ptr<int64_t>()[b] >= 0 && st.data_ptr<int64_t>()[b] <= q.size(2), "attnkit: start[", b,
+                    "] must lie in [0, ", q.size(2), "]");
+    if (q.scalar_type() == at::kFloat) return prefill_attention_impl<float>(q, k, v, scale, st);
+    return prefill_attention_impl<double>(q, k, v, scale, st);
 }
 
 template <typename T>
@@ -484,7 +502,7 @@ std::tuple<Tensor, Tensor> kv_quest_attention(const Tensor &q, const Tensor &key
 
 TORCH_LIBRARY_FRAGMENT(attnkit, m) {
     m.def("kv_step_attention(Tensor q, Tensor keys, Tensor values, Tensor? hide, float scale) -> (Tensor, Tensor)");
-    m.def("kv_prefill_attention(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)");
+    m.def("kv_prefill_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor start) -> (Tensor, Tensor)");
     m.def("kv_packed_attention(Tensor q, Tensor k_rows, Tensor v_rows, Tensor source, int empty_row, float scale) -> Tensor");
     m.def("kv_quest_attention(Tensor q, Tensor keys, Tensor values, Tensor(a!) kmin, Tensor(b!) kmax, Tensor(c!) has, "
           "Tensor budget, int page_size, int cached, bool per_group, float scale, bool fold) -> (Tensor, Tensor)");
