@@ -265,3 +265,25 @@ def test_h2o_prefill_with_the_fused_pass_keeps_the_reference_sets(model_name, mo
         if s < steps.shape[1]:
             full = torch.cat([full, torch.ones(2, 1, dtype=full.dtype)], 1)
             model(steps[:, s : s + 1], attention_mask=full, position_ids=positions(full)[:, -1:], cache=cache)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["h2o", "tova", "adakv", "quest"])
+def test_a_bf16_model_takes_the_pytorch_path(name, monkeypatch):
+    """The attention operators take float32 and float64: a bf16 model's steps (a padded
+    batch, so that AdaKV packs its heads) never reach them (the eviction and the slot fill
+    run, on float32 weights and bytes) and generate as with the operators off."""
+    model = build("llama", "sdpa").to(torch.bfloat16)
+    prompt, mask = padded_batch(seed=3, n=24, pads=(0, 2, 5))
+    reached = []
+    for op in ("step_attention", "prefill_attention", "packed_attention", "quest_attention"):
+        monkeypatch.setattr(native_kv, op, lambda *a, _op=op: reached.append(_op))
+
+    def generate():
+        cache = kv.policy_cache(model, name, budget=0.5, **({"dense_layers": 1} if name == "quest" else {}))
+        return model.generate(prompt, attention_mask=mask, cache=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
+
+    tokens = generate()
+    assert not reached
+    monkeypatch.setattr(native_kv, "available", lambda: False)
+    assert torch.equal(tokens, generate())

@@ -111,10 +111,12 @@ def test_cache_positions_rerotate_kept_keys():
         assert torch.equal(n, torch.full_like(n, 5))
 
 
-def test_gradients_flow_through_a_cache_that_keeps_everything():
+@pytest.mark.parametrize("name,params", [("streaming", {"sinks": 2}), ("h2o", {}), ("tova", {}), ("quest", {"dense_layers": 1})])
+def test_gradients_flow_through_a_cache_that_keeps_everything(name, params):
     """With autograd on, appended tokens are copied rather than written into storage that
-    earlier steps' graphs still read: a teacher-forced loss over a prefill and decoding
-    steps differentiates as with transformers' own cache."""
+    earlier steps' graphs still read, and the C++ steps (which have no backward) give way to
+    the PyTorch path: a teacher-forced loss over a prefill and decoding steps
+    differentiates as with transformers' own cache."""
     from transformers import DynamicCache
 
     model = build("llama", "sdpa").double()
@@ -129,6 +131,6 @@ def test_gradients_flow_through_a_cache_that_keeps_everything():
         return [p.grad.clone() for p in model.parameters()]
 
     want = grads(DynamicCache())
-    got = grads(kv.policy_cache(model, "streaming", budget=64, sinks=2))
+    got = grads(kv.policy_cache(model, name, budget=64, **params))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-12, rtol=1e-10)

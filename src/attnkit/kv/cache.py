@@ -249,7 +249,7 @@ class PolicyCache(Cache):
             self._extra[idx] = self.policy.before(module, layer, kwargs, phase)
         if layer.calls > 0:
             paged = self._paged(idx, layer)
-            if (paged and layer.full and self._plain_now and native_kv.available()
+            if (paged and layer.full and self._plain_now and self._native_step(hidden)
                     and self._steps_here(module, layer, hidden, Nq)):
                 # Quest's step in one C++ pass over the pages where they lie: no recomputed query,
                 # no gathered copy
@@ -280,7 +280,7 @@ class PolicyCache(Cache):
                 # step_attention, which hides the empty slots itself (no mask to build or apply);
                 # a packed layer's rows are read where they lie when the C++ step runs
                 self._run_step_attention(module, idx, kwargs)
-                if layer._packed is not None and idx not in self._weighed and native_kv.available():
+                if layer._packed is not None and idx not in self._weighed and self._native_step(hidden):
                     self._update_as[idx] = "packed"
             else:
                 kwargs["attention_mask"] = self._mask(module, layer, hidden, kwargs, Nq)
@@ -318,11 +318,16 @@ class PolicyCache(Cache):
         (``kernels.cpu.kv.prefill_attention``): a fresh layer, rows without padding or
         left-padded, a causal plain softmax on sdpa or eager, no sliding window or dropout,
         float32/float64, no autograd."""
-        return (layer.seen == 0 and getattr(module, "is_causal", True) and hidden.dtype in (torch.float32, torch.float64)
-                and not hidden.requires_grad and module.config._attn_implementation in ("sdpa", "eager")
+        return (layer.seen == 0 and getattr(module, "is_causal", True) and module.config._attn_implementation in ("sdpa", "eager")
                 and sliding_window(module) is None and not (module.training and getattr(module, "attention_dropout", 0.0))
                 and self._prefill_start(hidden.shape[1], hidden.shape[0], hidden.device) is not None
-                and native_kv.available())
+                and self._native_step(hidden))
+
+    @staticmethod
+    def _native_step(hidden: Tensor) -> bool:
+        """The C++ steps can take this call: float32/float64 (bf16 and fp16 take the PyTorch
+        path) and no autograd (the operators have no backward)."""
+        return hidden.dtype in (torch.float32, torch.float64) and not hidden.requires_grad and native_kv.available()
 
     def _prefill_start(self, n: int, batch: int, device) -> Tensor | None:
         """(B,) each row's first real token when the forward's first ``n`` tokens are
