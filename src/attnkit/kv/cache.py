@@ -66,7 +66,7 @@ class PolicyCache(Cache):
         # "fill" (the token takes the slot the last step evicted), "kept" (the kept entries
         # alone, gathered), a tensor of slots to gather per query head (Quest's pages), or for a
         # call that runs a C++ step of kernels.cpu.kv, "packed" (a packed layer's rows read in
-        # place), "quest" (pages chosen and read in place) or "prefill" (attention with its mass)
+        # place) or "quest" (pages chosen and read in place)
         self._update_as: dict[int, str | Tensor] = {}
         self._steps: dict[int, StepCall] = {}  # layer -> its step's attention runs in step_attention
         self._switched = None  # (config, its attention implementation) while a step runs in step_attention
@@ -120,10 +120,7 @@ class PolicyCache(Cache):
                                                                             packed.empty_row, scale)
         elif how == "quest":
             call.attend = lambda q, k, v, scale: self._quest_step(layer, q, scale, pages, cached)
-        elif how == "prefill":
-            start = self._prefill_start(N, B, key_states.device)
-            call.attend = lambda q, k, v, scale: _prefill_step(call, q, k, v, scale, start)
-        elif call is not None and not layer.full:
+        elif call is not None and call.attend is None and not layer.full:
             call.hide = ~layer.valid  # step_attention reads every slot: the empty ones are hidden there
         return out
 
@@ -234,10 +231,12 @@ class PolicyCache(Cache):
                 self._weighed[idx] = True
                 if self._direct_now and phase == "decode" and self._steps_here(module, layer, hidden, Nq):
                     self._run_step_attention(module, idx, kwargs)  # the step's own softmax gives its weights
-                elif self._direct_now and rows == (0, Nq) and self._prefills_here(module, layer, hidden):
+                elif (self._direct_now and rows == (0, Nq)
+                        and (start := self._fused_prefill(module, layer, hidden)) is not None):
                     # every prompt query's weights (H2O): the attention and the mass in one C++ pass
                     self._run_step_attention(module, idx, kwargs)
-                    self._update_as[idx] = "prefill"
+                    call = self._steps[idx]
+                    call.attend = lambda q, k, v, scale: _prefill_step(call, q, k, v, scale, start)
                 elif self._direct_now:
                     lo, hi = rows
                     cos, sin = kwargs["position_embeddings"]
@@ -313,15 +312,16 @@ class PolicyCache(Cache):
                 and not (module.training and getattr(module, "attention_dropout", 0.0))
                 and self._all_real(layer.seen, 1))
 
-    def _prefills_here(self, module, layer: PolicyLayer, hidden: Tensor) -> bool:
-        """Whether this prefill's attention can run in C++ with the mass each key receives
-        (``kernels.cpu.kv.prefill_attention``): a fresh layer, rows without padding or
-        left-padded, a causal plain softmax on sdpa or eager, no sliding window or dropout,
-        float32/float64, no autograd."""
-        return (layer.seen == 0 and getattr(module, "is_causal", True) and module.config._attn_implementation in ("sdpa", "eager")
+    def _fused_prefill(self, module, layer: PolicyLayer, hidden: Tensor) -> Tensor | None:
+        """Each row's first real token (B,) when this prefill's attention can run in C++ with
+        the mass each key receives (``kernels.cpu.kv.prefill_attention``): a fresh layer,
+        rows without padding or left-padded, a causal plain softmax on sdpa or eager, no
+        sliding window or dropout, float32/float64, no autograd; else None."""
+        if not (layer.seen == 0 and getattr(module, "is_causal", True) and module.config._attn_implementation in ("sdpa", "eager")
                 and sliding_window(module) is None and not (module.training and getattr(module, "attention_dropout", 0.0))
-                and self._prefill_start(hidden.shape[1], hidden.shape[0], hidden.device) is not None
-                and self._native_step(hidden))
+                and self._native_step(hidden)):
+            return None
+        return self._prefill_start(hidden.shape[1], hidden.shape[0], hidden.device)
 
     @staticmethod
     def _native_step(hidden: Tensor) -> bool:

@@ -112,6 +112,21 @@ static inline void hide_outside_band(float *z, int64_t rows, int64_t n, int64_t 
 
 /* ------------------------------------------------------------------ rows of exponentials */
 
+/* The largest of n entries (-inf for none). */
+static inline float row_max(const float *x, int64_t n) {
+    float mx = -INFINITY;
+    int64_t i = 0;
+#ifdef AK_AVX2
+    if (n >= 8) {
+        __m256 vm = _mm256_loadu_ps(x);
+        for (i = 8; i + 8 <= n; i += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(x + i));
+        mx = hmax_avx2(vm);
+    }
+#endif
+    for (; i < n; i++) mx = x[i] > mx ? x[i] : mx;
+    return mx;
+}
+
 /* x <- exp(x - ref) over n entries, in place; returns their sum. */
 static inline float exp_sum(float *x, int64_t n, float ref) {
     float sum = 0.0f;

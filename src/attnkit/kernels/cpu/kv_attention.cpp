@@ -58,19 +58,7 @@ inline double dot(const double *a, const double *b, int64_t n) {
 }
 
 /* x <- exp(x - max x), returns the sum (float: the vectorised exp of common.h). */
-inline float exp_rows(float *x, int64_t n) {
-    float m = -std::numeric_limits<float>::infinity();
-    int64_t j = 0;
-#ifdef AK_AVX2
-    if (n >= 8) {
-        __m256 vm = _mm256_loadu_ps(x);
-        for (j = 8; j + 8 <= n; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(x + j));
-        m = hmax_avx2(vm);
-    }
-#endif
-    for (; j < n; ++j) m = std::max(m, x[j]);
-    return exp_sum(x, n, m);
-}
+inline float exp_rows(float *x, int64_t n) { return exp_sum(x, n, row_max(x, n)); }
 
 inline double exp_rows(double *x, int64_t n) {
     double m = -std::numeric_limits<double>::infinity(), sum = 0.0;

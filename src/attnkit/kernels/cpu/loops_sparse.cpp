@@ -13,20 +13,6 @@
 
 #include <string.h>
 
-static float row_max(const float *x, int64_t n) {
-    float mx = -INFINITY;
-    int64_t i = 0;
-#ifdef AK_AVX2
-    if (n >= 8) {
-        __m256 vm = _mm256_loadu_ps(x);
-        for (i = 8; i + 8 <= n; i += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(x + i));
-        mx = hmax_avx2(vm);
-    }
-#endif
-    for (; i < n; i++) mx = x[i] > mx ? x[i] : mx;
-    return mx;
-}
-
 static void scale_row(float *x, int64_t n, float by) {
     for (int64_t i = 0; i < n; i++) x[i] *= by;  /* vectorised by the compiler */
 }
