@@ -59,3 +59,39 @@ def test_snapkv_keeps_needles_streaming_loses_them(needle):
     assert snap >= full - 0.1  # measured: 0.76 against 0.84 (96 prompts)
     streaming = accuracy(model, contexts, keys, gold, kv.policy_cache(model, "streaming", budget=8, sinks=2))
     assert streaming <= 0.25  # the needle was evicted: about chance over the values (measured 0)
+
+
+@pytest.mark.parametrize("name,params", [("h2o", {}), ("tova", {}), ("adakv", {"window": 4}), ("quest", {"dense_layers": 1})])
+def test_the_cpp_steps_answer_as_the_pytorch_path_on_the_trained_model(needle, name, params, monkeypatch):
+    """On real trained weights: H2O's fused prefill, the one-token steps (the question
+    asked a token at a time) of H2O/TOVA (eviction, slot fill, step attention), AdaKV
+    (packed heads) and Quest (pages) give the answers and logits of the PyTorch path."""
+    from attnkit.kernels import cpu
+    from attnkit.kernels.cpu import kv as native_kv
+
+    if not cpu.available():
+        pytest.skip("the C++ operators are unavailable")
+    model, contexts, keys, gold = needle
+    contexts, keys = contexts[:24], keys[:24]
+
+    def answer():
+        cache = kv.policy_cache(model, name, budget=0.5, **params)
+        with torch.no_grad():
+            model(contexts, cache=cache, use_cache=True)
+            for s in range(keys.shape[1]):
+                logits = model(keys[:, s : s + 1], cache=cache, use_cache=True).logits[:, -1]
+        return logits
+
+    ran = set()
+    for op in ("evict_lowest", "fill_hole", "step_attention", "prefill_attention", "packed_attention", "quest_attention"):
+        real = getattr(native_kv, op)
+        monkeypatch.setattr(native_kv, op, lambda *a, _op=op, _real=real: ran.add(_op) or _real(*a))
+    native = answer()
+    expected = {"h2o": {"prefill_attention", "step_attention", "evict_lowest"}, "tova": {"step_attention", "evict_lowest"},
+                "adakv": {"packed_attention"}, "quest": {"quest_attention"}}[name]
+    assert expected <= ran
+    monkeypatch.setattr(native_kv, "available", lambda: False)
+    reference = answer()
+    assert torch.equal(native.argmax(-1), reference.argmax(-1))
+    # float32 model: the same entries, sums in another order (softmax over a few hundred keys per layer)
+    torch.testing.assert_close(native, reference, atol=1e-4, rtol=1e-4)
