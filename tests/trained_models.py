@@ -9,7 +9,7 @@ Each recipe is a softmax TransformerLM (RoPE, tied head) trained by the arena's 
 one thread until its held-out accuracy reaches the target (10-20 s each on a quiet
 core), then written with ``attnkit.arena.export``. A recipe with ``init`` starts from
 the weights another recipe reaches (its embedding's first rows, every other weight
-whole) instead of a random initialisation: a curriculum the trainer has no form for. The export goes to
+whole; ``attnkit.arena.warm_start``) instead of a random initialisation. The export goes to
 ``cache_dir/<name>-<hash of the recipe>``, written under a temporary name and renamed,
 so a changed recipe retrains and an interrupted run leaves nothing half-written.
 ``task.json``'s ``training`` entry records the recipe, what the model is known not to
@@ -84,6 +84,7 @@ def train(name: str):
         return _TRAINED[name]
     from attnkit.arena import MechanismSpec, TrainConfig, Trainer, build_model, make_task
     from attnkit.arena.trainer import stream_seed
+    from attnkit.arena.warm_start import start_from
 
     recipe = RECIPES[name]
     task = make_task(recipe["task"], **recipe["params"])
@@ -94,7 +95,7 @@ def train(name: str):
             torch.manual_seed(stream_seed(recipe["seed"], "model", 0))
             model = build_model(task, MechanismSpec.parse("softmax"), recipe["d_model"], recipe["layers"], recipe["heads"])
         if recipe.get("init"):
-            start_from(model, trained_weights(recipe["init"]))
+            start_from(model, trained_weights(recipe["init"]), f"the {recipe['init']} recipe's weights")
         trainer = Trainer(model, task, TrainConfig(seed=recipe["seed"], **recipe["train"]))
         result = trainer.fit()
     finally:
@@ -111,21 +112,6 @@ _TRAINED: dict[str, tuple] = {}
 def trained_weights(name: str) -> dict[str, torch.Tensor]:
     """The state dict recipe ``name`` reaches (what a recipe's ``init`` starts from)."""
     return train(name)[0].state_dict()
-
-
-def start_from(model, weights: dict[str, torch.Tensor]) -> None:
-    """Copy ``weights`` into ``model``: every parameter of the same name and shape, and of
-    the token embedding its first rows (the task's own vocabulary reuses the ids). Any
-    other difference is an error (the recipes do not match)."""
-    own = dict(model.named_parameters())
-    with torch.no_grad():
-        for key, param in own.items():
-            source = weights.get(key)
-            if key == "embed.weight" and source is not None and source.shape[0] >= param.shape[0]:
-                source = source[: param.shape[0]]
-            if source is None or source.shape != param.shape:
-                raise ValueError(f"init: the weights have no {key} of shape {tuple(param.shape)}")
-            param.copy_(source)
 
 
 def trained_export(name: str, cache_dir) -> str:

@@ -47,22 +47,49 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     save_file(tensors, path, metadata={"attnkit": json.dumps(header)})
 
 
-def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Restore ``model``, ``optimizer`` and the CPU RNG from ``path``; returns the metadata."""
+def read_header(path: str) -> dict:
+    """The checkpoint's JSON header; a ValueError naming ``path`` when it is not one."""
     require("safetensors", "attnkit.arena's checkpoints")
     from safetensors import safe_open
-    from safetensors.torch import load_file
 
-    with safe_open(path, framework="pt") as f:
-        raw = (f.metadata() or {}).get("attnkit")
+    try:
+        with safe_open(path, framework="pt") as f:
+            raw = (f.metadata() or {}).get("attnkit")
+    except Exception as e:  # safetensors raises its own error types for a file it cannot parse
+        raise ValueError(f"path: {path} is not a readable safetensors file ({e})") from None
     header = json.loads(raw) if raw else {}
     if header.get("format") != FORMAT:
         raise ValueError(f"path: {path} is not an attnkit arena checkpoint")
-    tensors = load_file(path)
+    return header
+
+
+def load_checkpoint_meta(path: str) -> dict:
+    """The run's metadata (step, history, ...) of the checkpoint at ``path``."""
+    return read_header(path)["meta"]
+
+
+def _weights(tensors: dict, header: dict) -> dict[str, torch.Tensor]:
     weights = {name[len("model/"):]: t for name, t in tensors.items() if name.startswith("model/")}
     for alias, source in header["aliases"].items():
         weights[alias[len("model/"):]] = tensors[source]
-    model.load_state_dict(weights, strict=True)
+    return weights
+
+
+def load_weights(path: str) -> dict[str, torch.Tensor]:
+    """The model's state dict stored in the checkpoint at ``path`` (no optimizer, no RNG)."""
+    from safetensors.torch import load_file
+
+    header = read_header(path)
+    return _weights(load_file(path), header)
+
+
+def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Restore ``model``, ``optimizer`` and the CPU RNG from ``path``; returns the metadata."""
+    from safetensors.torch import load_file
+
+    header = read_header(path)
+    tensors = load_file(path)
+    model.load_state_dict(_weights(tensors, header), strict=True)
 
     state: dict[int, dict] = {}
     for name, t in tensors.items():

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from contextlib import contextmanager
 from dataclasses import fields
 
@@ -97,11 +98,10 @@ def _rope_parameters(base: float, scaling, head_dim: int) -> dict:
             "beta_slow": float(s.beta_slow), "truncate": bool(s.truncate), "attention_factor": float(attention_factor)}
 
 
-def llama_state_dict(model: TransformerLM) -> dict[str, torch.Tensor]:
-    """``model``'s weights under LlamaForCausalLM's names (no transposes or permutations
-    needed: same layouts, same RoPE pairing)."""
+def llama_names(n_layers: int, tie_embeddings: bool) -> dict[str, str]:
+    """TransformerLM's weight names -> LlamaForCausalLM's (the tied LM head has none)."""
     names = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
-    if not model.config.tie_embeddings:
+    if not tie_embeddings:
         names["lm_head.weight"] = "lm_head.weight"
     per_layer = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight"}
     for ours, theirs in (("attn.q_proj", "self_attn.q_proj"), ("attn.k_proj", "self_attn.k_proj"),
@@ -109,9 +109,16 @@ def llama_state_dict(model: TransformerLM) -> dict[str, torch.Tensor]:
                          ("mlp.w1", "mlp.gate_proj"), ("mlp.w3", "mlp.up_proj"), ("mlp.w2", "mlp.down_proj")):
         for kind in ("weight", "bias"):
             per_layer[f"{ours}.{kind}"] = f"{theirs}.{kind}"
-    for i in range(model.config.n_layers):
+    for i in range(n_layers):
         for ours, theirs in per_layer.items():
             names[f"blocks.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
+    return names
+
+
+def llama_state_dict(model: TransformerLM) -> dict[str, torch.Tensor]:
+    """``model``'s weights under LlamaForCausalLM's names (no transposes or permutations
+    needed: same layouts, same RoPE pairing)."""
+    names = llama_names(model.config.n_layers, model.config.tie_embeddings)
     state = model.state_dict()
     skipped = {"lm_head.weight"} if model.config.tie_embeddings else set()
     unmapped = sorted(set(state) - set(names) - skipped)
@@ -213,28 +220,62 @@ def check_run(run) -> None:
     from .models import build_model
 
     with torch.random.fork_rng():
-        model = build_model(run.task, run.mechanism, run.d_model, run.layers, run.heads)
+        model = build_model(run.task, run.mechanism, run.d_model, run.layers, run.heads, run.max_len)
     llama_config(model)
     task_symbols(run.task)
 
 
 def export_run(run, record: dict, rows: list[dict], overrides: dict | None, directory: str) -> str:
     """Export a finished grid run from the checkpoint it wrote (``record["checkpoint"]``,
-    as ``runner.execute`` returns it); ``rows`` (its evaluations) go into task.json."""
+    as ``runner.execute`` returns it, or its best weights when the run kept them);
+    ``rows`` (its evaluations) go into task.json."""
+    from .checkpoint import load_weights
     from .models import build_model
     from .runner import train_config
     from .trainer import Trainer
 
-    path = record.get("checkpoint")
+    path = record.get("best_checkpoint") or record.get("checkpoint")
     if not path or not os.path.isfile(path):
         raise ValueError(f"record: the run wrote no checkpoint to export from (got {path!r})")
     with torch.random.fork_rng():  # resuming restores the run's RNG state; keep the caller's
-        model = build_model(run.task, run.mechanism, run.d_model, run.layers, run.heads)
-        Trainer(model, run.task, train_config(run.task, run.seed, overrides)).resume(path)
+        model = build_model(run.task, run.mechanism, run.d_model, run.layers, run.heads, record.get("max_len"))
+        if path == record.get("best_checkpoint"):
+            model.load_state_dict(load_weights(path))
+        else:
+            Trainer(model, run.task, train_config(run.task, run.seed, overrides)).resume(path)
+    return export(model.eval(), run.task, directory, run_training(run, record, rows))
+
+
+def run_training(run, record: dict, rows: list[dict]) -> dict:
+    """What task.json's ``training`` records of a grid run."""
     training = {"mechanism": run.mechanism.label, "d_model": run.d_model, "layers": run.layers, "heads": run.heads,
                 "seed": run.seed, "steps": rows[0]["steps"] if rows else None,
                 "accuracy": {str(r["eval_len"]): r["accuracy"] for r in rows}}
-    return export(model.eval(), run.task, directory, training)
+    for key in ("schedule", "init", "max_len", "best_step", "best_score"):
+        if record.get(key) is not None:
+            training[key] = record[key]
+    if rows and not rows[0].get("finished", True):
+        training["finished"] = False  # written as the run went: the latest (or best) evaluation so far
+    return training
+
+
+def export_atomic(model: TransformerLM, task: Task, directory: str, training: dict | None = None) -> str:
+    """``export`` into a sibling folder, then swapped in: a run killed mid-write leaves
+    the previous export whole (exports written as a run goes)."""
+    directory = os.path.normpath(directory)
+    staging, old = directory + ".writing", directory + ".previous"
+    for leftover in (staging, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    was_training = model.training
+    try:
+        export(model.eval(), task, staging, training)
+    finally:
+        model.train(was_training)
+    if os.path.isdir(directory):
+        os.replace(directory, old)
+    os.replace(staging, directory)
+    shutil.rmtree(old, ignore_errors=True)
+    return directory
 
 
 def _jsonable(value):
@@ -245,4 +286,5 @@ def _jsonable(value):
     return value
 
 
-__all__ = ["FORMAT", "TASK_FILE", "check_run", "export", "export_run", "llama_config", "llama_state_dict", "read_task", "task_record"]
+__all__ = ["FORMAT", "TASK_FILE", "check_run", "export", "export_atomic", "export_run", "llama_config", "llama_names",
+           "llama_state_dict", "read_task", "run_training", "task_record"]

@@ -117,16 +117,20 @@ def parse_mechanisms(mechanisms) -> list[MechanismSpec]:
     return specs
 
 
-def build_model(task, spec: MechanismSpec, d_model: int, n_layers: int, n_heads: int) -> nn.Module:
+def build_model(task, spec: MechanismSpec, d_model: int, n_layers: int, n_heads: int, max_len: int | None = None) -> nn.Module:
     """The model ``task`` is read by (``task.model_kind``), running ``spec`` in every attention layer.
-    Call ``torch.manual_seed`` first to fix its initialisation."""
+    Call ``torch.manual_seed`` first to fix its initialisation. ``max_len``: the longest
+    sequence it is built for (RoPE's and the export's context; default: the task's
+    longest test length)."""
+    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
+        raise ValueError(f"max_len: expected a positive int or None, got {max_len!r}")
     if task.fixed_layers is not None and n_layers != task.fixed_layers:
         raise ValueError(f"layers: the {task.name} task is a {task.fixed_layers}-layer probe, got {n_layers}")
     if task.model_kind == "retrieval":
         return RetrievalLayer(task.num_keys, task.num_values, d_model, n_heads, spec.name, spec.params)
     config = TransformerConfig(
         vocab_size=getattr(task, "vocab_size", 1), d_model=d_model, n_layers=n_layers, n_heads=n_heads,
-        max_len=max(task.eval_lengths()), mechanism=spec.name, mechanism_params=dict(spec.params),
+        max_len=max_len or max(task.eval_lengths()), mechanism=spec.name, mechanism_params=dict(spec.params),
     )
     if task.model_kind == "lm":
         return TransformerLM(config)

@@ -10,6 +10,10 @@ evaluation length (the needle task tests at 1×, 2× and 4× its training length
 
 written as CSV, and as JSON together with the per-group accuracies (e.g. MQAR by number
 of pairs, needle by depth), each run's learning curve, the settings and the machine.
+
+A run may start from another model's weights (``init``, see warm_start.py) and be built
+for a longer context than its task's (``max_len``: default the longest length it trains
+or is evaluated at), which is how a 32-token model becomes a 1024-token one.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ import torch
 
 from ..kernels.machine import machine_info
 from .models import MechanismSpec, build_model, parse_mechanisms
+from .schedule import all_lengths, schedule_text
 from .tasks import Task
-from .trainer import TrainConfig, Trainer, stream_seed
+from .trainer import Evaluation, TrainConfig, Trainer, best_path, stream_seed
+from .warm_start import warm_start
 
 COLUMNS = ("task", "mechanism", "d_model", "layers", "heads", "seed", "seq_len", "eval_len", "accuracy", "eval_loss",
            "steps", "stopped_early", "train_seconds", "tokens_per_s", "params")
@@ -40,6 +46,8 @@ class Run:
     layers: int
     heads: int
     seed: int
+    max_len: int | None = None
+    init: str | None = None
 
     @property
     def label(self) -> str:
@@ -52,8 +60,9 @@ class Run:
 
 
 def plan(task: Task, mechanisms, widths=(64,), layers: int | None = None, heads: int | None = None,
-         seeds=(0,), seq_lens=None) -> list[Run]:
-    """The runs of a grid, in order (mechanism outermost, so a table fills row by row)."""
+         seeds=(0,), seq_lens=None, max_len: int | None = None, init: str | None = None) -> list[Run]:
+    """The runs of a grid, in order (mechanism outermost, so a table fills row by row);
+    ``max_len`` and ``init`` (a warm start's weights) are the same for every run."""
     specs = parse_mechanisms(mechanisms)
     layers = (task.fixed_layers or 2) if layers is None else layers
     heads = task.default_heads if heads is None else heads
@@ -64,7 +73,7 @@ def plan(task: Task, mechanisms, widths=(64,), layers: int | None = None, heads:
         if isinstance(d, bool) or not isinstance(d, int) or d < 1 or d % heads:
             raise ValueError(f"widths: each must be a positive multiple of heads={heads}, got {d!r}")
     tasks = [task] if not seq_lens else [replace(task, seq_len=n) for n in seq_lens]
-    return [Run(t, spec, d, layers, heads, seed) for spec in specs for t in tasks for d in widths for seed in seeds]
+    return [Run(t, spec, d, layers, heads, seed, max_len, init) for spec in specs for t in tasks for d in widths for seed in seeds]
 
 
 def train_config(task: Task, seed: int, overrides: dict | None = None) -> TrainConfig:
@@ -73,12 +82,40 @@ def train_config(task: Task, seed: int, overrides: dict | None = None) -> TrainC
     return TrainConfig(**settings)
 
 
+def run_lengths(task: Task, config: TrainConfig) -> tuple[int, ...]:
+    """Every length a run trains or is evaluated at, ascending."""
+    lengths = {task.seq_len, *task.eval_lengths(), *(config.eval_lengths or ())}
+    return tuple(sorted(lengths | set(all_lengths(config.schedule or ()))))
+
+
+def check_lengths(task: Task, config: TrainConfig, max_len: int | None) -> int:
+    """The model's max_len for this run (``max_len``, else the longest length it meets),
+    after checking every schedule and evaluation length fits the task and max_len."""
+    for option, lengths in (("schedule", all_lengths(config.schedule or ())), ("eval_lengths", config.eval_lengths or ())):
+        for n in lengths:
+            try:
+                replace(task, seq_len=n)
+            except ValueError as e:
+                raise ValueError(f"{option}: length {n} does not fit the {task.name} task: {e}") from None
+    longest = max(run_lengths(task, config))
+    if max_len is None:
+        return longest
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < longest:
+        raise ValueError(f"max_len: expected an int >= {longest} (the longest length the run trains or is evaluated at), "
+                         f"got {max_len!r}")
+    return max_len
+
+
 def execute(run: Run, overrides: dict | None = None, checkpoint_dir: str | None = None, resume: bool = False,
-            on_eval=None) -> tuple[list[dict], dict]:
-    """Train one run; returns (its rows, its record with the learning curve)."""
+            on_eval=None, on_snapshot=None) -> tuple[list[dict], dict]:
+    """Train one run; returns (its rows, its record with the learning curve).
+    ``on_snapshot(model, rows, record)``: after each evaluation whose weights the run
+    would end on now (see ``Trainer.fit``), with the rows and record so far."""
     config = train_config(run.task, run.seed, overrides)
+    max_len = check_lengths(run.task, config, run.max_len)
     torch.manual_seed(stream_seed(run.seed, "model", 0))
-    model = build_model(run.task, run.mechanism, run.d_model, run.layers, run.heads)
+    model = build_model(run.task, run.mechanism, run.d_model, run.layers, run.heads, max_len)
+    init = warm_start(model, run.init) if run.init else None
     trainer = Trainer(model, run.task, config)
     path = None
     if checkpoint_dir:
@@ -86,17 +123,33 @@ def execute(run: Run, overrides: dict | None = None, checkpoint_dir: str | None 
         path = os.path.join(checkpoint_dir, run.file_stem + ".safetensors")
         if resume and os.path.exists(path):
             trainer.resume(path)
-    result = trainer.fit(on_eval=on_eval, checkpoint_path=path)
     params = sum(p.numel() for p in model.parameters())
     base = {"task": run.task.name, "mechanism": run.mechanism.label, "d_model": run.d_model, "layers": run.layers,
             "heads": run.heads, "seed": run.seed, "seq_len": run.task.seq_len}
-    rows = [{**base, "eval_len": ev.length, "accuracy": ev.accuracy, "eval_loss": ev.loss, "steps": result.steps,
-             "stopped_early": result.stopped_early, "train_seconds": result.train_seconds,
-             "tokens_per_s": result.tokens_per_s, "params": params, "groups": ev.groups}
-            for ev in result.evaluations]
     record = {**base, "mechanism_name": run.mechanism.name, "mechanism_params": run.mechanism.params,
-              "config": asdict(config), "checkpoint": path, "history": result.history}
+              "config": asdict(config), "max_len": max_len, "init": init,
+              "schedule": schedule_text(config.schedule) if config.schedule else None, "checkpoint": path,
+              "best_checkpoint": best_path(path) if path and config.keep_best else None, "history": trainer.history}
+
+    def rows_of(evaluations, steps, seconds, rate, finished):
+        return [{**base, "eval_len": ev.length, "accuracy": ev.accuracy, "eval_loss": ev.loss, "steps": steps,
+                 "stopped_early": trainer.stopped_early, "train_seconds": seconds, "tokens_per_s": rate,
+                 "params": params, "groups": ev.groups, "finished": finished} for ev in evaluations]
+
+    def snapshot(model, latest):
+        if on_snapshot is not None:
+            evaluations = [_evaluation(n, entry) for n, entry in latest["lengths"].items()]
+            rate = trainer.tokens / trainer.train_seconds if trainer.train_seconds > 0 else 0.0
+            on_snapshot(model, rows_of(evaluations, latest["step"], latest["seconds"], rate, False), record)
+
+    result = trainer.fit(on_eval=on_eval, checkpoint_path=path, on_snapshot=snapshot)
+    rows = rows_of(result.evaluations, result.steps, result.train_seconds, result.tokens_per_s, True)
+    record.update(history=result.history, best_step=result.best_step, best_score=result.best_score)
     return rows, record
+
+
+def _evaluation(length: str, entry: dict) -> Evaluation:
+    return Evaluation(int(length), entry["accuracy"], entry["loss"], 0, entry["groups"])
 
 
 @torch.no_grad()
@@ -110,7 +163,7 @@ def check(runs: list[Run]) -> None:
             continue
         tried.add(key)
         try:
-            model = build_model(run.task, run.mechanism, run.d_model, run.layers, run.heads)
+            model = build_model(run.task, run.mechanism, run.d_model, run.layers, run.heads, run.max_len)
             model(run.task.sample(2, torch.Generator().manual_seed(0)).inputs)
         except ValueError as e:
             raise ValueError(f"mechanisms: {run.mechanism.label} cannot run the {run.task.name} task: {e}") from None
@@ -118,17 +171,23 @@ def check(runs: list[Run]) -> None:
 
 def run_grid(task: Task, mechanisms, widths=(64,), layers: int | None = None, heads: int | None = None, seeds=(0,),
              seq_lens=None, overrides: dict | None = None, checkpoint_dir: str | None = None, resume: bool = False,
-             on_eval=None, on_run=None) -> tuple[list[dict], list[dict]]:
+             on_eval=None, on_run=None, max_len: int | None = None, init: str | None = None,
+             on_snapshot=None) -> tuple[list[dict], list[dict]]:
     """Train every run of the grid; returns (rows, run records).
 
     ``overrides``: TrainConfig fields (None values ignored). ``on_eval(run, record)`` after
-    each evaluation, ``on_run(run, rows)`` after each run (progress reporting)."""
-    runs = plan(task, mechanisms, widths, layers, heads, seeds, seq_lens)
+    each evaluation, ``on_run(run, rows)`` after each run (progress reporting),
+    ``on_snapshot(run, model, rows, record)`` whenever a run's current weights are what it
+    would end on (writing results and exports as the run goes)."""
+    runs = plan(task, mechanisms, widths, layers, heads, seeds, seq_lens, max_len, init)
+    for run in runs:
+        check_lengths(run.task, train_config(run.task, run.seed, overrides), run.max_len)
     check(runs)
     rows, records = [], []
     for run in runs:
         hook = None if on_eval is None else (lambda record, run=run: on_eval(run, record))
-        run_rows, record = execute(run, overrides, checkpoint_dir, resume, hook)
+        snap = None if on_snapshot is None else (lambda model, r, rec, run=run: on_snapshot(run, model, r, rec))
+        run_rows, record = execute(run, overrides, checkpoint_dir, resume, hook, snap)
         rows += run_rows
         records.append(record)
         if on_run is not None:

@@ -11,20 +11,36 @@ t) and the held-out set from (seed, "eval", length), so the data do not depend o
 ran before — a resumed run sees exactly the batches the uninterrupted one would.
 Throughput is the tokens (batch × positions) of the optimisation steps over the seconds
 they took, data generation and evaluation excluded.
+
+Curricula and model selection (what grows a long-context model, see schedule.py):
+``schedule`` trains in stages of their own lengths (each with its own warm-up and
+cosine, as runs chained by warm starts would have), the batch of step ``t`` drawn at the
+length the schedule gives it; ``eval_lengths`` are the lengths every evaluation measures
+(default: the training length, or the last stage's lengths with a schedule); the
+evaluation's ``score`` is what early stopping and the best checkpoint go by:
+``criterion="accuracy"`` the lowest accuracy over the evaluated lengths,
+``criterion="cell"`` the lowest over every length × group cell (needle: each depth at
+each length), so a model that fails at one depth of one length does not look done.
+``keep_best`` ends the run on the weights of its best-scoring evaluation (later
+evaluations win ties: they trained longer).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch import nn
 
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, load_checkpoint_meta, load_weights, save_checkpoint
+from .schedule import Stage, as_stages
 from .tasks import Batch, Task
+
+CRITERIA = ("accuracy", "cell")
 
 
 def stream_seed(seed: int, stream: str, index: int) -> int:
@@ -45,7 +61,12 @@ class TrainConfig:
     held-out accuracy reaches it (None: never). checkpoint_every: steps between
     checkpoints (0: none). weight_decay defaults to 0: recall tasks hinge on exact token
     embeddings, and decoupled decay at these learning rates erodes them (MQAR, seed 0,
-    2000 steps at lr 1e-2: 97.6% with 0.1, 99.3% with 0)."""
+    2000 steps at lr 1e-2: 97.6% with 0.1, 99.3% with 0).
+
+    schedule: stages of lengths (see schedule.py; text, Stage objects or dicts); when
+    given, ``steps`` is their sum. eval_lengths: the lengths each evaluation measures.
+    criterion: "accuracy" or "cell" (see the module docstring). keep_best: end on the
+    best-scoring evaluation's weights."""
 
     steps: int = 2000
     batch_size: int = 64
@@ -60,14 +81,31 @@ class TrainConfig:
     target_accuracy: float | None = 0.99
     seed: int = 0
     checkpoint_every: int = 0
+    schedule: tuple[Stage, ...] | None = None
+    eval_lengths: tuple[int, ...] | None = None
+    criterion: str = "accuracy"
+    keep_best: bool = False
 
     def __post_init__(self):
+        stages = as_stages(self.schedule)
+        object.__setattr__(self, "schedule", stages)
+        if stages is not None:
+            object.__setattr__(self, "steps", sum(s.steps for s in stages))
+        if self.eval_lengths is not None:
+            lengths = tuple(self.eval_lengths) if isinstance(self.eval_lengths, (list, tuple)) else (self.eval_lengths,)
+            if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths):
+                raise ValueError(f"eval_lengths: expected positive ints, got {self.eval_lengths!r}")
+            object.__setattr__(self, "eval_lengths", tuple(sorted(set(lengths))))
+        if self.criterion not in CRITERIA:
+            raise ValueError(f"criterion: expected one of {', '.join(CRITERIA)}, got {self.criterion!r}")
         for name in ("steps", "batch_size", "eval_every", "eval_examples"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        if self.warmup is not None and (not isinstance(self.warmup, int) or not 0 <= self.warmup <= self.steps):
-            raise ValueError(f"warmup: expected an int in [0, steps={self.steps}] or None, got {self.warmup!r}")
+        shortest = min(s.steps for s in stages) if stages else self.steps
+        if self.warmup is not None and (not isinstance(self.warmup, int) or not 0 <= self.warmup <= shortest):
+            where = f"the shortest stage's steps={shortest}" if stages else f"steps={self.steps}"
+            raise ValueError(f"warmup: expected an int in [0, {where}] or None, got {self.warmup!r}")
         if not (self.lr > 0 and 0 <= self.min_lr <= 1 and self.weight_decay >= 0 and self.grad_clip > 0):
             raise ValueError(f"lr, min_lr, weight_decay, grad_clip: expected lr > 0, 0 <= min_lr <= 1, weight_decay >= 0, "
                              f"grad_clip > 0; got {self.lr}, {self.min_lr}, {self.weight_decay}, {self.grad_clip}")
@@ -79,16 +117,49 @@ class TrainConfig:
 
     @property
     def warmup_steps(self) -> int:
-        return max(1, self.steps // 20) if self.warmup is None else self.warmup
+        return self._warmup(self.steps)
+
+    def _warmup(self, steps: int) -> int:
+        return max(1, steps // 20) if self.warmup is None else self.warmup
+
+    def stage_at(self, step: int) -> tuple[int, int]:
+        """(stage index, 0-based step within it) of step ``step`` (1-based); (0, step - 1)
+        without a schedule."""
+        offset = step - 1
+        for index, stage in enumerate(self.schedule or ()):
+            if offset < stage.steps:
+                return index, offset
+            offset -= stage.steps
+        return (len(self.schedule) - 1, offset) if self.schedule else (0, offset)
 
     def lr_at(self, step: int) -> float:
         """Learning rate of step ``step`` (1-based): linear warm-up to ``lr``, then a
-        half-cosine down to ``min_lr · lr`` at the last step."""
-        w = self.warmup_steps
+        half-cosine down to ``min_lr · lr`` at the last step (of each stage, with a schedule)."""
+        if self.schedule:
+            index, offset = self.stage_at(step)
+            step, steps = offset + 1, self.schedule[index].steps
+        else:
+            steps = self.steps
+        w = self._warmup(steps)
         if step <= w:
             return self.lr * step / w
-        progress = (step - w) / max(1, self.steps - w)
+        progress = (step - w) / max(1, steps - w)
         return self.lr * (self.min_lr + (1 - self.min_lr) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    def length_and_batch(self, step: int, default_length: int) -> tuple[int, int]:
+        """(sequence length, batch size) of step ``step``."""
+        if not self.schedule:
+            return default_length, self.batch_size
+        index, offset = self.stage_at(step)
+        stage = self.schedule[index]
+        length = stage.length_at(offset)
+        return length, stage.batch_at(length, self.batch_size)
+
+    def measured_lengths(self, default_length: int) -> tuple[int, ...]:
+        """The lengths every evaluation measures."""
+        if self.eval_lengths:
+            return self.eval_lengths
+        return tuple(sorted(self.schedule[-1].lengths)) if self.schedule else (default_length,)
 
 
 @dataclass
@@ -104,12 +175,24 @@ class Evaluation:
 
 @dataclass
 class TrainResult:
+    """``best_step`` and ``best_score``: the evaluation whose weights the run ended on
+    (keep_best), else None."""
+
     steps: int
     stopped_early: bool
     train_seconds: float
     tokens_per_s: float
     history: list[dict]
     evaluations: list[Evaluation]
+    best_step: int | None = None
+    best_score: float | None = None
+
+
+def score(evaluations: list[Evaluation], criterion: str) -> float:
+    """The number early stopping and model selection go by (see the module docstring)."""
+    if criterion == "cell":
+        return min(min(ev.groups.values()) if ev.groups else ev.accuracy for ev in evaluations)
+    return min(ev.accuracy for ev in evaluations)
 
 
 class Trainer:
@@ -128,13 +211,19 @@ class Trainer:
         self.stopped_early = False
         self.history: list[dict] = []
         self._held_out: dict[int, Batch] = {}
+        self._tasks: dict[int, Task] = {}
+        #: the best-scoring evaluation so far: {"step", "score", "state"} (keep_best only)
+        self.best: dict | None = None
 
     # ------------------------------------------------------------------ training
 
-    def fit(self, on_eval=None, checkpoint_path: str | None = None) -> TrainResult:
+    def fit(self, on_eval=None, checkpoint_path: str | None = None, on_snapshot=None) -> TrainResult:
         """Train until ``config.steps`` or the target accuracy. ``on_eval(record)`` is called
-        after each evaluation; with ``checkpoint_path`` a checkpoint is written every
-        ``config.checkpoint_every`` steps and at the end."""
+        after each evaluation; ``on_snapshot(model, record)`` after each evaluation whose
+        weights are what the run would end on now (every one; with keep_best each new
+        best), so a caller can write them as the run goes. With ``checkpoint_path`` a
+        checkpoint is written every ``config.checkpoint_every`` steps and at the end
+        (and with keep_best the best weights beside it, see ``best_path``)."""
         c = self.config
         losses: list[float] = []
         while self.step < c.steps and not self.stopped_early:
@@ -144,21 +233,40 @@ class Trainer:
             if self.step % c.eval_every == 0 or self.step == c.steps:
                 record = self._record(sum(losses) / len(losses))
                 losses = []
-                if c.target_accuracy is not None and record["accuracy"] >= c.target_accuracy:
+                if c.target_accuracy is not None and record["score"] >= c.target_accuracy:
                     self.stopped_early = self.step < c.steps
+                if c.keep_best and (self.best is None or record["score"] >= self.best["score"]):
+                    self.best = {"step": self.step, "score": record["score"],
+                                 "state": {k: v.detach().clone() for k, v in self.model.state_dict().items()}}
+                    record["best"] = True
+                    if checkpoint_path:
+                        self.save(best_path(checkpoint_path))
             if checkpoint_path and c.checkpoint_every and self.step % c.checkpoint_every == 0:
                 self.save(checkpoint_path)
             if record is not None and on_eval is not None:
                 on_eval(record)
+            if record is not None and on_snapshot is not None and (record.get("best") or not c.keep_best):
+                on_snapshot(self.model, record)
         if checkpoint_path:
             self.save(checkpoint_path)
+        if c.keep_best and self.best is not None:
+            self.model.load_state_dict(self.best["state"])
         return self.result()
+
+    def task_at(self, length: int) -> Task:
+        """The task at sequence length ``length`` (the same task otherwise)."""
+        if length == self.task.seq_len:
+            return self.task
+        if length not in self._tasks:
+            self._tasks[length] = replace(self.task, seq_len=length)
+        return self._tasks[length]
 
     def train_step(self) -> float:
         c = self.config
         for group in self.optimizer.param_groups:
             group["lr"] = c.lr_at(self.step)
-        batch = self.task.sample(c.batch_size, generator(c.seed, "train", self.step))
+        length, batch_size = c.length_and_batch(self.step, self.task.seq_len)
+        batch = self.task_at(length).sample(batch_size, generator(c.seed, "train", self.step))
         start = time.perf_counter()
         self.model.train()
         loss = self.task.loss(self.model(batch.inputs), batch)
@@ -171,9 +279,18 @@ class Trainer:
         return float(loss.detach())
 
     def _record(self, train_loss: float) -> dict:
-        ev = self.evaluate(self.task.seq_len)
+        """One evaluation at every measured length. ``accuracy`` is the score (with one
+        length and criterion "accuracy", that length's accuracy); ``lengths`` has each
+        length's accuracy, loss and groups; ``stage`` the schedule's stage (0-based)."""
+        c = self.config
+        evaluations = [self.evaluate(n) for n in c.measured_lengths(self.task.seq_len)]
+        value = score(evaluations, c.criterion)
         record = {"step": self.step, "seconds": self.train_seconds, "train_loss": train_loss,
-                  "accuracy": ev.accuracy, "eval_loss": ev.loss}
+                  "accuracy": value, "score": value,
+                  "eval_loss": sum(ev.loss for ev in evaluations) / len(evaluations),
+                  "stage": c.stage_at(self.step)[0],
+                  "lengths": {str(ev.length): {"accuracy": ev.accuracy, "loss": ev.loss, "groups": ev.groups}
+                              for ev in evaluations}}
         self.history.append(record)
         return record
 
@@ -182,8 +299,7 @@ class Trainer:
     def held_out(self, length: int) -> Batch:
         """The fixed held-out examples at ``length`` (drawn once, from the "eval" stream)."""
         if length not in self._held_out:
-            task = self.task if length == self.task.seq_len else replace(self.task, seq_len=length)
-            self._held_out[length] = task.held_out(self.config.eval_examples, generator(self.config.seed, "eval", length))
+            self._held_out[length] = self.task_at(length).held_out(self.config.eval_examples, generator(self.config.seed, "eval", length))
         return self._held_out[length]
 
     @torch.no_grad()
@@ -196,8 +312,10 @@ class Trainer:
         total = torch.zeros_like(right)
         loss_sum = 0.0
         self.model.eval()
-        for start in range(0, len(data), self.config.batch_size):
-            batch = data.slice(start, start + self.config.batch_size)
+        # As many tokens per forward as a training batch at the task's length.
+        step = max(1, self.config.batch_size * self.task.seq_len // length)
+        for start in range(0, len(data), step):
+            batch = data.slice(start, start + step)
             outputs = self.model(batch.inputs)
             correct, counted = self.task.scored(outputs, batch)
             loss_sum += float(self.task.loss(outputs, batch)) * int(batch.mask.sum())
@@ -211,9 +329,13 @@ class Trainer:
         return Evaluation(length, float(right.sum() / counted_all), loss_sum / int(data.mask.sum()), counted_all, groups)
 
     def result(self) -> TrainResult:
-        evaluations = [self.evaluate(length) for length in self.task.eval_lengths()]
+        """The final evaluation, at ``config.eval_lengths`` when given, else the task's test lengths."""
+        lengths = self.config.eval_lengths or self.task.eval_lengths()
+        evaluations = [self.evaluate(length) for length in lengths]
         rate = self.tokens / self.train_seconds if self.train_seconds > 0 else 0.0
-        return TrainResult(self.step, self.stopped_early, self.train_seconds, rate, list(self.history), evaluations)
+        best = self.best or {}
+        return TrainResult(self.step, self.stopped_early, self.train_seconds, rate, list(self.history), evaluations,
+                           best.get("step"), best.get("score"))
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -235,6 +357,17 @@ class Trainer:
                              f"({', '.join(f'{k}={meta.get(k)}' for k in differ)})")
         self.step, self.train_seconds, self.tokens = meta["step"], meta["train_seconds"], meta["tokens"]
         self.stopped_early, self.history = meta["stopped_early"], meta["history"]
+        self.best = None
+        if self.config.keep_best and os.path.isfile(best_path(path)):
+            best_meta = load_checkpoint_meta(best_path(path))
+            self.best = {"step": best_meta["step"], "score": best_meta["history"][-1]["score"],
+                         "state": load_weights(best_path(path))}
+
+
+def best_path(checkpoint_path: str) -> str:
+    """Where a run keeping its best weights writes them: ``run.safetensors`` -> ``run.best.safetensors``."""
+    stem = checkpoint_path[: -len(".safetensors")] if checkpoint_path.endswith(".safetensors") else checkpoint_path
+    return stem + ".best.safetensors"
 
 
 def _jsonable(value):
@@ -246,4 +379,4 @@ def _jsonable(value):
     return value
 
 
-__all__ = ["Evaluation", "TrainConfig", "TrainResult", "Trainer", "generator", "stream_seed"]
+__all__ = ["CRITERIA", "Evaluation", "TrainConfig", "TrainResult", "Trainer", "best_path", "generator", "score", "stream_seed"]

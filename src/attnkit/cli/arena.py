@@ -3,6 +3,13 @@
     attnkit arena mqar --mechanisms softmax,sigmoid,linear_elu,deltanet --d-model 64,128 --seeds 3
 
 writes results.csv, results.json and accuracy_vs_{width,length,time}.png to --out.
+A long-context model is grown from a short one with a warm start and a curriculum:
+
+    attnkit arena needle --init needle-32/ --schedule 128:125x32,512+1024:200x16 \
+        --eval-lengths 512,1024 --criterion cell --keep-best --export needle-1k/
+
+The results (and the export) are rewritten after every evaluation, so a run cut off
+leaves what it measured.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import sys
 
 from ..extras import require
 from .options import int_list, options_named, output_dir, positive_float, positive_int
@@ -47,9 +55,38 @@ def add_parser(sub) -> None:
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
     p.add_argument("--export", metavar="DIR", help="write the trained model to DIR as a transformers LlamaForCausalLM with "
                                                    "its tokenizer and task.json (one run only; softmax + RoPE models)")
+    p.add_argument("--init", metavar="PATH", help="start from these weights: an arena export directory, an arena checkpoint "
+                                                  "(.safetensors) or an organism name (embeddings grown or cut to the task's "
+                                                  "vocabulary; any other mismatch is an error naming the tensor)")
+    p.add_argument("--schedule", type=schedule_option, metavar="STAGES",
+                   help=f"a length curriculum instead of one training length: {FORM_HELP}; its steps replace --steps")
+    p.add_argument("--max-len", type=positive_int, metavar="N",
+                   help="the longest sequence the model is built for (RoPE context, the export's max_position_embeddings; "
+                        "default: the longest length the run trains or is evaluated at)")
+    p.add_argument("--eval-lengths", type=int_list, metavar="LIST",
+                   help="lengths every evaluation measures, and the final table's (default: the training length, or the "
+                        "last stage's lengths with --schedule; the table: the task's test lengths)")
+    p.add_argument("--criterion", choices=("accuracy", "cell"),
+                   help="what early stopping (--target) and --keep-best go by: 'accuracy' the lowest accuracy over the "
+                        "evaluated lengths (default), 'cell' the lowest over every length x group cell (needle: each depth)")
+    p.add_argument("--keep-best", action="store_true",
+                   help="end each run on the weights of its best-scoring evaluation (by --criterion), not its last step")
     p.add_argument("--json", action="store_true", help="print the rows and file paths as JSON instead of a table")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=run)
+
+
+FORM_HELP = "LENGTHS:STEPS[xBATCH],... e.g. 128:125x32,512:50x16,512+1024:200x16 (a+b: steps alternate lengths)"
+
+
+def schedule_option(text: str):
+    """``--schedule``: stages, or argparse's error showing the expected form."""
+    from ..arena.schedule import parse_schedule
+
+    try:
+        return parse_schedule(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("schedule: ")) from None
 
 
 def target_accuracy(text: str):
@@ -122,13 +159,46 @@ def check_grid(task, args, widths: list[int], seq_lens: list[int] | None) -> Non
             replace(task, seq_len=n)
         except ValueError as e:
             raise ValueError(f"--seq-len: {n} does not fit the {task.name} task: {e}") from None
+    if args.schedule is not None:
+        if args.steps is not None:
+            raise ValueError("--steps: with --schedule the steps are the stages' (leave --steps out)")
+        if seq_lens and len(seq_lens) > 1:
+            raise ValueError("--seq-len: with --schedule the training lengths are the stages'; give one --seq-len "
+                             "(the task's nominal length) and --eval-lengths for the lengths to test")
+
+
+#: library argument names -> the options that set them (errors name the option)
+LIBRARY_OPTIONS = {"schedule": "--schedule", "eval_lengths": "--eval-lengths", "max_len": "--max-len", "init": "--init"}
+
+
+def resolve_init(text: str | None) -> str | None:
+    """``--init``: a path as given."""
+    if text is None:
+        return None
+    if not os.path.exists(text):
+        raise FileNotFoundError(f"--init: no such export directory or checkpoint: {text}")
+    return text
+
+
+def eval_line(record: dict, config) -> str:
+    """``stage 2/4 (512+1024) step 300 @512 0.992 @1024 0.871 score 0.710 *`` (* a new best)."""
+    stage = ""
+    if config.schedule:
+        current = config.schedule[record["stage"]]
+        stage = f"stage {record['stage'] + 1}/{len(config.schedule)} ({'+'.join(map(str, current.lengths))}) "
+    lengths = " ".join(f"@{n} {entry['accuracy']:.3f}" for n, entry in record.get("lengths", {}).items())
+    return f"{stage}step {record['step']} {lengths} score {record['score']:.3f}" + (" *" if record.get("best") else "")
 
 
 def run(args) -> int:
     import torch
 
+    from ..arena.export import export_atomic, run_training
+    from ..arena.models import build_model
     from ..arena.plots import write_plots
-    from ..arena.runner import format_table, plan, run_grid, train_config, write_csv, write_json
+    from ..arena.runner import check_lengths, format_table, plan, run_grid, train_config, write_csv, write_json
+    from ..arena.schedule import schedule_text
+    from ..arena.warm_start import warm_start
 
     torch.set_num_threads(args.threads)
     task = task_from_params(args.task, parse_params(args.param))
@@ -142,9 +212,19 @@ def run(args) -> int:
     if args.checkpoint_every or args.resume or args.export:
         require("safetensors", "attnkit arena's checkpoints")
     overrides = {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "eval_every": args.eval_every,
-                 "eval_examples": args.eval_examples, "checkpoint_every": args.checkpoint_every, **parse_target(args.target)}
+                 "eval_examples": args.eval_examples, "checkpoint_every": args.checkpoint_every, **parse_target(args.target),
+                 "schedule": args.schedule, "eval_lengths": args.eval_lengths, "criterion": args.criterion,
+                 "keep_best": args.keep_best or None}
+    init = resolve_init(args.init)
     with options_named({"mechanisms": "--mechanisms"}):
-        runs = plan(task, args.mechanisms, widths, args.layers, args.heads, seeds, seq_lens)
+        runs = plan(task, args.mechanisms, widths, args.layers, args.heads, seeds, seq_lens, args.max_len, init)
+    with options_named(LIBRARY_OPTIONS):  # lengths that do not fit the task or --max-len, before any training
+        for r in runs:
+            check_lengths(r.task, train_config(r.task, r.seed, overrides), r.max_len)
+    if init:
+        with options_named(LIBRARY_OPTIONS), torch.random.fork_rng():  # an incompatible model, before any training
+            r = runs[0]
+            warm_start(build_model(r.task, r.mechanism, r.d_model, r.layers, r.heads, r.max_len), init)
     if args.export:
         from ..arena.export import check_run
 
@@ -157,25 +237,46 @@ def run(args) -> int:
     ends = iter([sum(ticks[: i + 1]) for i in range(len(ticks))])
 
     def on_eval(run, record):
-        progress.step(f"{run.label} step {record['step']} acc {record['accuracy']:.3f}")
+        progress.step(f"{run.label} {eval_line(record, train_config(run.task, run.seed, overrides))}")
+
+    output_dir(args.out)
+    files = {"csv": os.path.join(args.out, "results.csv"), "json": os.path.join(args.out, "results.json")}
+    meta = {"task": task.name, "task_params": task.params(), "mechanisms": args.mechanisms, "widths": widths,
+            "seeds": seeds, "overrides": {k: schedule_text(v) if k == "schedule" else v for k, v in overrides.items() if v is not None},
+            "init": init, "max_len": args.max_len}
+    finished_rows, finished_records, live = [], [], {}
+
+    def write_results(rows, records, finished):
+        write_csv(rows, files["csv"])
+        write_json(rows, records, {**meta, "finished": finished}, files["json"])
+
+    def on_snapshot(run, model, rows, record):
+        # What the run measured so far, on disk now: a run cut off keeps it.
+        live[id(run)] = record
+        write_results(finished_rows + rows, finished_records + [record], False)
+        if args.export:
+            export_atomic(model, run.task, args.export, run_training(run, record, rows))
 
     def on_run(run, rows):
+        finished_rows.extend(rows)
+        if id(run) in live:
+            finished_records.append(live.pop(id(run)))
         end = next(ends)
         if progress.done < end:
             progress.done = end - 1
             progress.step(f"{run.label} done, acc {rows[0]['accuracy']:.3f}")
 
-    output_dir(args.out)
     # The export is read back from the run's final checkpoint.
     checkpoints = os.path.join(args.out, "checkpoints") if (args.checkpoint_every or args.resume or args.export) else None
-    with options_named({"mechanisms": "--mechanisms"}):  # a mechanism that cannot read the task fails before training
-        rows, records = run_grid(task, args.mechanisms, widths, args.layers, args.heads, seeds, seq_lens, overrides,
-                                 checkpoints, args.resume, on_eval, on_run)
-    files = {"csv": os.path.join(args.out, "results.csv"), "json": os.path.join(args.out, "results.json")}
-    write_csv(rows, files["csv"])
-    meta = {"task": task.name, "task_params": task.params(), "mechanisms": args.mechanisms, "widths": widths,
-            "seeds": seeds, "overrides": {k: v for k, v in overrides.items() if v is not None}}
-    write_json(rows, records, meta, files["json"])
+    try:
+        with options_named({"mechanisms": "--mechanisms"}):  # a mechanism that cannot read the task fails before training
+            rows, records = run_grid(task, args.mechanisms, widths, args.layers, args.heads, seeds, seq_lens, overrides,
+                                     checkpoints, args.resume, on_eval, on_run, args.max_len, init, on_snapshot)
+    except KeyboardInterrupt:
+        print(f"\nattnkit arena: interrupted; what was measured is in {files['json']}"
+              + (f" and {args.export}" if args.export and live else ""), file=sys.stderr)
+        return 130
+    write_results(rows, records, True)
     figures = [] if args.no_plots else write_plots(rows, records, args.out)
     if args.export:
         from ..arena.export import export_run
