@@ -14,12 +14,16 @@ def sample_text() -> str:
 
 
 def load_local_model(path: str):
-    """(model, tokenizer) from a local transformers model directory, offline, float32.
+    """(model, tokenizer) from a local transformers model directory (or a model organism
+    by name, see ``attnkit.organisms``), offline, float32.
 
     The bare model class (``AutoModel``) is loaded: attention is what is measured, and a
     language-model head would only add an (N x vocab) logits tensor."""
     if not isinstance(path, str) or not path:
         raise ValueError(f"model: expected a directory path, got {path!r}")
+    from ..organisms.store import resolve_model_path
+
+    path = resolve_model_path(path, "model")  # an organism's name -> its shipped, verified export
     if not os.path.exists(path):
         raise FileNotFoundError(f"model: no such directory: {path}")
     if not os.path.isdir(path):

@@ -103,9 +103,9 @@ def read_task(path: str) -> dict | None:
 
 
 def load_probe_model(path: str | None = None, *, kind: str | None = None) -> ProbeModel:
-    """Load a local transformers model directory offline (float32, eval mode), as a
-    causal LM when it is one, else as the bare encoder; ``path=None`` loads the bundled
-    all-MiniLM-L6-v2. ``kind`` ("causal" or "encoder") forces the class."""
+    """Load a local transformers model directory (or a model organism by name, see
+    ``attnkit.organisms``) offline (float32, eval mode), as a causal LM when it is one,
+    else as the bare encoder; ``path=None`` loads the bundled all-MiniLM-L6-v2. ``kind`` ("causal" or "encoder") forces the class."""
     if kind not in (None, "causal", "encoder"):
         raise ValueError(f"kind: expected None, 'causal' or 'encoder', got {kind!r}")
     if path is None:
@@ -115,7 +115,9 @@ def load_probe_model(path: str | None = None, *, kind: str | None = None) -> Pro
         return ProbeModel(model, tokenizer, "encoder", max_positions(model), None, "all-MiniLM-L6-v2")
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise ValueError(f"--model: expected a model directory, got {path!r}")
-    path = str(path)
+    from ..organisms.store import resolve_model_path
+
+    path = resolve_model_path(str(path), "--model")  # an organism's name -> its shipped, verified export
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--model: no such directory: {path}")
     if not os.path.isfile(os.path.join(path, "config.json")):

@@ -1,0 +1,130 @@
+"""``attnkit organisms list|card|build|path``: the shipped model organisms and their cards.
+
+    attnkit organisms list                 # every recipe, with its card's accuracies
+    attnkit organisms card needle-1k       # accuracy per length x depth, training, machine, failures
+    attnkit organisms path needle-1k       # the shipped export (use it, or the name, as --model)
+    attnkit organisms build needle-1k --out built/   # retrain from the recipe; compare with the shipped card
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from .options import options_named, output_dir
+from .progress import Progress
+
+ACTIONS = ("list", "card", "build", "path")
+#: library argument names -> how the command line names them
+NAME = {"name": "NAME"}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("organisms", help="small trained models shipped with measured cards (list, card, build, path)",
+                       description="Model organisms: small models grown with the arena (warm starts, length curricula), "
+                                   "shipped with a card of their measured accuracy. An organism name works wherever a "
+                                   "model path does.")
+    p.add_argument("action", choices=ACTIONS, help="list: every organism; card: one's card; path: its shipped export; "
+                                                   "build: retrain it from its recipe and compare with the shipped card")
+    p.add_argument("name", nargs="?", metavar="NAME", help="the organism (card, build, path)")
+    p.add_argument("--out", metavar="DIR", help="build: where the new export and card go (default: ./attnkit-organisms/NAME)")
+    p.add_argument("--work", metavar="DIR", help="build: keep each stage's arena run (results, checkpoints, export) here")
+    p.add_argument("--commands", action="store_true", help="card: also print the arena command lines of the recipe")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--quiet", action="store_true", help="build: no progress output")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from .. import organisms
+
+    if args.action == "list":
+        return _list(args)
+    if not args.name:
+        raise ValueError(f"NAME: 'attnkit organisms {args.action}' needs an organism; known: {', '.join(organisms.names())}")
+    with options_named(NAME):
+        organisms.recipe(args.name)
+    if args.action == "path":
+        with options_named(NAME):
+            print(organisms.path(args.name))
+        return 0
+    if args.action == "card":
+        with options_named(NAME):
+            card = organisms.card(args.name)
+        if args.json:
+            print(json.dumps(card, indent=1))
+        else:
+            from ..organisms.cards import format_card
+
+            print(format_card(card))
+            if args.commands:
+                print("\nrecipe:\n" + "\n".join(card["commands"]))
+        return 0
+    return _build(args)
+
+
+def _list(args) -> int:
+    from .. import organisms
+    from ..organisms.cards import summary_row
+
+    rows = []
+    for name in organisms.names():
+        r = organisms.recipe(name)
+        row = {"name": name, "summary": r.summary, "shipped": name in organisms.shipped()}
+        if row["shipped"]:
+            row.update(summary_row(organisms.card(name)))
+        rows.append(row)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"{'organism':<16} {'task':<10} {'mechanism':<10} {'trained':>7}  {'accuracy by length':<44} {'worst cell':<24} {'build':>6}")
+    for row in rows:
+        if not row["shipped"]:
+            print(f"{row['name']:<16} (not shipped: attnkit organisms build {row['name']})  {row['summary']}")
+            continue
+        accuracy = " ".join(f"{n}:{a:.2f}" for n, a in row["accuracy"].items())
+        w = row["worst"]
+        worst = f"{w['accuracy']:.2f} @{w['length']} {w['group']}" if w else ""
+        print(f"{row['name']:<16} {row['task']:<10} {row['mechanism']:<10} {row['trained_up_to']:>7}  {accuracy:<44} {worst:<24} "
+              f"{row['seconds'] / 60:>5.1f}m")
+    return 0
+
+
+def _build(args) -> int:
+    from .. import organisms
+    from ..organisms.builder import compare
+
+    recipe = organisms.recipe(args.name)
+    out = args.out or os.path.join("attnkit-organisms", args.name)
+    output_dir(os.path.dirname(os.path.abspath(out)))
+    if args.work:
+        output_dir(args.work)
+    shipped = organisms.card(args.name) if args.name in organisms.shipped() else None
+    progress = Progress(0, f"organisms build {args.name}", enabled=not args.quiet)
+
+    def on_eval(stage, record, config):
+        where = ""
+        if config.schedule:
+            current = config.schedule[record["stage"]]
+            where = f" stage {record['stage'] + 1}/{len(config.schedule)} ({'+'.join(map(str, current.lengths))})"
+        lengths = " ".join(f"@{n} {e['accuracy']:.3f}" for n, e in record.get("lengths", {}).items())
+        progress.total = progress.done + 1
+        progress.step(f"{stage.name}{where} step {record['step']} {lengths} score {record['score']:.3f}")
+
+    def on_measure(recipe):
+        progress.total = progress.done + 1
+        progress.step(f"measuring the card at {', '.join(map(str, recipe.card_lengths))} tokens")
+
+    card = organisms.build(args.name, out, work_dir=args.work, on_eval=on_eval, on_measure=on_measure)
+    distance = compare(card, shipped) if shipped else None
+    if args.json:
+        print(json.dumps({"card": card, "path": out, "against_shipped": distance}, indent=1))
+        return 0
+    from ..organisms.cards import format_card
+
+    print(format_card(card))
+    print(f"\nwritten to {out}")
+    if distance is not None:
+        print(f"against the shipped card: largest difference {distance['largest']:.3f} "
+              f"(per length: " + ", ".join(f"{n} {d['all']:+.3f}" for n, d in distance["differences"].items()) + ")")
+    return 0

@@ -1,0 +1,110 @@
+"""The organisms shipped inside the package, and organism names where model paths go.
+
+Each shipped organism is a transformers export (config.json, model.safetensors, the
+tokenizer files, task.json) in ``organisms/data/<name>/`` with its ``card.json``; the card
+lists the SHA-256 of every other file, checked whenever the organism is looked up, so a
+damaged or altered file is named before any model reads it. Only the standard library
+is used here: resolving a name costs no torch or transformers import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from importlib import resources
+
+CARD_FILE = "card.json"
+CARD_FORMAT = "attnkit.organism.card"
+
+
+def data_dir() -> str:
+    """The folder holding the shipped organisms."""
+    return str(resources.files(__package__).joinpath("data"))
+
+
+def shipped() -> list[str]:
+    """Names of the organisms whose weights ship with this install."""
+    root = data_dir()
+    if not os.path.isdir(root):
+        return []
+    return sorted(d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, CARD_FILE)))
+
+
+def file_hash(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_card(directory: str) -> dict:
+    """The card in ``directory`` (an organism's export), as a dict; errors name the file."""
+    path = os.path.join(directory, CARD_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            card = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"card: {path} is not a readable organism card: {e}") from None
+    if not isinstance(card, dict) or card.get("format") != CARD_FORMAT:
+        raise ValueError(f"card: {path} has format {card.get('format') if isinstance(card, dict) else None!r}, "
+                         f"expected {CARD_FORMAT!r}")
+    return card
+
+
+def verify(directory: str) -> dict:
+    """The card of the organism in ``directory`` after checking every file it lists
+    against its hash; a ValueError names the first missing or mismatching file."""
+    card = read_card(directory)
+    files = card.get("files")
+    if not isinstance(files, dict) or "model.safetensors" not in files:
+        raise ValueError(f"card: {os.path.join(directory, CARD_FILE)} lists no files with hashes (model.safetensors at least)")
+    for name, expected in files.items():
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise ValueError(f"card: {path} is missing (the card lists it with sha256 {expected[:12]}...)")
+        actual = file_hash(path)
+        if actual != expected:
+            raise ValueError(f"card: {path} does not match its hash (sha256 {actual[:12]}..., the card says "
+                             f"{expected[:12]}...): the file is damaged or was changed after the card was measured")
+    return card
+
+
+def organism_path(name: str) -> str:
+    """The verified export directory of the shipped organism ``name``; an unknown name
+    lists the known ones."""
+    known = shipped()
+    if name not in known:
+        raise ValueError(f"name: no shipped organism {name!r}; shipped: {', '.join(known) or 'none'}")
+    directory = os.path.join(data_dir(), name)
+    verify(directory)
+    return directory
+
+
+def looks_like_name(text: str) -> bool:
+    """A bare word (no path separator, no leading dot): what an organism name looks like."""
+    return bool(text) and os.sep not in text and (os.altsep is None or os.altsep not in text) and not text.startswith(".")
+
+
+def resolve_model_path(text: str, option: str = "--model") -> str:
+    """``text`` as a model directory: an existing path as given, a shipped organism's
+    name as its verified directory. A bare name that is neither is an error (naming
+    ``option``) that lists the organisms; any other path is returned for the caller's
+    own "no such directory" error."""
+    if not isinstance(text, (str, os.PathLike)):
+        return text
+    text = os.fspath(text)
+    if os.path.exists(text) or not looks_like_name(text):
+        return text
+    known = shipped()
+    if text in known:
+        try:
+            return organism_path(text)
+        except ValueError as e:
+            raise ValueError(f"{option}: organism {text}: {str(e).removeprefix('card: ')}") from None
+    raise FileNotFoundError(f"{option}: no such directory or organism: {text!r}; organisms: {', '.join(known) or 'none shipped'}")
+
+
+__all__ = ["CARD_FILE", "CARD_FORMAT", "data_dir", "file_hash", "organism_path", "read_card", "resolve_model_path",
+           "shipped", "verify"]
