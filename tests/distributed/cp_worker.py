@@ -6,7 +6,7 @@ its shard, and compares its shard of the output, the logsumexp and the gradients
 gradients of shared parameters summed over the group). A failed check raises: the
 process exits non-zero with the message on stderr.
 
-usage: cp_worker.py RANK WORLD INIT_FILE MODE   (MODE: checks | crash)
+usage: cp_worker.py RANK WORLD INIT_FILE MODE   (MODE: checks | edges | crash)
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import attnkit as ak
 import attnkit.distributed as cp
+from attnkit.distributed.call import refuse
 from attnkit.mechanisms import get_mechanism
 from attnkit.mods import alibi_slopes
 from attnkit.mechanisms.linear import LinearAttention
@@ -151,8 +152,8 @@ def check_shards_and_errors(world, N):
     try:
         cp.attention(*local, mask=ak.causal())
     except ValueError as err:
-        expected = "head dim" if dist.get_rank() == 0 else "rank(s) [0] of the group rejected"
-        assert expected in str(err), err
+        assert "head dim" in str(err) and f"on rank(s) [0] of {world}" in str(err), err
+        same_error_everywhere(err)
     else:
         raise AssertionError("bad input on rank 0 was not refused")
     try:  # contiguous shards passed as zigzag (lengths differ when N % 2P != 0)
@@ -163,9 +164,17 @@ def check_shards_and_errors(world, N):
         raise AssertionError("shards of the wrong layout were not refused")
 
 
-def check_hf_model(name, N):
+def same_error_everywhere(err, group=None):
+    """Every rank of the group raised the same message."""
+    messages = [None] * dist.get_world_size(group)
+    dist.all_gather_object(messages, str(err), group=group)
+    assert len(set(messages)) == 1, f"ranks raised different errors: {messages}"
+
+
+def check_hf_model(name, N, group=None, layout="zigzag", pass_positions=True):
     """A tiny transformers model: sharded prefill logits and (summed) weight gradients equal
-    the single-process run's."""
+    the single-process run's; without position_ids the switch supplies the global ones.
+    Returns the largest logit difference."""
     import transformers as T
 
     import attnkit.hf
@@ -185,14 +194,23 @@ def check_hf_model(name, N):
     weight = model.model.layers[0].self_attn.q_proj.weight
     ref_grad = weight.grad.clone()
     model.zero_grad()
-    with attnkit.hf.use(model, context_parallel=dist.group.WORLD):
-        logits = model(cp.shard(ids, 1), position_ids=cp.positions(N)[None], use_cache=False).logits
-    close(f"{name} logits", logits, cp.shard(ref, 1))
+    positions = dict(position_ids=cp.positions(N, group, layout)[None]) if pass_positions else {}
+    with attnkit.hf.use(model, context_parallel=group or dist.group.WORLD, context_layout=layout):
+        logits = model(cp.shard(ids, 1, group, layout), use_cache=False, **positions).logits
+    close(f"{name} logits", logits, cp.shard(ref, 1, group, layout))
     # the mean over the whole sequence, written as this rank's share
     (logits.square().sum() / ref.numel()).backward()
     grad = weight.grad.clone()
-    dist.all_reduce(grad)
+    dist.all_reduce(grad, group=group)
     close(f"{name} q_proj grad", grad, ref_grad)
+    return max_diff(logits, cp.shard(ref, 1, group, layout), group)
+
+
+def max_diff(actual, expected, group=None):
+    """The largest |actual - expected| over the group."""
+    d = torch.tensor((actual.detach().double() - expected.detach().double()).abs().max().item() if actual.numel() else 0.0)
+    dist.all_reduce(d, op=dist.ReduceOp.MAX, group=group)
+    return d.item()
 
 
 def run_checks(world):
@@ -235,12 +253,192 @@ def run_checks(world):
         raise AssertionError("differential attention should refuse to shard")
 
 
+# ---- issue 31: short sequences, positions filled in, refusals and failures on every rank ----
+
+
+def _short_conv_gla():
+    """GLA gates with a short convolution of width 3 (a state that reaches back 2 tokens,
+    longer than the 1-token chunks it is cut into); lazy weights created by a first call."""
+    torch.manual_seed(11)
+    mech = LinearAttention(short_conv=3, decay="gla")
+    x = torch.zeros(1, 2, 1, 8, dtype=torch.float64)
+    mech(x, x, x, mask=ak.causal())
+    return mech.double()
+
+
+def edge_mechanisms():
+    """name -> (mechanism, reference(q, k, v)); linear weights equal on every rank (seeded)."""
+    linear = {"retnet": get_mechanism("retnet")}
+    for name in ("gla", "deltanet"):
+        torch.manual_seed(7)
+        linear[name] = get_mechanism(name, heads=2, head_dim=8).double()
+    linear["short-conv gla"] = _short_conv_gla()
+    sig = get_mechanism("sigmoid", bias=-1.0)
+    mechs = {"softmax": (None, lambda q, k, v: dense_reference(q, k, v, mask=ak.causal())[0]),
+             "sigmoid": (sig, lambda q, k, v: dense_reference(q, k, v, mask=ak.causal(), gate=-1.0)[0])}
+    for name, mech in linear.items():
+        mechs[name] = (mech, lambda q, k, v, mech=mech: mech(q, k, v, mask=ak.causal(), backend="reference"))
+    return mechs
+
+
+def sharded_vs_reference(group, mech, reference, layout, N):
+    """Largest difference (over the group) of the output and of the q, k, v and weight
+    gradients of one sharded causal call against the whole-sequence float64 reference."""
+    q, k, v, w = inputs(1, 2, 2, N, 8, seed=N)
+    q, k = q * 0.3, k * 0.3
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    params = [] if mech is None else [p for p in mech.parameters() if p.requires_grad]
+    ref = reference(*full)
+    (ref * w).sum().backward()
+    ref_param_grads = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    local = [cp.shard(t, 2, group, layout).requires_grad_() for t in (q, k, v)]
+    out = cp.attention(*local, group=group, mask=ak.causal(), mechanism=mech, layout=layout)
+    (out * cp.shard(w, 2, group, layout)).sum().backward()
+    diffs = {"out": max_diff(out, cp.shard(ref, 2, group, layout), group)}
+    for label, t, r in zip("qkv", local, full):
+        diffs[f"d{label}"] = max_diff(t.grad, cp.shard(r.grad, 2, group, layout), group)
+    for i, p in enumerate(params):
+        g = torch.zeros_like(p) if p.grad is None else p.grad.clone()  # a rank without tokens has none
+        dist.all_reduce(g, group=group)
+        diffs[f"weight {i}"] = max_diff(g, ref_param_grads[i], group)
+        p.grad = None
+    return diffs
+
+
+def check_short_sequences(group, P):
+    """Every mechanism, layout and length N = 1 .. 2P + 1, forward and backward: zigzag
+    chunks of zero tokens (N < 2P) and ranks holding none (N < P) included."""
+    worst = {}
+    for name, (mech, reference) in edge_mechanisms().items():
+        for layout in ("zigzag", "contiguous"):
+            for N in range(1, 2 * P + 2):
+                diffs = sharded_vs_reference(group, mech, reference, layout, N)
+                bad = {key: d for key, d in diffs.items() if not d <= 1e-10}
+                assert not bad, f"P={P} {name} {layout} N={N}: differences {bad}"
+                family = "softmax/sigmoid" if mech is None or name == "sigmoid" else "linear"
+                worst[family] = max(worst.get(family, 0.0), *diffs.values())
+    return worst
+
+
+class FaultyRetNet(type(get_mechanism("retnet"))):
+    """RetNet that raises on one rank, in forward or in backward (the recomputation runs
+    with grad enabled; the autograd Function's forward does not)."""
+
+    fail_rank, fail_in = None, None
+
+    def __call__(self, q, *args, **kwargs):
+        if dist.get_rank() == self.fail_rank and torch.is_grad_enabled() == (self.fail_in == "backward"):
+            raise RuntimeError("injected failure")
+        return super().__call__(q, *args, **kwargs)
+
+
+def check_failure_reaches_every_rank(group, fail_rank, fail_in):
+    """A rank failing inside the state chain makes every other rank raise at once, naming
+    it: without the failure notice they would raise a timeout error after 10 s instead.
+    The group stays usable."""
+    mech = FaultyRetNet()
+    mech.fail_rank, mech.fail_in = fail_rank, fail_in
+    q, k, v, _ = inputs(1, 2, 2, 12, 8, seed=0)
+    local = [cp.shard(t, 2, group).requires_grad_() for t in (q, k, v)]
+    try:
+        cp.attention(*local, group=group, mask=ak.causal(), mechanism=mech).sum().backward()
+    except RuntimeError as err:
+        expected = "injected failure" if dist.get_rank() == fail_rank else f"rank {fail_rank} failed on chunk"
+        assert expected in str(err), err
+    else:
+        raise AssertionError(f"a failure on rank {fail_rank} in {fail_in} was not raised")
+    dist.barrier(group=group)
+
+
+def check_refusal_reaches_every_rank(group):
+    """A rank that refuses the call before entering it (as attnkit.hf does) makes every
+    rank raise the same ValueError."""
+    q = torch.randn(1, 2, 2, 8, dtype=torch.float64)
+    try:
+        if dist.get_rank(group) == 0:
+            refuse(ValueError("attention_mask: padded on purpose"), q.shape[2], group)
+        cp.attention(q, q, q, group=group, mask=ak.causal())
+    except ValueError as err:
+        assert str(err).startswith("attention_mask: padded on purpose (on rank(s) [0] of"), err
+        same_error_everywhere(err, group)
+    else:
+        raise AssertionError("a refusal on rank 0 was not raised")
+
+
+def check_lazy_weights_refused(group):
+    """A mechanism whose weights its first call would draw (on each rank apart) is refused."""
+    q = torch.randn(1, 2, 2, 8, dtype=torch.float64)
+    try:
+        cp.attention(q, q, q, group=group, mask=ak.causal(), mechanism=get_mechanism("deltanet"))
+    except ValueError as err:
+        assert str(err).startswith("mechanism: 'deltanet' has weights not created yet"), err
+    else:
+        raise AssertionError("a mechanism with lazy weights was not refused")
+
+
+def check_hf_padding_on_one_rank(group):
+    """Padding on the last rank only: every rank raises the same ValueError naming attention_mask."""
+    import transformers as T
+
+    import attnkit.hf
+
+    config = T.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(config, attn_implementation="eager").double().eval()
+    ids = cp.shard(torch.arange(13)[None] % 97, 1, group)
+    keep = torch.ones_like(ids)
+    if dist.get_rank(group) == dist.get_world_size(group) - 1:
+        keep[0, -1] = 0
+    try:
+        with attnkit.hf.use(model, context_parallel=group):
+            model(ids, attention_mask=keep, use_cache=False)
+    except ValueError as err:
+        assert str(err).startswith("attention_mask: context_parallel takes unpadded shards"), err
+        same_error_everywhere(err, group)
+    else:
+        raise AssertionError("padding on one rank was not refused")
+
+
+def run_edges(world):
+    """Issue 31 on a group of 3: P = 2 on a subgroup (ranks 1, 2: group ranks are not global
+    ranks) and P = 3; groups for failure paths time out after 10 s, so a hang fails fast."""
+    assert world == 3
+    pair = dist.new_group([1, 2], timeout=timedelta(seconds=10))
+    trio = dist.new_group([0, 1, 2], timeout=timedelta(seconds=10))
+    rank = dist.get_rank()
+    report = {}
+    for P, group in ((2, pair), (3, dist.group.WORLD)):
+        if rank not in (1, 2) and P == 2:
+            continue
+        for family, d in check_short_sequences(group, P).items():
+            report[f"short sequences P={P} {family}"] = d
+    for fail_rank, fail_in in ((1, "backward"), (2, "forward"), (0, "backward")):
+        check_failure_reaches_every_rank(trio, fail_rank, fail_in)
+    check_refusal_reaches_every_rank(trio)
+    check_lazy_weights_refused(trio)
+    check_hf_padding_on_one_rank(trio)
+    cases = ((pair, 37, "zigzag"), (dist.group.WORLD, 29, "zigzag"), (dist.group.WORLD, 29, "contiguous"))
+    for group, N, layout in cases:
+        if group is pair and rank not in (1, 2):
+            continue
+        P = dist.get_world_size(group)
+        report[f"hf llama logits without position_ids P={P} N={N} {layout}"] = check_hf_model("llama", N, group, layout, pass_positions=False)
+    if rank == 1:
+        for key, d in report.items():
+            print(f"MAXDIFF {key}: {d:.1e}", flush=True)
+
+
 def main():
     rank, world, init, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    timeout = timedelta(seconds=60 if mode == "checks" else 4)
+    timeout = timedelta(seconds=4 if mode == "crash" else 60)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=timeout)
     if mode == "checks":
         run_checks(world)
+    elif mode == "edges":
+        run_edges(world)
     elif mode == "crash":
         dist.barrier()  # every rank has finished joining: the failure below is the call's
         if rank == world - 1:

@@ -51,3 +51,16 @@ def test_a_failed_rank_fails_the_others_with_a_clear_error(tmp_path):
     assert results[1].returncode != 0
     assert results[0].returncode == 0, results[0].stderr[-3000:]
     assert "CLEAR ERROR: attnkit.distributed: rank 0 of 2 failed during" in results[0].stdout
+
+
+def test_short_sequences_positions_and_failures_on_every_rank(tmp_path):
+    """Issue 31, on a group of 3 (P = 2 on a subgroup, and P = 3): every mechanism and
+    layout at N = 1 .. 2P + 1 (chunks and ranks with no token) forward and backward against
+    float64 references; a failure inside the linear chain and a refusal before the call
+    reach every rank at once; hf.use without position_ids gives the single-process logits;
+    padding on one rank raises the same ValueError on every rank."""
+    results = run_group(3, "edges", tmp_path)
+    for rank, r in enumerate(results):
+        assert r.returncode == 0, f"rank {rank} failed:\n{r.stderr[-3000:]}"
+        assert r.stdout.strip().endswith("OK")
+    print("".join(line + "\n" for line in results[1].stdout.splitlines() if line.startswith("MAXDIFF")))

@@ -44,7 +44,7 @@ def test_padding_and_caches_are_refused(group):
     ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(0))
     pad = torch.tensor([[1, 1, 1, 1, 0, 0]])
     with attnkit.hf.use(model, context_parallel=group):
-        with pytest.raises(ValueError, match="context_parallel: a padding attention_mask"):
+        with pytest.raises(ValueError, match="attention_mask: context_parallel takes unpadded shards"):
             model(ids, attention_mask=pad, use_cache=False)
     with pytest.raises(ValueError, match="layout: expected 'zigzag' or 'contiguous'"):
         with attnkit.hf.use(model, context_parallel=group, context_layout="striped"):

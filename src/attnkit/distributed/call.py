@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from ..kernels import make_request
 from ..mechanisms import get_mechanism
 from ..mechanisms.linear import LinearAttention
 from ..mods import as_mask, as_score
-from .comm import Group, all_gather_ints, resolve_group
+from .comm import Group, agree, resolve_group
 from .layout import Layout, check_layout, layout_for
 from .linear import linear_attention
 from .ring import RingAttention, RingPlan
@@ -61,12 +62,7 @@ def attention(
             raise ValueError(f"k: a sharded call is self-attention over one sequence: k's shard length must equal q's {q.shape[2]}, got {k.shape[2]}")
     except (ValueError, TypeError) as err:
         error = err
-    table = all_gather_ints([n_local, int(error is None)], g, "the length check before attention")
-    if error is not None:
-        raise error
-    bad = [r for r, (_, ok) in enumerate(table) if not ok]
-    if bad:
-        raise ValueError(f"rank(s) {bad} of the group rejected their inputs; see their errors")
+    table = _agree_on_inputs(error, n_local, g)
     n = sum(t[0] for t in table)
     lay = layout_for(n, g.world, layout)
     expected = [lay.local_length(r) for r in range(g.world)]
@@ -94,12 +90,34 @@ def attention(
     return (out, lse) if return_lse else out
 
 
+def refuse(error: Exception, q_len: int, group=None):
+    """Raise ``error`` on every rank of the group: for a caller (``attnkit.hf``) that finds
+    this rank's call invalid before it reaches ``attention`` while the other ranks are
+    already inside it. This rank joins their input check as a failing rank, so every rank
+    raises the same ValueError and none waits for an exchange that will not come."""
+    _agree_on_inputs(error, q_len, resolve_group(group))
+    raise error  # not reached: the check raises on every rank when one rank fails
+
+
+def _agree_on_inputs(error: Exception | None, q_len: int, g: Group) -> list[list[int]]:
+    """Each rank's shard length, after the group agrees every rank's inputs are valid
+    (``attention`` and ``refuse`` must exchange exactly this, in this order)."""
+    return agree(error, [q_len], g, "the input check before attention")
+
+
 def _mechanism(mechanism):
     if mechanism is None or mechanism == "softmax":
         return None
     mech = get_mechanism(mechanism)
     if mech.name == "softmax":
         return None
+    if isinstance(mech, LinearAttention) and any(is_lazy(p) for p in mech.parameters()):
+        # a lazy weight is drawn at the first call, on each rank apart (and never on a rank
+        # holding no tokens), so the ranks would not share one mechanism
+        raise ValueError(
+            f"mechanism: {mech.name!r} has weights not created yet (sized by its first call); build it with "
+            "heads= and head_dim= (the same seed on every rank, or load its weights) before the sharded call"
+        )
     if mech.name == "sigmoid" or isinstance(mech, LinearAttention):
         return mech
     raise ValueError(

@@ -41,13 +41,20 @@ def resolve_group(group) -> Group:
     return Group(handle, dist.get_rank(handle), dist.get_world_size(handle))
 
 
+class GroupError(RuntimeError):
+    """The group failed during an exchange: a peer crashed, did not make the same call, or
+    the group timed out. Nothing more can be exchanged for this call."""
+
+
 @contextmanager
 def exchange(what: str, g: Group):
     """Re-raise a communication failure with the step that was waiting and the way out."""
     try:
         yield
+    except GroupError:
+        raise
     except (RuntimeError, dist.DistBackendError) as err:  # gloo/nccl raise these on timeout or a dead peer
-        raise RuntimeError(
+        raise GroupError(
             f"attnkit.distributed: rank {g.rank} of {g.world} failed during {what}: another rank crashed, "
             f"did not make the same call, or the group timed out ({type(err).__name__}: {err})"
         ) from err
@@ -60,6 +67,32 @@ def all_gather_ints(values: list[int], g: Group, what: str) -> list[list[int]]:
     with exchange(what, g):
         dist.all_gather(out, mine, group=g.handle)
     return [t.tolist() for t in out]
+
+
+def agree(error: Exception | None, values: list[int], g: Group, what: str) -> list[list[int]]:
+    """Every rank's ``values``, once every rank has said whether its own input is valid.
+
+    When any rank passes an ``error``, every rank raises the same ValueError (the failing
+    ranks' messages, each naming its argument, and which ranks failed), so no rank goes
+    on into an exchange the others will never join. The messages cross the group only
+    then: a valid call costs one all-gather of a few ints.
+    """
+    table = all_gather_ints([int(error is None), *values], g, what)
+    failed = [r for r, row in enumerate(table) if not row[0]]
+    if failed:
+        messages = [None] * g.world
+        with exchange(what, g):
+            dist.all_gather_object(messages, None if error is None else str(error), group=g.handle)
+        raise ValueError(_failure_text(failed, messages, g.world)) from error
+    return [row[1:] for row in table]
+
+
+def _failure_text(failed: list[int], messages: list, world: int) -> str:
+    distinct = list(dict.fromkeys(messages[r] for r in failed))
+    if len(distinct) == 1:
+        return f"{distinct[0]} (on rank(s) {failed} of {world}; every rank raises this error)"
+    parts = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
+    return f"ranks {failed} of {world} refused the call (every rank raises this error): {parts}"
 
 
 class Pending:

@@ -11,33 +11,64 @@ to the owner of the chunk before. One state per chunk boundary crosses the netwo
 no K/V ever moves. The chain is sequential (latency P · chunk time); a parallel scan
 over the chunks' (transition, state) pairs would shorten it but needs the transition
 matrices of gated delta rules, which the mechanisms do not expose.
+
+The chain holds the non-empty chunks only: with N < 2P (zigzag) or N < P (contiguous)
+some chunks have no token, and a rank may hold none at all; such a chunk changes no state
+and has no gradient, so it takes no part in the hand-overs.
+
+Every hand-over starts with a header. When a rank fails inside the chain (its own
+computation raises, or a failure notice arrives), it still plays its remaining part of
+the schedule — a failure notice instead of each state it would have sent, a receive for
+each it would have received — so every rank downstream raises at once, naming the rank
+and chunk that failed, instead of waiting out the group's timeout.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ..mechanisms.linear import LinearState
 from ..mods import causal
-from .comm import Group, post
-from .layout import Layout
+from .comm import Group, GroupError, post
+from .layout import Chunk, Layout
 
 Tensor = torch.Tensor
 _HEADER = 32
+_STATE, _FAILED = 1, 0  # header[0]: a state follows, or the sender's part of the chain failed
+
+
+class ChainBroken(RuntimeError):
+    """This rank stopped because rank ``origin`` failed on chunk ``chunk`` of the chain."""
+
+    def __init__(self, g: Group, origin: int, chunk: int, what: str):
+        self.origin, self.chunk = origin, chunk
+        super().__init__(
+            f"attnkit.distributed: rank {g.rank} of {g.world} stopped during {what}: rank {origin} failed "
+            f"on chunk {chunk} of the linear-attention chain (its own error says why)"
+        )
+
+
+# ---- hand-overs: a header, then the state's tensors ----
 
 
 def _header(state: LinearState) -> Tensor:
-    vals = [int(state.normalizer is not None), int(state.conv is not None)]
+    vals = [_STATE, int(state.normalizer is not None), int(state.conv is not None)]
     for t in state.tensors():
         vals += [t.dim(), *t.shape, *([0] * (4 - t.dim()))]
     vals += [0] * (_HEADER - len(vals))
     return torch.tensor(vals, dtype=torch.long)
 
 
+def _failure_header(origin: int, chunk: int) -> Tensor:
+    return torch.tensor([_FAILED, origin, chunk] + [0] * (_HEADER - 3), dtype=torch.long)
+
+
 def _empty_from_header(h: list[int], dtype, device) -> tuple[list[Tensor], bool, bool]:
-    has_norm, has_conv = bool(h[0]), bool(h[1])
+    has_norm, has_conv = bool(h[1]), bool(h[2])
     n = 1 + int(has_norm) + 3 * int(has_conv)
-    out, i = [], 2
+    out, i = [], 3
     for _ in range(n):
         nd = h[i]
         out.append(torch.empty(h[i + 1 : i + 1 + nd], dtype=dtype, device=device))
@@ -57,10 +88,17 @@ def _send_state(state: LinearState, peer: int, g: Group, what: str) -> None:
     post([(t.detach(), peer) for t in state.tensors()], [], g, what).wait()
 
 
-def _recv_state(peer: int, g: Group, dtypes: list, device, position: int, what: str) -> LinearState:
+def _recv_header(peer: int, g: Group, what: str) -> list[int]:
     h = torch.empty(_HEADER, dtype=torch.long)
     post([], [(h, peer)], g, what).wait()
-    tensors, has_norm, has_conv = _empty_from_header(h.tolist(), dtypes[0], device)
+    return h.tolist()
+
+
+def _recv_state(peer: int, g: Group, dtypes: list, device, position: int, what: str) -> LinearState:
+    h = _recv_header(peer, g, what)
+    if h[0] == _FAILED:
+        raise ChainBroken(g, h[1], h[2], what)
+    tensors, has_norm, has_conv = _empty_from_header(h, dtypes[0], device)
     # conv caches hold raw q, k, v (input dtype); memory and normaliser the compute dtype
     for i, t in enumerate(tensors):
         if has_conv and i >= len(tensors) - 3:
@@ -69,76 +107,163 @@ def _recv_state(peer: int, g: Group, dtypes: list, device, position: int, what: 
     return _state(tensors, has_norm, has_conv, position)
 
 
+# ---- the schedule: what this rank does, in chain order ----
+
+
+@dataclass(frozen=True)
+class Step:
+    """``kind`` "recv" (the carried state, from ``peer``), "compute" (chunk ``index``), or
+    "send" (the carried state, to ``peer``)."""
+
+    kind: str
+    index: int
+    peer: int
+
+
+def chain_chunks(layout: Layout) -> list[Chunk]:
+    """The chunks that hold tokens, in global order: the links of the chain."""
+    return [c for c in layout.chunks() if c.length > 0]
+
+
+def schedule(chunks: list[Chunk], rank: int, backward: bool = False) -> list[Step]:
+    """This rank's steps: forward in global order, backward in reverse, a receive before
+    a chunk whose predecessor (in walking order) is another rank's, a send after one whose
+    successor is."""
+    order = range(len(chunks) - 1, -1, -1) if backward else range(len(chunks))
+    stride = -1 if backward else 1
+    steps = []
+    for i in order:
+        if chunks[i].rank != rank:
+            continue
+        before, after = i - stride, i + stride
+        if 0 <= before < len(chunks) and chunks[before].rank != rank:
+            steps.append(Step("recv", i, chunks[before].rank))
+        steps.append(Step("compute", i, rank))
+        if 0 <= after < len(chunks) and chunks[after].rank != rank:
+            steps.append(Step("send", i, chunks[after].rank))
+    return steps
+
+
+def run_schedule(steps: list[Step], g: Group, what: str, recv, compute, send) -> None:
+    """Run the steps, carrying a state from step to step. If one fails (other than the
+    group itself failing), finish this rank's part with failure notices, then re-raise."""
+    carried = None
+    for n, step in enumerate(steps):
+        try:
+            if step.kind == "recv":
+                carried = recv(step)
+            elif step.kind == "compute":
+                carried = compute(step, carried)
+            else:
+                send(step, carried)
+        except GroupError:
+            raise  # the group is broken: further exchanges would only wait for its timeout
+        except Exception as err:
+            origin = (err.origin, err.chunk) if isinstance(err, ChainBroken) else (g.rank, step.index)
+            _notify(steps[n + 1 :], origin, g, what)
+            raise
+
+
+def _notify(rest: list[Step], origin: tuple[int, int], g: Group, what: str) -> None:
+    """Play the rest of this rank's schedule with failure notices: every rank after the
+    failure is waiting for exactly the hand-over this rank owes it (the chain is
+    sequential), so each notice is received at once."""
+    try:
+        for step in rest:
+            if step.kind == "send":
+                post([(_failure_header(*origin), step.peer)], [], g, what).wait()
+            elif step.kind == "recv":
+                _recv_header(step.peer, g, what)  # a notice too: its sender failed or was notified
+    except GroupError:
+        pass  # a peer is gone; the original error is the one to report
+
+
+# ---- the autograd function ----
+
+
 class LinearChain(torch.autograd.Function):
     """Forward: chunks in global order with the previous chunk's state. Backward: chunks
     in reverse order, each recomputed from its saved initial state."""
 
     @staticmethod
     def forward(ctx, mech, g: Group, layout: Layout, q, k, v, *params):
-        compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-        dtypes = [compute, q.dtype]
-        chunks = layout.chunks()
-        outs, saved_states = {}, {}
-        state = None
-        for i, c in enumerate(chunks):
-            if c.rank != g.rank:
-                continue
-            if i > 0 and chunks[i - 1].rank != g.rank:
-                state = _recv_state(chunks[i - 1].rank, g, dtypes, q.device, c.start, f"the state hand-over into chunk {i}")
+        compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        chunks = chain_chunks(layout)
+        outs, states_in = {}, {}
+
+        def recv(step):
+            c = chunks[step.index]
+            return _recv_state(step.peer, g, [compute_dtype, q.dtype], q.device, c.start, f"the state hand-over into chunk {step.index}")
+
+        def compute(step, state):
+            c = chunks[step.index]
             sl = slice(c.local, c.local + c.length)
-            saved_states[i] = state  # None before chunk 0
-            o, state = mech(q[:, :, sl], k[:, :, sl], v[:, :, sl], mask=causal(), initial_state=saved_states[i], return_state=True)
-            outs[i] = o
-            if i + 1 < len(chunks) and chunks[i + 1].rank != g.rank:
-                _send_state(state, chunks[i + 1].rank, g, f"the state hand-over out of chunk {i}")
-        ctx.mech, ctx.g, ctx.layout, ctx.states = mech, g, layout, saved_states
+            states_in[step.index] = state  # None before the first chunk
+            outs[step.index], state = mech(q[:, :, sl], k[:, :, sl], v[:, :, sl], mask=causal(), initial_state=state, return_state=True)
+            return state
+
+        def send(step, state):
+            _send_state(state, step.peer, g, f"the state hand-over out of chunk {step.index}")
+
+        run_schedule(schedule(chunks, g.rank), g, "the linear-attention forward", recv, compute, send)
+        ctx.mech, ctx.g, ctx.chunks, ctx.states = mech, g, chunks, states_in
         ctx.save_for_backward(q, k, v, *params)
-        mine = [i for i, c in enumerate(chunks) if c.rank == g.rank]
+        mine = [i for i, c in enumerate(chunks) if c.rank == g.rank]  # local order is global order
         return torch.cat([outs[i] for i in mine], dim=2) if mine else q.new_zeros(q.shape[0], q.shape[1], 0, v.shape[3])
 
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, *params = ctx.saved_tensors
-        g, chunks, mech = ctx.g, ctx.layout.chunks(), ctx.mech
+        g, chunks = ctx.g, ctx.chunks
         want = [p for p in params if p.requires_grad]
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        dparams = [None] * len(want)
-        d_state = None  # gradient of the state after the chunk being processed
-        for i in range(len(chunks) - 1, -1, -1):
-            c = chunks[i]
-            if c.rank != g.rank:
-                continue
-            sl = slice(c.local, c.local + c.length)
-            state_in = ctx.states[i]
-            leaves = [] if state_in is None else [t.detach().requires_grad_() for t in state_in.tensors()]
-            if state_in is not None:
-                state_in = _state(leaves, state_in.normalizer is not None, state_in.conv is not None, state_in.position)
-            qs, ks, vs = (t[:, :, sl].detach().requires_grad_() for t in (q, k, v))
-            with torch.enable_grad():
-                o, state_out = mech(qs, ks, vs, mask=causal(), initial_state=state_in, return_state=True)
-                outs, grads = [o], [d_out[:, :, sl]]
-                if i + 1 < len(chunks):
-                    if chunks[i + 1].rank != g.rank:
-                        d_state = _recv_state(chunks[i + 1].rank, g, [t.dtype for t in state_out.tensors()[:1]] + [q.dtype], q.device, 0, f"the state-gradient hand-back into chunk {i}")
-                    for t, dt in zip(state_out.tensors(), d_state.tensors()):
-                        if t.requires_grad:
-                            outs.append(t)
-                            grads.append(dt.to(t.dtype))
-                found = torch.autograd.grad(outs, [qs, ks, vs, *leaves, *want], grads, allow_unused=True)
-            for acc, gi in ((dq, found[0]), (dk, found[1]), (dv, found[2])):
-                if gi is not None:
-                    acc[:, :, sl] += gi
-            n_leaves = len(leaves)
-            d_leaves = [torch.zeros_like(t) if gi is None else gi for t, gi in zip(leaves, found[3 : 3 + n_leaves])]
-            for j, gi in enumerate(found[3 + n_leaves :]):
-                if gi is not None:
-                    dparams[j] = gi if dparams[j] is None else dparams[j] + gi
-            if i > 0:
-                d_state = _state(d_leaves, ctx.states[i].normalizer is not None, ctx.states[i].conv is not None, 0)
-                if chunks[i - 1].rank != g.rank:
-                    _send_state(d_state, chunks[i - 1].rank, g, f"the state-gradient hand-back out of chunk {i}")
-        it = iter(dparams)
-        return (None, None, None, dq, dk, dv, *[next(it) if p.requires_grad else None for p in params])
+        grads = {"q": torch.zeros_like(q), "k": torch.zeros_like(k), "v": torch.zeros_like(v), "params": [None] * len(want)}
+
+        def recv(step):
+            # the gradient of the state after chunk ``index``, from the owner of the chunk after it
+            return _recv_state(step.peer, g, [_state_dtype(q), q.dtype], q.device, 0, f"the state-gradient hand-back into chunk {step.index}")
+
+        def compute(step, d_state_out):
+            return _chunk_backward(ctx.mech, chunks[step.index], ctx.states[step.index], q, k, v, want, d_out, d_state_out, grads)
+
+        def send(step, d_state_in):
+            _send_state(d_state_in, step.peer, g, f"the state-gradient hand-back out of chunk {step.index}")
+
+        run_schedule(schedule(chunks, g.rank, backward=True), g, "the linear-attention backward", recv, compute, send)
+        it = iter(grads["params"])
+        return (None, None, None, grads["q"], grads["k"], grads["v"], *[next(it) if p.requires_grad else None for p in params])
+
+
+def _state_dtype(q: Tensor):
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _chunk_backward(mech, c: Chunk, state_in: LinearState | None, q, k, v, want, d_out, d_state_out, grads) -> LinearState | None:
+    """Recompute one chunk from its saved initial state, add its gradients to ``grads``,
+    and return the gradient of its initial state (None for the first chunk)."""
+    sl = slice(c.local, c.local + c.length)
+    leaves = [] if state_in is None else [t.detach().requires_grad_() for t in state_in.tensors()]
+    start = None if state_in is None else _state(leaves, state_in.normalizer is not None, state_in.conv is not None, state_in.position)
+    qs, ks, vs = (t[:, :, sl].detach().requires_grad_() for t in (q, k, v))
+    with torch.enable_grad():
+        o, state_out = mech(qs, ks, vs, mask=causal(), initial_state=start, return_state=True)
+        outputs, seeds = [o], [d_out[:, :, sl]]
+        if d_state_out is not None:  # the chunk's final state feeds later chunks
+            for t, dt in zip(state_out.tensors(), d_state_out.tensors()):
+                if t.requires_grad:
+                    outputs.append(t)
+                    seeds.append(dt.to(t.dtype))
+        found = torch.autograd.grad(outputs, [qs, ks, vs, *leaves, *want], seeds, allow_unused=True)
+    for name, gi in zip("qkv", found[:3]):
+        if gi is not None:
+            grads[name][:, :, sl] += gi
+    d_leaves = found[3 : 3 + len(leaves)]
+    for j, gi in enumerate(found[3 + len(leaves) :]):
+        if gi is not None:
+            grads["params"][j] = gi if grads["params"][j] is None else grads["params"][j] + gi
+    if state_in is None:
+        return None
+    d_leaves = [torch.zeros_like(t) if gi is None else gi for t, gi in zip(leaves, d_leaves)]
+    return _state(d_leaves, state_in.normalizer is not None, state_in.conv is not None, 0)
 
 
 def linear_attention(mech, g: Group, layout: Layout, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

@@ -116,8 +116,10 @@ def attnkit_attention_forward(module, query: Tensor, key: Tensor, value: Tensor,
         )
     switch, layer = active_switch(module)
     if switch is not None and switch.context_parallel is not None:
-        model = model_attention(module, query, key, _global_mask(attention_mask), scaling, kwargs)
-        return _context_parallel(switch, layer, query, key, value, model).transpose(1, 2).contiguous(), None
+        from .context_parallel import sharded_attention
+
+        out = sharded_attention(switch, layer, module, query, key, value, attention_mask, scaling, kwargs)
+        return out.transpose(1, 2).contiguous(), None
     model = model_attention(module, query, key, attention_mask, scaling, kwargs)
     rows_interact = switch is not None and not switch.plain and switch.applies_to(layer)
     query, key, value = clean_padding(module, query, key, value, model.mask, rows_interact)
@@ -170,43 +172,6 @@ def _switched(switch, layer, query, key, value, model: ModelAttention) -> Tensor
                          sinks=None if model.sinks is None else model.sinks[rest])
         parts.append((kept, rest))
     return merge_heads(parts, num_heads)
-
-
-def _global_mask(attention_mask):
-    """None for a sharded call: transformers built its mask over this rank's slots (and
-    takes zigzag position_ids for packed sequences), so the model's causal / sliding-window
-    structure is read from the module's own flags instead (``_model_mask`` without a mask)."""
-    if isinstance(attention_mask, MaskSpec):
-        if attention_mask.padding is not None and not bool(attention_mask.padding.all()):
-            raise ValueError("context_parallel: a padding attention_mask names this rank's slots only; shard unpadded input_ids")
-        return None
-    if attention_mask is not None:
-        raise ValueError("context_parallel: a custom attention_mask tensor covers this rank's slots only and cannot be sharded")
-    return None
-
-
-def _context_parallel(switch, layer, query, key, value, model: ModelAttention) -> Tensor:
-    """One call sharded by sequence over ``switch.context_parallel``. The model's causal
-    and sliding-window masks are relative positions, evaluated at global positions by
-    attnkit.distributed; masks that name local slots (padding, packed documents) or a
-    local position-bias tensor cannot be, and are refused."""
-    from ..distributed import attention as sharded
-
-    if query.shape[2] != key.shape[2]:
-        raise ValueError("context_parallel: shards are whole sequences of new tokens: run the prefill or training step with use_cache=False")
-    if _padding_keep(model.mask) is not None or model.position_bias is not None or model.steer:
-        raise ValueError("context_parallel: the model passed a padding mask or a position-bias tensor over this rank's slots only; "
-                         "shard unpadded input_ids without attention_mask (pack sequences into one row of one length)")
-    call = dict(mask=model.mask, score=model.score() or None, sinks=model.sinks, mechanism=None)
-    if switch.applies_to(layer):
-        if switch.heads is not None or switch.observers:
-            raise ValueError("context_parallel: heads= and observers= are not supported with context parallelism")
-        sink_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-        extra = switch.sinks_for(layer, query.shape[1], query.device)
-        scores = model.score() + ([switch.score] if switch.score is not None else [])
-        call = dict(mask=_and(model.mask, switch.mask), score=scores or None,
-                    sinks=combine_sinks(model.sinks, extra, None, sink_dtype), mechanism=switch.mechanism_for(layer, query, key, value))
-    return sharded(query, key, value, group=switch.context_parallel, scale=model.scale, layout=switch.context_layout, **call)
 
 
 def _run(switch, layer_index, mech, q: Tensor, k: Tensor, v: Tensor, **call) -> Tensor:

@@ -178,9 +178,10 @@ def use(
         context_parallel: a torch.distributed process group: every attention call is
             sharded over it by sequence (``attnkit.distributed``). Each rank passes its
             shard of ``input_ids`` (``attnkit.distributed.shard(ids, 1, group,
-            context_layout)``), the global ``position_ids`` of those tokens
-            (``attnkit.distributed.positions``) and ``use_cache=False``; no padding mask.
-            Its logits are its shard of the single-process logits (training too).
+            context_layout)``) and ``use_cache=False``; no padding mask (every rank raises
+            the same ValueError if any rank has one). Without ``position_ids`` each rank
+            gets the global positions of its tokens from the layout. Its logits are its
+            shard of the single-process logits (training too).
         context_layout: "zigzag" (default) or "contiguous", as in ``attnkit.distributed``.
 
     The model's own behaviour — its scaling, sliding-window layers, logit soft-capping,
@@ -207,12 +208,19 @@ def use(
     saved_impl = {id(c): (c, c._attn_implementation_internal) for c in configs}
     modules = list(model.modules())
     saved_active = {m: _ACTIVE.get(m) for m in modules}
+    unhook = None
     try:
+        if context_parallel is not None:
+            from .context_parallel import install
+
+            unhook = install(model, context_parallel, context_layout)  # global position_ids, collective checks
         model.set_attn_implementation(NAME)
         for m in modules:
             _ACTIVE[m] = switch
         yield switch
     finally:
+        if unhook is not None:
+            unhook()
         for config, impl in saved_impl.values():
             config._attn_implementation_internal = impl
         for m, previous in saved_active.items():
