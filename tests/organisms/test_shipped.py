@@ -91,6 +91,9 @@ def test_cli_list_card_and_path(data, capsys):
     assert json.loads(capsys.readouterr().out)["name"] == NAME
     assert main(["organisms", "path", NAME]) == 0
     assert capsys.readouterr().out.strip() == str(data / NAME)
+    assert main(["organisms", "list", "--markdown"]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("| organism |") and f"| `{NAME}` | needle |" in table
     assert main(["organisms", "list", "--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     assert rows[NAME]["shipped"] and set(rows[NAME]["accuracy"]) == {"16", "64"}

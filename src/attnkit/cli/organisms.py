@@ -31,6 +31,7 @@ def add_parser(sub) -> None:
     p.add_argument("--work", metavar="DIR", help="build: keep each stage's arena run (results, checkpoints, export) here")
     p.add_argument("--commands", action="store_true", help="card: also print the arena command lines of the recipe")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--markdown", action="store_true", help="list: the shipped cards as a Markdown table")
     p.add_argument("--quiet", action="store_true", help="build: no progress output")
     p.set_defaults(func=run)
 
@@ -76,6 +77,11 @@ def _list(args) -> int:
         rows.append(row)
     if args.json:
         print(json.dumps(rows, indent=1))
+        return 0
+    if args.markdown:
+        from ..organisms.cards import markdown_table
+
+        print(markdown_table([organisms.card(r["name"]) for r in rows if r["shipped"]]))
         return 0
     print(f"{'organism':<16} {'task':<10} {'mechanism':<10} {'trained':>7}  {'accuracy by length':<44} {'worst cell':<24} {'build':>6}")
     for row in rows:

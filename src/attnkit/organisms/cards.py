@@ -109,4 +109,19 @@ def format_card(card: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["VERSION", "cpu_name", "format_card", "hashes", "make_card", "summary_row", "worst_cell"]
+def markdown_table(cards: list[dict]) -> str:
+    """The cards as one Markdown table (the README's): accuracy per length with the
+    weakest depth, build steps and time."""
+    lines = ["| organism | task | model | trained up to | accuracy by length (weakest group) | build |",
+             "|---|---|---|---|---|---|"]
+    for card in cards:
+        m, t = card["model"], card["training"]
+        accuracy = ", ".join(f"{n}: {e['accuracy']:.2f} ({min(e['groups'].values()):.2f})" if e["groups"]
+                             else f"{n}: {e['accuracy']:.2f}" for n, e in card["accuracy"].items())
+        lines.append(f"| `{card['name']}` | {card['task']['name']} | {m['mechanism']}, d {m['d_model']}, {m['layers']} layers, "
+                     f"{m['heads']} heads | {m['trained_up_to']} | {accuracy} | {t['steps']} steps, "
+                     f"{t['wall_seconds'] / 60:.1f} min |")
+    return "\n".join(lines)
+
+
+__all__ = ["VERSION", "cpu_name", "format_card", "hashes", "make_card", "markdown_table", "summary_row", "worst_cell"]
