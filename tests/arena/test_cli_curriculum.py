@@ -88,3 +88,16 @@ def test_init_with_an_incompatible_model_names_the_tensor_before_training(tmp_pa
     err = capsys.readouterr().err
     assert err.startswith("attnkit arena: error: --init: embed.weight has shape (32, 16) in "), err
     assert not (out / "results.csv").exists()
+
+
+def test_init_takes_an_organism_name(tmp_path, capsys):
+    from attnkit import organisms
+
+    out = tmp_path / "run"
+    code = main(["arena", "needle", *NEEDLE, "--d-model", "64", "--layers", "2", "--heads", "4", "--batch-size", "2",
+                 "--eval-examples", "5", "--no-plots", "--steps", "1", "--init", "needle-32", "--out", str(out), "--quiet"])
+    assert code == 0
+    [record] = json.loads((out / "results.json").read_text())["runs"]
+    assert record["init"]["init"] == organisms.path("needle-32")
+    assert main(["arena", "needle", *NEEDLE, *SMALL, "--init", "needle-9k", "--out", str(out), "--quiet"]) == 2
+    assert "--init: no such directory or organism: 'needle-9k'; organisms: " in capsys.readouterr().err

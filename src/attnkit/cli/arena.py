@@ -172,12 +172,15 @@ LIBRARY_OPTIONS = {"schedule": "--schedule", "eval_lengths": "--eval-lengths", "
 
 
 def resolve_init(text: str | None) -> str | None:
-    """``--init``: a path as given."""
+    """``--init``: a path as given, or an organism's name as its shipped, verified export."""
+    from ..organisms.store import resolve_model_path
+
     if text is None:
         return None
-    if not os.path.exists(text):
+    path = resolve_model_path(text, "--init")
+    if not os.path.exists(path):
         raise FileNotFoundError(f"--init: no such export directory or checkpoint: {text}")
-    return text
+    return path
 
 
 def eval_line(record: dict, config) -> str:

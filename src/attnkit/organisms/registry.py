@@ -68,6 +68,26 @@ register(Recipe(
     known_failures=("4096 tokens (twice its context) were never trained: accuracy there is on the card",),
 ))
 
+#: 16 key-value pairs (15 distractors) over 16 keys and 16 values, the gold pair at one of 9 depths
+KV_PAIRS = dict(num_filler=8, num_keys=16, num_values=16, distractors=15, num_depths=9)
+
+register(Recipe(
+    name="kv-retrieval-1k",
+    summary="key-value retrieval among 16 pairs at up to 1024 tokens, the gold pair at any depth "
+            "(the subject for lost-in-the-middle curves)",
+    # needle-1k's retrieval circuit, taught more pairs: its embedding rows for fillers, the query
+    # marker and the first 8 keys carry over; the new keys and all 16 values are learned here.
+    stages=(INDUCTION_32, NEEDLE_32, NEEDLE_1K,
+            Stage("kv-retrieval-1k", "needle", dict(seq_len=128, **KV_PAIRS),
+                  dict(schedule="512+1024:400x16", batch_size=32, lr=1e-3, eval_every=50, eval_examples=270,
+                       eval_lengths=[512, 1024], criterion="accuracy", keep_best=True, target_accuracy=0.98),
+                  max_len=1024)),
+    card_lengths=(256, 512, 1024, 2048),
+    card_examples=540,
+    known_failures=("accuracy by the gold pair's depth is on the card, whatever its shape (the curve it is a subject for)",
+                    "2048 tokens (twice its context) were never trained: accuracy there is on the card"),
+))
+
 
 def names() -> list[str]:
     return sorted(RECIPES)
