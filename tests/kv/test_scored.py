@@ -4,11 +4,9 @@ sliding-window layers), a left-padded batch of 3, at prefill and after decoding 
 The policy cache gets its weights from attnkit's observers; the reference from
 ``output_attentions`` with its own kept sets carried step to step."""
 
-import math
-
 import pytest
 import torch
-from eager_reference import fraction_capacity, padded_batch, positions, simulate
+from eager_reference import fraction_capacity, padded_batch, positions, pyramid_budgets, simulate
 from tiny_models import build
 
 import attnkit.kv as kv
@@ -32,13 +30,8 @@ def capacity_for(name, params, f, num_layers):
         return base
 
     def pyramid(layer, real):
-        # PyramidKV, arXiv 2406.02069: k_min = k / beta at the top, k_max = 2k - k_min at the bottom, linear between
-        out = []
-        for k in base(layer, real).tolist():
-            k_min = k / params["beta"]
-            k_max = 2 * k - k_min
-            out.append(max(1, math.floor(k_max - (k_max - k_min) * layer / (num_layers - 1))))
-        return torch.tensor(out)
+        ks = base(layer, real).tolist()
+        return torch.tensor([pyramid_budgets(k, int(n), num_layers, params["beta"])[layer] for k, n in zip(ks, real.tolist())])
 
     return pyramid
 

@@ -129,7 +129,8 @@ class PolicyCache(Cache):
         bounds, attention over them and the new token, the new key folded into the pages'
         extremes (kept in ``layer.memo``, which then covers every slot)."""
         size = self.policy.page_size
-        out, _ = native_kv.quest_attention(q, layer.keys, layer.values, *pages, layer.capacity[:, 0], size, cached,
+        tokens = self.policy.step_tokens(self.budget, torch.full((q.shape[0],), cached, device=q.device))
+        out, _ = native_kv.quest_attention(q, layer.keys, layer.values, *pages, tokens, size, cached,
                                            self.policy.per_group, scale, True)
         layer.memo["quest_pages"] = (*pages, size, cached + 1)
         return out
@@ -256,20 +257,23 @@ class PolicyCache(Cache):
                 self._update_as[idx] = "quest"
                 return args, kwargs
             slots = self._page_slots(module, layer, hidden, kwargs) if paged and Nq == 1 else None
+            fills = (not layer.full and self._masks_evictions and not hidden.requires_grad
+                     and layer.one_hole_each() and self._all_real(layer.seen, 1))
+            # an observer sums this call's weights onto the keys it is given: gathering the kept
+            # entries would hand it fewer keys than the layer has slots, in gathered order
+            observed = self.scorer is not None and idx in self.scorer.wanted
             if slots is not None:
                 # one query per head over its pages: the pages' entries gathered per head,
                 # no mask (attention reads those entries only, not the whole cache masked)
                 kwargs["attention_mask"] = None
                 self._update_as[idx] = slots
             elif idx in self._steps or (Nq == 1 and not paged and sliding_window(module) is None
-                                        and (layer.full or layer.even())):
+                                        and (layer.full or fills or (layer.even() and not observed))):
                 # one query that sees every kept entry: no mask (the path transformers takes
                 # for a full cache, no O(L) mask). The slot the last step evicted takes the
                 # new token; other holes are left out by gathering the kept entries, or
                 # hidden by step_attention itself.
                 kwargs["attention_mask"] = None
-                fills = (not layer.full and self._masks_evictions and not hidden.requires_grad
-                         and layer.one_hole_each() and self._all_real(layer.seen, 1))
                 if fills:
                     self._update_as[idx] = "fill"
                 elif not layer.full and idx not in self._steps:
@@ -362,7 +366,7 @@ class PolicyCache(Cache):
             return None
         size = self.policy.page_size
         q = recompute_queries(module, hidden, kwargs["position_embeddings"])
-        chosen = page_choice(q, layer.valid, layer.capacity[:, 0], size, layer_extremes(layer, size),
+        chosen = page_choice(q, layer.valid, self._page_tokens(layer), size, layer_extremes(layer, size),
                              self.policy.per_group)[:, :, 0]
         counts = chosen.sum(-1)
         if not bool((counts == counts.view(-1)[:1]).all()):
@@ -374,6 +378,11 @@ class PolicyCache(Cache):
         # the incomplete last page, read by every head, comes last: its slots past L go
         read = read[..., : read.shape[-1] - (P * size - L)]
         return torch.cat([read, torch.full((B, H, 1), L, dtype=read.dtype, device=read.device)], -1)
+
+    def _page_tokens(self, layer: PolicyLayer) -> Tensor:
+        """Quest's tokens per row (B,) for a step over the entries the layer holds now."""
+        held = layer.valid[:, 0].sum(-1)  # Quest evicts only padding: every head of a row holds the same entries
+        return self.policy.step_tokens(self.budget, held)
 
     def _mask(self, module, layer: PolicyLayer, hidden: Tensor, kwargs: dict, n_new: int) -> Tensor:
         """The layer's mask for this call: cached entries then the call's own tokens."""
@@ -394,7 +403,8 @@ class PolicyCache(Cache):
         if paged:
             q = recompute_queries(module, hidden, kwargs["position_embeddings"])
             pages = layer_extremes(layer, policy.page_size)
-            old = old & page_mask(q, layer.keys, layer.valid, layer.capacity[:, 0], policy.page_size, pages, policy.per_group)
+            old = old & page_mask(q, layer.keys, layer.valid, self._page_tokens(layer), policy.page_size, pages,
+                                  policy.per_group)
         j = torch.arange(n_new, device=dev)
         new = (j[None, :] <= j[:, None])[None, None]
         if window is not None:
@@ -422,8 +432,8 @@ class PolicyCache(Cache):
         layer.calls += 1
         B, Hkv = layer.valid.shape[:2]
         if phase == "prefill":
-            tokens = budgets.tokens(self.budget, layer.valid[:, 0].sum(-1))
-            cap = self.policy.capacity(tokens, idx, self.num_layers)
+            real = layer.valid[:, 0].sum(-1)  # the prompt's real tokens, per row
+            cap = self.policy.capacity(budgets.tokens(self.budget, real), idx, self.num_layers, real)
             layer.capacity = cap[:, None].expand(B, Hkv).clone()
         if not self.policy.evicts(phase):
             return

@@ -1,7 +1,8 @@
 """What the policy cache reads from a transformers model: its attention modules, the
 RoPE module, and the queries of a layer recomputed from its inputs (Llama-style
 ``q_proj`` [+ ``q_norm``] + the modeling file's ``apply_rotary_pos_emb``), for the
-policies whose selection depends on the query (Quest) without reading weights."""
+policies whose selection depends on the query (Quest) without reading weights, or its
+keys before RoPE (key-norm eviction)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,20 @@ def recompute_queries(module, hidden: Tensor, position_embeddings) -> Tensor:
     cos, sin = position_embeddings
     q, _ = rope(q, q, cos, sin)
     return q
+
+
+def can_recompute_keys(module) -> bool:
+    return hasattr(module, "k_proj") and isinstance(getattr(module, "head_dim", None), int)
+
+
+def recompute_keys(module, hidden: Tensor) -> Tensor:
+    """The layer's keys (B, Hkv, N, D) before RoPE, as its forward projects them
+    (``k_proj`` [+ ``k_norm``])."""
+    B, N = hidden.shape[:2]
+    k = module.k_proj(hidden).view(B, N, -1, module.head_dim)
+    if hasattr(module, "k_norm"):
+        k = module.k_norm(k)
+    return k.transpose(1, 2)
 
 
 def sliding_window(module) -> int | None:

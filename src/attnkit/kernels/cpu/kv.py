@@ -77,7 +77,12 @@ def quest_attention(q: Tensor, keys: Tensor, values: Tensor, kmin: Tensor, kmax:
     ``per_group``; the incomplete last page first, ties to the earlier page), attention
     over their slots and the new token's (slot ``cached``) of ``keys``/``values``.
     ``fold``: the new key then joins its page's extremes, in place. Returns (out (B, 1,
-    Hq, Dv), chosen pages (B, Hq or Hkv, P) bool)."""
+    Hq, Dv), chosen pages (B, Hq or Hkv, P) bool).
+
+    Pages are runs of ``page_size`` slots, so every slot must hold a kept entry: Quest's
+    pages are cut over each row's entries (``attnkit.kv.policies.quest.entry_pages``), and
+    only in such a layer are those runs of slots; a layer with empty slots (a left-padded
+    batch's) takes the PyTorch path."""
     out = torch.ops.attnkit.kv_quest_attention(q, keys, values, kmin, kmax, has, budget, page_size, cached, per_group,
                                                scale, fold)
     if fold:

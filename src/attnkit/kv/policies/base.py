@@ -52,6 +52,9 @@ class Policy:
     rolling = False
     #: reads and updates ``Step.score``, an accumulated score per entry (H2O)
     keeps_score = False
+    #: the attnkit mechanism the model must run under (``attnkit.hf.use(model,
+    #: mechanism=...)``, a model trained with it), or None for any model
+    needs_mechanism: str | None = None
     #: a decoding step's rule as the C++ operator runs it (``kernels.cpu.kv.evict_lowest``:
     #: drop the lowest-scoring entry), (mode, recent share); None: only ``select``
     lowest_rule: tuple[int, float] | None = None
@@ -82,8 +85,9 @@ class Policy:
     def evicts(self, phase: str) -> bool:
         return phase == "prefill" or self.decodes
 
-    def capacity(self, tokens: Tensor, layer: int, num_layers: int) -> Tensor:
-        """Entries each row keeps in ``layer``, (B,), from the budget's ``tokens`` (B,)."""
+    def capacity(self, tokens: Tensor, layer: int, num_layers: int, held: Tensor | None = None) -> Tensor:
+        """Entries each row keeps in ``layer``, (B,), from the budget's ``tokens`` (B,);
+        ``held`` (B,): the entries each row's prompt gives the layer."""
         return tokens
 
     def select(self, step: Step) -> Tensor:

@@ -1,12 +1,14 @@
 """Quest (Tang et al. 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM
-Inference", arXiv 2406.10774): nothing is evicted. The cache is cut into pages of
-``page_size`` consecutive entries; each page keeps the channel-wise minimum and maximum
-of its keys, which bound any query's logit on the page from above:
+Inference", arXiv 2406.10774): nothing is evicted. Each row's entries (its real tokens,
+padding left out) are cut into pages of ``page_size`` consecutive entries; each page
+keeps the channel-wise minimum and maximum of its keys, which bound any query's logit on
+the page from above:
 
     q . k  <=  sum_d max(q_d * max_d, q_d * min_d)      for every key k of the page.
 
 While decoding, each query head attends only to the pages with the highest bounds, as
-many as the token budget allows (``ceil(budget / page_size)``), plus the new tokens; the
+many as the token budget allows (``ceil(budget / page_size)``; a fractional budget is
+that share of the entries held at the step, so 1.0 reads them all), plus the new tokens; the
 first ``dense_layers`` layers and the prefill stay dense, as in the paper. The last page,
 while incomplete, is always among them (the tokens being written, whose extremes are
 still moving; SGLang's Quest also keeps the most recent pages), so that every head
@@ -24,17 +26,48 @@ import math
 
 import torch
 
+from .. import budget as budgets
 from ..select import top
 from .base import Policy, Step, check_int
 
 Tensor = torch.Tensor
 
 
+def entry_pages(valid: Tensor, page_size: int) -> Tensor:
+    """Each slot's page, (B, H, L) long, -1 for an empty slot. Pages are cut over the
+    entries each (row, head) holds, in slot order (entry r is in page r // page_size),
+    not over slots: a left-padded row holds its prompt, then empty slots where the other
+    rows' longer prompts lie, then the tokens decoded; its pages must hold what the same
+    prompt alone would hold (37 tokens at page_size 16: pages of 16, 16 and 5 + the
+    decoded tokens, not 16, 16, 5 and 3)."""
+    rank = valid.to(torch.long).cumsum(-1) - 1
+    return torch.where(valid, rank // page_size, -1)
+
+
+def extremes_of_pages(keys: Tensor, page: Tensor, pages: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Per page 0..pages-1 (B, H, pages, D): channel-wise min and max of the keys (B, H,
+    L, D) whose slot is in that page (``page`` (B, H, L); slots outside 0..pages-1 are
+    left out), and (B, H, pages) whether the page holds any key."""
+    B, H, L, D = keys.shape
+    inside = (page >= 0) & (page < pages)
+    into = torch.where(inside, page, pages)[..., None].expand(B, H, L, D)  # page `pages` collects the rest
+    k = keys.to(torch.float64)
+    kmin = k.new_full((B, H, pages + 1, D), math.inf).scatter_reduce(2, into, k, "amin")
+    kmax = k.new_full((B, H, pages + 1, D), -math.inf).scatter_reduce(2, into, k, "amax")
+    has = torch.zeros(B, H, pages + 1, dtype=torch.bool, device=keys.device).scatter_(2, into[..., 0], inside)
+    has[:, :, pages] = False
+    return kmin[:, :, :pages], kmax[:, :, :pages], has[:, :, :pages]
+
+
 def page_extremes(keys: Tensor, valid: Tensor, page_size: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Per page (B, Hkv, P, D): channel-wise min and max over the page's valid keys, and
-    (B, Hkv, P) whether the page holds any valid key."""
+    """Per page (B, Hkv, P, D), P = ceil(L / page_size): channel-wise min and max over the
+    page's keys, and (B, Hkv, P) whether the page holds any; pages cut over each (row,
+    head)'s held entries (``entry_pages``), so pages past a head's entries are empty."""
     B, H, L, D = keys.shape
     P = math.ceil(L / page_size)
+    if not bool(valid.all()):
+        return extremes_of_pages(keys, entry_pages(valid, page_size), P)
+    # every slot held: entry j sits in slot j, and the pages are views of the slots
     pad = P * page_size - L
     k = torch.nn.functional.pad(keys.to(torch.float64), (0, 0, 0, pad)).view(B, H, P, page_size, D)
     v = torch.nn.functional.pad(valid, (0, pad)).view(B, H, P, page_size, 1)
@@ -69,12 +102,10 @@ def layer_extremes(layer, page_size: int, room: bool = False) -> tuple[Tensor, T
         stored, p0 = None, 0
     else:
         *stored, _, upto = memo
-        p0 = upto // page_size  # the first page that was not complete
-        if upto == L:
-            p0 = P
+        p0 = P if upto == L else _first_open_page(layer, upto, page_size)
     tail = None
     if stored is None or p0 < P:
-        tail = page_extremes(layer.keys[:, :, p0 * page_size :], layer.valid[:, :, p0 * page_size :], page_size)
+        tail = _pages_from(layer, p0, P, page_size)
     if stored is None or stored[0].shape[2] < P + 1:  # room for the page after the slots, and a few more
         like = tail if stored is None else stored
         grown = [t.new_empty(*t.shape[:2], P + 1 + P // 16, *t.shape[3:]) for t in like]
@@ -88,12 +119,34 @@ def layer_extremes(layer, page_size: int, room: bool = False) -> tuple[Tensor, T
     return tuple(stored) if room else tuple(t[:, :, :P] for t in stored)
 
 
+def _first_open_page(layer, upto: int, page_size: int) -> int:
+    """The first page that the slots appended after slot ``upto`` can touch: the page of
+    the entry that follows the ``upto`` first slots' entries, in the (row, head) that
+    holds the fewest of them."""
+    held = upto if layer.full else int(layer.valid[:, :, :upto].sum(-1).min())
+    return held // page_size
+
+
+def _pages_from(layer, p0: int, P: int, page_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Extremes of a layer's pages p0..P-1, read from the first slot that holds any of
+    their entries."""
+    if layer.full:  # entry j in slot j: the pages are runs of slots
+        s0 = p0 * page_size
+        return page_extremes(layer.keys[:, :, s0:], layer.valid[:, :, s0:], page_size)
+    page = entry_pages(layer.valid, page_size)  # counted from the first slot: rows differ in their empty slots
+    later = page >= p0
+    slots = torch.arange(layer.length, device=page.device)
+    s0 = int(torch.where(later, slots, layer.length).amin())
+    return extremes_of_pages(layer.keys[:, :, s0:], page[:, :, s0:] - p0, P - p0)
+
+
 def page_choice(q: Tensor, valid: Tensor, tokens: Tensor, page_size: int,
                 extremes: tuple[Tensor, Tensor, Tensor], per_group: bool = False) -> Tensor:
-    """Pages each query head attends to, (B, Hq, Nq, P): the incomplete last page, then
-    the pages with the highest bounds up to ``ceil(tokens / page_size)`` pages (tokens
-    (B,)); ties to the earlier page. ``per_group``: one choice per KV head, by the
-    highest bound among its query heads, (B, Hkv, Nq, P)."""
+    """Pages each query head attends to, (B, Hq, Nq, P): the incomplete last page of its
+    KV head's entries, then the pages with the highest bounds up to
+    ``ceil(tokens / page_size)`` pages (tokens (B,)); ties to the earlier page.
+    ``per_group``: one choice per KV head, by the highest bound among its query heads,
+    (B, Hkv, Nq, P)."""
     kmin, kmax, has = extremes
     if not bool(has.all()):  # an empty page's extremes are +-inf: zeros keep its (unused) bound finite
         kmin, kmax = torch.where(has[..., None], kmin, 0.0), torch.where(has[..., None], kmax, 0.0)
@@ -105,24 +158,27 @@ def page_choice(q: Tensor, valid: Tensor, tokens: Tensor, page_size: int,
         bound, g = bound.view(B, Hkv, g, Nq, P).amax(2), 1
     pages = torch.ceil(tokens.to(torch.float64) / page_size).to(torch.long).view(B, 1, 1)
     candidates = has.repeat_interleave(g, 1)[:, :, None, :].expand_as(bound)
-    if valid.shape[2] % page_size == 0:
-        return top(bound, candidates, pages)
-    recent = torch.zeros_like(candidates)
-    recent[..., -1] = candidates[..., -1]
-    return recent | top(bound, candidates & ~recent, pages - recent[..., -1:].sum(-1))
+    held = valid.sum(-1)  # entries per (row, KV head): rows of a padded batch hold different counts
+    last = torch.where(held % page_size != 0, held // page_size, -1).repeat_interleave(g, 1)  # -1: none incomplete
+    recent = (torch.arange(P, device=bound.device) == last[:, :, None, None]) & candidates
+    return recent | top(bound, candidates & ~recent, pages - recent.sum(-1))
 
 
 def page_mask(q: Tensor, keys: Tensor, valid: Tensor, tokens: Tensor, page_size: int,
               extremes: tuple[Tensor, Tensor, Tensor] | None = None, per_group: bool = False) -> Tensor:
-    """Cached entries each query head attends to, (B, Hq, Nq, L): the slots of its
+    """Cached entries each query head attends to, (B, Hq, Nq, L): the entries of its
     ``page_choice``. ``extremes``: the pages' ``page_extremes``, when already known."""
     extremes = page_extremes(keys, valid, page_size) if extremes is None else extremes
-    L = keys.shape[2]
-    g = q.shape[1] // keys.shape[1]
+    B, Hkv, L = valid.shape
+    Hq, Nq = q.shape[1], q.shape[2]
+    g = Hq // Hkv
     chosen = page_choice(q, valid, tokens, page_size, extremes, per_group)
     if per_group:
         chosen = chosen.repeat_interleave(g, 1)
-    return chosen.repeat_interleave(page_size, -1)[..., :L] & valid.repeat_interleave(g, 1)[:, :, None, :]
+    if bool(valid.all()):  # entry j in slot j: each page a run of slots
+        return chosen.repeat_interleave(page_size, -1)[..., :L]
+    page = entry_pages(valid, page_size).repeat_interleave(g, 1)[:, :, None, :].expand(B, Hq, Nq, L)
+    return chosen.gather(-1, page.clamp(min=0)) & (page >= 0)
 
 
 class Quest(Policy):
@@ -143,6 +199,13 @@ class Quest(Policy):
     def evicts(self, phase: str) -> bool:
         return phase == "prefill"  # only the padding goes; every real entry stays
 
+    def step_tokens(self, budget_spec: tuple[str, float], held: Tensor) -> Tensor:
+        """Tokens each row's query reads while decoding, (B,), from the entries the row
+        holds before the step (B,): a count as given; a fraction of the entries held now
+        (the prompt and the tokens decoded so far), so that budget 1.0 reads every page
+        as the cache grows: the full cache."""
+        return budgets.tokens(budget_spec, held)
+
     def select(self, step: Step) -> Tensor:
         return step.valid
 
@@ -150,7 +213,9 @@ class Quest(Policy):
         return held.clone()
 
     def reference_pages(self, q: Tensor, keys: Tensor, valid: Tensor, tokens: Tensor) -> Tensor:
-        """Page selection of one call, literally: for every (row, query head, query) the
+        """Page selection of one call, literally: each (row, KV head)'s held entries, in
+        slot order, cut into pages of ``page_size`` (padding holds no entry, so a padded
+        row's pages are the unpadded prompt's); for every (row, query head, query) the
         incomplete last page, then the pages sorted by their bound (ties to the earlier
         page), the first ones kept up to the page budget."""
         B, Hq, Nq, D = q.shape
@@ -169,19 +234,14 @@ class Quest(Policy):
         for b in range(B):
             n_pages = math.ceil(int(tokens[b]) / ps)
             for h in range(Hq):
+                entries = [j for j in range(L) if valid[b, h // g, j]]
+                pages = [entries[s : s + ps] for s in range(0, len(entries), ps)]
+                last = len(pages) - 1 if len(entries) % ps else None  # the page still being written
                 # heads="group": the page's bound for the KV head is the highest of its query heads'
                 ranked_by = range(h - h % g, h - h % g + g) if self.per_group else (h,)
                 for i in range(Nq):
-                    bounds = []
-                    for p in range(math.ceil(L / ps)):
-                        members = [j for j in range(p * ps, min((p + 1) * ps, L)) if valid[b, h // g, j]]
-                        if not members:
-                            continue
-                        bounds.append((-max(bound(b, r, i, members) for r in ranked_by), p, members))
-                    bounds.sort(key=lambda t: (t[0], t[1]))
-                    last = math.ceil(L / ps) - 1
-                    if L % ps and bounds and any(p == last for _, p, _ in bounds):
-                        bounds.sort(key=lambda t: t[1] != last)  # stable: the incomplete last page first
+                    bounds = [(-max(bound(b, r, i, members) for r in ranked_by), p, members) for p, members in enumerate(pages)]
+                    bounds.sort(key=lambda t: (t[1] != last, t[0], t[1]))  # the incomplete last page first
                     for _, _, members in bounds[:n_pages]:
                         out[b, h, i, members] = True
         return out
