@@ -1,30 +1,59 @@
-"""``attnkit kv MODEL --policy NAME --budget B``: generate with a KV-cache policy beside
-the full cache, and print both continuations, where they part, and the bytes each
-cache holds."""
+"""``attnkit kv MODEL --policy NAME [--budget FRACTION | --tokens N]``: generate with a
+KV-cache policy beside the full cache, and print both continuations, where they part,
+and the bytes each cache holds. The two forms of a budget are two options, so that a
+number never means a fraction in one place and a count in another."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 
 from .options import options_named, positive_int
 
 
-def add_parser(sub) -> None:
+def offered_policies() -> list[str]:
+    """The policies this command can run: those that need no attnkit mechanism switched
+    on (``selective`` needs a model trained with selective attention, run inside
+    ``attnkit.hf.use(model, mechanism="selective")``: a Python call)."""
     from ..kv import POLICIES
 
+    return [name for name, policy in POLICIES.items() if policy.needs_mechanism is None]
+
+
+def add_parser(sub) -> None:
+    offered = offered_policies()
     p = sub.add_parser("kv", help="generate with a KV-cache policy (StreamingLLM, H2O, SnapKV, ...) beside the full cache",
                        description="Greedy generation from a local causal LM with a KV-cache policy and with the full "
                                    "cache: both continuations, the first token where they differ, the entries kept and "
                                    "the bytes each cache holds.",
-                       epilog=f"policies: {', '.join(POLICIES)}")
+                       epilog=f"policies: {', '.join(offered)} (selective, for models trained with selective attention, "
+                              "runs from Python inside attnkit.hf.use(model, mechanism='selective'))")
     p.add_argument("model", metavar="MODEL", help="a local transformers causal LM directory (arena exports included)")
-    p.add_argument("--policy", required=True, choices=list(POLICIES), help="the policy")
-    p.add_argument("--budget", default="0.5", help="a fraction of the prompt in (0, 1] (0.5) or a token count (64); default 0.5")
+    p.add_argument("--policy", required=True, choices=offered, help="the policy")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--budget", type=fraction, metavar="FRACTION",
+                      help="entries kept as a fraction of the prompt, in (0, 1] (1 keeps the whole prompt); default 0.5")
+    size.add_argument("--tokens", type=positive_int, metavar="N", help="entries kept as a token count instead, e.g. 64")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="a policy parameter, e.g. window=8 (repeatable)")
     p.add_argument("--prompt", help="the prompt text (default: an arena export's example)")
     p.add_argument("--max-new-tokens", type=positive_int, default=16, help="tokens to generate (default 16)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run)
+
+
+def fraction(text: str) -> float:
+    """--budget: a fraction of the prompt in (0, 1]; a count above 1 belongs to --tokens."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction of the prompt in (0, 1], got {text!r}") from None
+    if math.isfinite(value) and value > 1 and value == int(value):
+        raise argparse.ArgumentTypeError(f"expected a fraction of the prompt in (0, 1], got {text!r}; "
+                                         f"for a count of tokens use --tokens {int(value)}")
+    if not (math.isfinite(value) and 0 < value <= 1):
+        raise argparse.ArgumentTypeError(f"expected a fraction of the prompt in (0, 1], got {text!r}")
+    return value
 
 
 def _number(text: str):
@@ -34,13 +63,6 @@ def _number(text: str):
         except ValueError:
             pass
     return text
-
-
-def _budget(text: str):
-    value = _number(text)
-    if isinstance(value, str):
-        raise ValueError(f"--budget: expected a fraction in (0, 1] or a token count, got {text!r}")
-    return value
 
 
 def _params(items: list[str]) -> dict:
@@ -54,20 +76,19 @@ def _params(items: list[str]) -> dict:
 
 
 def run(args) -> int:
-    from ..kv import compare
+    from ..kv import POLICIES, compare
+    from ..kv.budget import check_budget
     from ..probes.model import load_probe_model
 
-    from ..kv import POLICIES
-    from ..kv.budget import check_budget
-
-    budget = _budget(args.budget)
+    budget = args.tokens if args.tokens is not None else (0.5 if args.budget is None else args.budget)
     params = _params(args.param)
-    names = {"budget": "--budget", "policy": "--policy", "model": "MODEL", "max_new_tokens": "--max-new-tokens",
-             **{k: f"--param {k}" for k in params}}
+    names = {"budget": "--tokens" if args.tokens is not None else "--budget", "policy": "--policy", "model": "MODEL",
+             "--model": "MODEL", "max_new_tokens": "--max-new-tokens", **{k: f"--param {k}" for k in params}}
     with options_named(names):  # every option checked before the model loads
         check_budget(budget)
         POLICIES[args.policy](**params)
-    pm = load_probe_model(args.model, kind="causal")
+        pm = load_probe_model(args.model)  # an encoder loads as one, not as a causal LM with a random head
+        pm.require("causal", "kv")
     prompt = args.prompt
     if prompt is None:
         example = (pm.task or {}).get("example", {}).get("text")
@@ -83,7 +104,8 @@ def run(args) -> int:
         print(json.dumps(result, indent=1))
         return 0
     decode = lambda ids: pm.tokenizer.decode(ids)  # noqa: E731
-    print(f"{result['policy']} at budget {budget} on {pm.name}")
+    kept = f"{budget} tokens" if args.tokens is not None else f"budget {budget} of the prompt"
+    print(f"{result['policy']} keeping {kept} on {pm.name}")
     print(f"  full cache : {decode(result['full'][0])}")
     print(f"  policy     : {decode(result['pruned'][0])}")
     first = result["first_difference"][0]

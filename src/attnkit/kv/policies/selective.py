@@ -32,6 +32,7 @@ class Selective(Policy):
     paper = "arXiv:2410.02703"
     params = {}
     decodes = True
+    needs_mechanism = "selective"
 
     def before(self, module, layer, kwargs, phase):
         from ...hf.switch import active_switch
