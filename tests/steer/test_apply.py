@@ -153,6 +153,9 @@ def test_substring_spans_map_through_offsets_per_padded_row():
 @pytest.mark.parametrize("make, match", [
     (lambda: steer.ablate({3: [0]}), r"heads: expected a layer index below 3, got 3"),
     (lambda: steer.ablate([(0, 4)]), r"heads: expected a head index below 4 \(layer 0\), got 4"),
+    # indices count from 0, not from the end: a negative one is refused as such, not as too large
+    (lambda: steer.ablate([(-1, 0)]), r"heads: expected a layer index >= 0 and below 3, got -1$"),
+    (lambda: steer.ablate({1: [-2]}), r"heads: expected a head index >= 0 and below 4 \(layer 1\), got -2$"),
     (lambda: steer.ablate([]), r"heads: the selection names no head"),
     (lambda: steer.ablate("missing.json"), r"heads: cannot read a head set"),
     (lambda: steer.ablate([(0, 1)], mode="max"), r"mode: expected one of zero, mean"),
