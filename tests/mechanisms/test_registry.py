@@ -5,6 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 # In a fresh interpreter: what available() lists first, then the registry after every
 # module of the package (subpackages included) has been imported by hand.
 EVERY_MODULE = """
@@ -49,10 +51,30 @@ def test_available_lists_what_every_module_registers():
 
 def test_a_new_family_file_registers_in_a_fresh_process(tmp_path):
     (tmp_path / "registry_test_family.py").write_text(NEW_FILE)
+    # the folder joins the package's path before the package runs (it finds its families then)
     script = textwrap.dedent(f"""
-        import json
-        import attnkit.mechanisms as m
-        m.__path__.append({str(tmp_path)!r})
+        import importlib.util, json, sys
+        spec = importlib.util.find_spec("attnkit.mechanisms")
+        spec.submodule_search_locations.append({str(tmp_path)!r})
+        m = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = m
+        spec.loader.exec_module(m)
         print(json.dumps({{"listed": m.available()}}))
     """)
     assert "registry_test_family" in _fresh(script)["listed"]
+
+
+def test_lookups_after_import_never_scan_the_package(monkeypatch):
+    """Families are found once per process: a lookup is a dict access (torch.compile traces
+    it; a directory scan per call cost ~0.4 ms and broke fullgraph)."""
+    import attnkit.mechanisms as m
+
+    def scan():
+        raise AssertionError("the package directory was scanned again")
+
+    monkeypatch.setattr(m, "family_modules", scan)
+    assert "sigmoid" in m.available()
+    assert m.get_mechanism("sigmoid").name == "sigmoid"
+    assert m.mechanism_class("deltanet").name == "deltanet"
+    with pytest.raises(ValueError, match="unknown name 'no_such'.*registered: .*sigmoid"):
+        m.get_mechanism("no_such")

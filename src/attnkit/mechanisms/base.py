@@ -92,6 +92,17 @@ def register(name: str) -> Callable[[type], type]:
     return deco
 
 
+def _registered(name: str):
+    """The registered class for ``name``, or None; the families load at the first miss."""
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        from . import _load_all
+
+        _load_all()
+        cls = _REGISTRY.get(name)
+    return cls
+
+
 def available() -> list[str]:
     """Names of every registered mechanism."""
     from . import _load_all
@@ -102,10 +113,10 @@ def available() -> list[str]:
 
 def mechanism_class(name: str) -> type:
     """The registered class for ``name`` (to inspect its constructor before building it)."""
-    names = available()
-    if name not in _REGISTRY:
-        raise ValueError(f"mechanism: unknown name {name!r}; registered: {', '.join(names)}")
-    return _REGISTRY[name]
+    cls = _registered(name)
+    if cls is None:
+        raise ValueError(f"mechanism: unknown name {name!r}; registered: {', '.join(available())}")
+    return cls
 
 
 def get_mechanism(mechanism, **params) -> Mechanism:
@@ -116,7 +127,4 @@ def get_mechanism(mechanism, **params) -> Mechanism:
         return mechanism
     if not isinstance(mechanism, str):
         raise TypeError(f"mechanism: expected a name or an attnkit Mechanism, got {type(mechanism).__name__}")
-    names = available()
-    if mechanism not in _REGISTRY:
-        raise ValueError(f"mechanism: unknown name {mechanism!r}; registered: {', '.join(names)}")
-    return _REGISTRY[mechanism](**params)
+    return mechanism_class(mechanism)(**params)
