@@ -112,12 +112,12 @@ def format_card(card: dict) -> str:
 def markdown_table(cards: list[dict]) -> str:
     """The cards as one Markdown table (the README's): accuracy per length with the
     weakest depth, build steps and time."""
-    lines = ["| organism | task | model | trained up to | accuracy by length (weakest group) | build |",
+    lines = ["| organism | task | model | trained up to | accuracy by length (weakest group) | training |",
              "|---|---|---|---|---|---|"]
     for card in cards:
         m, t = card["model"], card["training"]
-        accuracy = ", ".join(f"{n}: {e['accuracy']:.2f} ({min(e['groups'].values()):.2f})" if e["groups"]
-                             else f"{n}: {e['accuracy']:.2f}" for n, e in card["accuracy"].items())
+        accuracy = ", ".join(f"{n}: {e['accuracy']:.3f} ({min(e['groups'].values()):.2f})" if e["groups"]
+                             else f"{n}: {e['accuracy']:.3f}" for n, e in card["accuracy"].items())
         lines.append(f"| `{card['name']}` | {card['task']['name']} | {m['mechanism']}, d {m['d_model']}, {m['layers']} layers, "
                      f"{m['heads']} heads | {m['trained_up_to']} | {accuracy} | {t['steps']} steps, "
                      f"{t['wall_seconds'] / 60:.1f} min |")
