@@ -16,7 +16,7 @@ from ..mods import band_of
 from ..mods.scores import Softcap
 from . import cpu
 from .chunked import chunked_attention, choose_engine, make_chunked_plan
-from .flex import flex_attention_call, flex_unsupported
+from .flex import flex_attention_call, flex_reroute, flex_unsupported
 from .reference import reference_attention
 from .request import Request
 from .sdpa import sdpa_attention, sdpa_unsupported
@@ -77,6 +77,8 @@ def explain_request(req: Request, backend: str = "auto") -> str:
     if req.sinks is not None:
         lines.append("sinks: one learned logit per head")
     lines += [f"why: {r}" for r in reasons]
+    if chosen.name == "flex" and flex_reroute(req) is not None:
+        lines.append(f"runs on the chunked backend instead: {flex_reroute(req)}")
     if chosen.name == "chunked":
         engine, _ = choose_engine(req)
         lines.append(f"engine: {engine_description(req, engine)}")

@@ -1,11 +1,20 @@
 """Compiled FlexAttention: attnkit's masks and score mods fused into one generated kernel.
 
-Guards against the traps measured with torch 2.13 on CPU (shared/notes/measured.md):
+Guards against the traps measured with torch 2.13 on CPU (shared/notes/measured.md,
+docs/flex.md):
+- the generated CPU kernel can return wrong numbers, NaN included, with no error: on an
+  AVX2 build (``ATEN_CPU_CAPABILITY=avx2`` or an AVX2-only CPU) at head sizes 8 and 16
+  with 40 tokens, right at most other shapes, and on an AVX-512 host whose inductor cache
+  holds AVX2-built kernels. No shape rule covers every case seen, so each compiled kernel
+  is checked once, on its first call, against the chunked backend; a kernel that
+  disagrees is never trusted again and its calls run on the chunked backend;
 - CPU kernels are inference-only and return no lse: such calls are refused here;
-- past torch.compile's recompile limit flex silently runs an unfused O(N^2) path: every
-  distinct compiled signature is counted and calls beyond the limit are refused;
-- the document mask fails to compile once dynamic shapes kick in: compiled with
-  ``dynamic=False``;
+- each distinct shape is a compile (``dynamic=False``: the document mask fails to compile
+  with dynamic shapes), so lengths are padded up to buckets (Nq to a power of two, Nk to
+  128 times a power of two) with the padded keys masked out: a long-running process with
+  varying lengths reuses a few kernels. Past torch.compile's recompile limit flex would
+  silently run an unfused O(N^2) path; the limit is raised to ``MAX_KERNELS`` for these
+  calls and made an error, after which the chunked backend runs them;
 - without a block mask it materialises N^2 scores: a BlockMask is always built (and
   cached per mask object and shape).
 """
@@ -13,6 +22,7 @@ Guards against the traps measured with torch 2.13 on CPU (shared/notes/measured.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -21,15 +31,33 @@ from .tiles import add_sinks
 
 Tensor = torch.Tensor
 
-_compiled = None
-_signatures: set[tuple] = set()
-_block_masks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+MAX_KERNELS = 64  # compiled flex kernels kept per process (each is a few hundred kB)
 _BLOCK = 128
+# Agreement a kernel must show with the chunked backend on its first call: rounding of
+# the dtype over a softmax row (float32's errors were below 2e-6; wrong kernels were off by 0.2 or more).
+_CHECK_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+_compiled = None
+_block_masks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _recompile_limit() -> int:
-    cfg = torch._dynamo.config
-    return int(getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", 8)))
+@dataclass
+class _Verdicts:
+    """What each kernel signature showed on its first call: None (trusted) or why not."""
+
+    seen: dict
+    out_of_kernels: bool = False
+
+
+_verdicts = _Verdicts(seen={})
+
+
+def bucket(n: int, floor: int = 1) -> int:
+    """The padded length a call of ``n`` tokens compiles for: ``floor`` times a power of two."""
+    size = floor
+    while size < n:
+        size *= 2
+    return size
 
 
 def _signature(req: Request) -> tuple:
@@ -38,7 +66,9 @@ def _signature(req: Request) -> tuple:
         mods += tuple(type(m).__name__ for m in req.mask.walk())
     if req.score is not None:
         mods += tuple(type(a).__name__ for a in req.score.atoms())
-    return (tuple(req.q.shape), tuple(req.k.shape), tuple(req.v.shape), req.q.dtype, req.q.device.type, mods, req.sinks is not None)
+    shape_q = (req.batch, req.heads, bucket(req.q_len), req.head_dim)
+    shape_kv = (req.batch, req.kv_heads, bucket(req.k_len, _BLOCK), req.head_dim)
+    return (shape_q, shape_kv, req.q.dtype, req.q.device.type, mods)
 
 
 def flex_unsupported(req: Request) -> str | None:
@@ -57,58 +87,121 @@ def flex_unsupported(req: Request) -> str | None:
         return "FlexAttention on CPU compiles float32, float16 and bfloat16 only (got float64)"
     if req.v_dim != req.head_dim and req.q.device.type == "cpu":
         return "FlexAttention on CPU needs Dv == D"
-    if _signature(req) not in _signatures and len(_signatures) >= _recompile_limit():
-        return (
-            f"{len(_signatures)} distinct compiled signatures already: one more would pass torch.compile's "
-            f"recompile limit ({_recompile_limit()}) and silently run an unfused O(N^2) path"
-        )
     return None
 
 
-def _block_mask(req: Request):
+def flex_reroute(req: Request) -> str | None:
+    """Why a call that flex accepts runs on the chunked backend instead, or None."""
+    why = _verdicts.seen.get(_signature(req))
+    if why is not None:
+        return why
+    if _verdicts.out_of_kernels and _signature(req) not in _verdicts.seen:
+        return f"{MAX_KERNELS} compiled flex kernels already: one more would pass the recompile limit and run an unfused O(N^2) path"
+    return None
+
+
+def _padded(t: Tensor, length: int) -> Tensor:
+    return t if t.shape[2] == length else torch.nn.functional.pad(t, (0, 0, 0, length - t.shape[2]))
+
+
+def _block_mask(req: Request, q_len: int, k_len: int, positions):
     from torch.nn.attention.flex_attention import create_block_mask
 
     mask = req.mask
-    key = (req.batch, req.heads, req.q_len, req.k_len, req.q.device)
-    per_mask = _block_masks.get(mask) if mask is not None else None
-    if per_mask is not None and key in per_mask:
-        return per_mask[key]
-    q_start = req.q_start
+    key = (req.batch, req.heads, req.q_len, req.k_len, q_len, k_len, req.q.device)
+    cache = _block_masks.setdefault(mask, {}) if mask is not None else None
+    if cache is not None and key in cache:
+        return cache[key]
+    real_q, real_k, real_len = positions
+
     if mask is None:
         def mask_mod(b, h, q_idx, kv_idx):
-            return q_idx >= 0
+            return kv_idx < real_len
         batch = heads = None
     else:
         def mask_mod(b, h, q_idx, kv_idx):
-            return mask(b, h, q_idx + q_start, kv_idx)
+            return (kv_idx < real_len) & mask(b, h, real_q(q_idx), real_k(kv_idx))
         batch = req.batch if mask.batch_dependent else None
         heads = req.heads if any(type(m).__name__ == "FnMask" for m in mask.walk()) else None
-    block_mask = create_block_mask(mask_mod, batch, heads, req.q_len, req.k_len, device=req.q.device, BLOCK_SIZE=_BLOCK)
-    if mask is not None:
-        _block_masks.setdefault(mask, {})[key] = block_mask
+    block_mask = create_block_mask(mask_mod, batch, heads, q_len, k_len, device=req.q.device, BLOCK_SIZE=_BLOCK)
+    if cache is not None:
+        cache[key] = block_mask
     return block_mask
 
 
-def flex_attention_call(req: Request) -> tuple[Tensor, Tensor | None]:
+def _positions(req: Request):
+    """Maps from padded indices to the call's positions, with the lengths as tensors (so a
+    kernel serves every length of its bucket): query i sits at Nk - Nq + i; padded queries
+    and keys read the last real position (mods may index tables by position)."""
+    device = req.q.device
+    q_len = torch.tensor(req.q_len, device=device)
+    k_len = torch.tensor(req.k_len, device=device)
+
+    def real_q(q_idx):
+        return torch.where(q_idx < q_len, q_idx + (k_len - q_len), k_len - 1)
+
+    def real_k(kv_idx):
+        return torch.minimum(kv_idx, k_len - 1)
+
+    return real_q, real_k, k_len
+
+
+def _run_compiled(req: Request) -> tuple[Tensor, Tensor | None]:
     global _compiled
     from torch.nn.attention.flex_attention import flex_attention
 
     if _compiled is None:
         _compiled = torch.compile(flex_attention, dynamic=False)
-    _signatures.add(_signature(req))
+    q_len, k_len = bucket(req.q_len), bucket(req.k_len, _BLOCK)
+    positions = _positions(req)
     score_mod = None
     if req.score is not None:
-        score, q_start = req.score, req.q_start
+        score, real_q, real_k = req.score, positions[0], positions[1]
 
         def score_mod(s, b, h, q_idx, kv_idx):
-            return score(s, b, h, q_idx + q_start, kv_idx)
+            return score(s, b, h, real_q(q_idx), real_k(kv_idx))
 
-    want_lse = req.return_lse or req.sinks is not None
+    block_mask = _block_mask(req, q_len, k_len, positions)
+    q, k, v = _padded(req.q, q_len), _padded(req.k, k_len), _padded(req.v, k_len)
     gqa = req.heads != req.kv_heads
-    result = _compiled(req.q, req.k, req.v, score_mod=score_mod, block_mask=_block_mask(req), scale=req.scale, enable_gqa=gqa, return_lse=want_lse)
+    want_lse = req.return_lse or req.sinks is not None
+    with torch._dynamo.config.patch(recompile_limit=MAX_KERNELS, fail_on_recompile_limit_hit=True):
+        result = _compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=req.scale, enable_gqa=gqa, return_lse=want_lse)
     if not want_lse:
-        return result, None
-    out, lse = result
-    if req.sinks is not None:
-        out, lse = add_sinks(out, lse, req.sinks)
+        return result[:, :, : req.q_len], None
+    out, lse = result[0][:, :, : req.q_len], result[1][:, :, : req.q_len]
+    return add_sinks(out, lse, req.sinks) if req.sinks is not None else (out, lse)
+
+
+def _first_call_agrees(req: Request, out: Tensor, exact: Tensor) -> str | None:
+    tol = _CHECK_TOL.get(req.q.dtype, 1e-4)
+    got, want = out.float(), exact.float()
+    if not all(bool(torch.isfinite(t).all()) for t in (req.q, req.k, req.v)):
+        # NaN in a hidden key reaches a kernel's output through 0 * NaN (run_request cleans
+        # and reruns such calls): compare where both are finite
+        both = torch.isfinite(got) & torch.isfinite(want)
+        got, want = got[both], want[both]
+    if torch.allclose(got, want, rtol=tol, atol=tol, equal_nan=True):
+        return None
+    error = (got - want).abs().nan_to_num(float("inf")).max().item()
+    return (f"torch's compiled FlexAttention gave wrong numbers for this kernel on this CPU "
+            f"({req.shapes()}: {error:.3g} off the chunked backend on its first call)")
+
+
+def flex_attention_call(req: Request) -> tuple[Tensor, Tensor | None]:
+    from .chunked import chunked_attention
+
+    signature = _signature(req)
+    if flex_reroute(req) is not None:
+        return chunked_attention(req)
+    try:
+        out, lse = _run_compiled(req)
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        _verdicts.out_of_kernels = True
+        return chunked_attention(req)
+    if signature not in _verdicts.seen:
+        exact = chunked_attention(req)
+        _verdicts.seen[signature] = _first_call_agrees(req, out, exact[0])
+        if _verdicts.seen[signature] is not None:
+            return exact
     return out, lse

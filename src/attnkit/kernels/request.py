@@ -154,4 +154,4 @@ def all_finite(t: Tensor) -> bool:
     if t.numel() == 0 or torch.compiler.is_compiling():  # a compiled graph cannot branch on data: no check there
         return True
     t = t.detach()
-    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+    return math.isfinite(t.sum().item()) or bool(torch.isfinite(t).all())

@@ -65,7 +65,7 @@ def run_request(req: Request, backend: str = "auto") -> tuple[Tensor, Tensor | N
     if req.needs_grad:
         req = without_hidden_nonfinite(req) or req
     out, lse = chosen.run(req)
-    if not req.needs_grad and not all_finite(out):
+    if not req.needs_grad and req.mask is not None and not all_finite(out):  # no mask: nothing is hidden
         clean = without_hidden_nonfinite(req)
         if clean is not None:
             out, lse = chosen.run(clean)
