@@ -21,7 +21,7 @@ import torch
 
 from .harness import Row, run_steps, time_pair
 
-STEPS = 3
+STEPS = 4
 LAYERS, D_MODEL, HEADS, KV_HEADS = 4, 256, 4, 2
 MEMORY_CAP_GB = 8
 
@@ -52,6 +52,33 @@ def speed_case(n: int, repeats: int) -> Row:
         a, b = time_pair(ours, sdpa, repeats=repeats)
     return Row("hf", "tiny llama forward, attnkit softmax", f"N={n}", a, "transformers sdpa", b, "<= 1.3x", a / b <= 1.3,
                f"{LAYERS} layers, d={D_MODEL}, {HEADS} heads, {KV_HEADS} kv heads")
+
+
+def decode_case(prompt: int, new_tokens: int, repeats: int) -> Row:
+    """Greedy decoding tokens/s: ``generate`` inside ``attnkit.hf.use`` against plain
+    ``generate`` on transformers' sdpa (every layer of every step is a small call)."""
+    import attnkit.hf as akhf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=1000, hidden_size=D_MODEL, intermediate_size=4 * D_MODEL, num_hidden_layers=LAYERS,
+                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=65536)
+    model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa").eval()
+    ids = torch.randint(0, 1000, (1, prompt), generator=torch.Generator().manual_seed(prompt))
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+
+    def plain():
+        model.generate(ids, **kw)
+
+    def ours():
+        with akhf.use(model):
+            model.generate(ids, **kw)
+
+    with torch.no_grad():
+        a, b = time_pair(ours, plain, repeats=repeats)
+    ratio = b / a  # attnkit's tokens/s over plain generate's
+    return Row("hf", "generate tokens/s, attnkit softmax", f"prompt={prompt} +{new_tokens}", a, "plain generate (sdpa)", b,
+               ">= 0.9x tokens/s", ratio >= 0.9, f"{new_tokens / a * 1e3:.0f} vs {new_tokens / b * 1e3:.0f} tokens/s")
 
 
 _PROBE = """
@@ -114,5 +141,6 @@ def memory_cases(n: int) -> list[Row]:
 def run(quick: bool = False, progress=None) -> list[Row]:
     speed_sizes, n_memory, repeats = ([512, 1024], 4096, 3) if quick else ([1024, 4096], 32768, 5)
     steps = [(f"speed N={n}", lambda n=n: [speed_case(n, repeats)]) for n in speed_sizes]
+    steps.append(("decode", lambda: [decode_case(512, 32, repeats)]))
     steps.append((f"memory N={n_memory}", lambda: memory_cases(n_memory)))
     return run_steps(steps, progress)

@@ -15,7 +15,7 @@ from ..kernels import chunked_attention, make_request
 from .harness import Row, fwd_bwd, peak_rss_growth, run_steps, time_pair
 
 B, H, D = 1, 8, 64
-STEPS = 5
+STEPS = 6
 
 
 def _inputs(n: int, dtype=torch.float32, grad: bool = False):
@@ -90,6 +90,45 @@ def tiny_cases(repeats: int) -> list[Row]:
         ]
 
 
+def _calls(fn, n: int):
+    """n calls of fn as one timed unit: a decoding step is tens of microseconds."""
+    def many():
+        for _ in range(n):
+            fn()
+    return many
+
+
+def decode_cases(sizes: list[int], repeats: int) -> list[Row]:
+    """One-token decoding steps (q: 1 query of 8 heads) against Nk cached keys: the cost
+    of attnkit's validation, planning and dispatch on the smallest call a model makes."""
+    from ..mechanisms import get_mechanism
+
+    rows = []
+    sigmoid = get_mechanism("sigmoid")
+    for nk in sizes:
+        g = torch.Generator().manual_seed(nk)
+        q = torch.randn(B, H, 1, D, generator=g)
+        k, v = (torch.randn(B, H, nk, D, generator=g) for _ in range(2))
+        kg, vg = (torch.randn(B, 2, nk, D, generator=g) for _ in range(2))
+        window = M.causal() & M.window(256)
+        seen = (torch.arange(nk) >= nk - 1 - 256).view(1, 1, 1, nk)
+        calls = max(2, 4096 // max(1, nk // 64))  # ~ tens of ms per timed unit
+        cases = (
+            ("decode step softmax", lambda: api.attention(q, k, v), lambda: F.scaled_dot_product_attention(q, k, v), "sdpa", 1.1),
+            ("decode step GQA 8/2", lambda: api.attention(q, kg, vg), lambda: F.scaled_dot_product_attention(q, kg, vg, enable_gqa=True), "sdpa gqa", 1.1),
+            ("decode step window 256", lambda: api.attention(q, k, v, mask=window),
+             lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=seen), "sdpa + bool mask", 1.2),
+            ("decode step sigmoid", lambda: api.attention(q, k, v, mechanism=sigmoid),
+             lambda: F.scaled_dot_product_attention(q, k, v), "sdpa softmax", 1.2),
+        )
+        with torch.no_grad():
+            for case, ours, base, name, limit in cases:
+                a, b = time_pair(_calls(ours, calls), _calls(base, calls), repeats=repeats)
+                rows.append(Row("kernels", case, f"Nk={nk}", a / calls, name, b / calls, f"<= {limit:g}x", a / b <= limit,
+                                f"per call, medians of {repeats} x {calls} calls"))
+    return rows
+
+
 def memory_cases(fwd_n: int, bwd_n: int) -> list[Row]:
     setup = f"""
 import attnkit
@@ -119,5 +158,6 @@ def run(quick: bool = False, progress=None) -> list[Row]:
     steps = [(f"dense N={n}", lambda n=n: dense_cases(n, repeats)) for n in sizes]
     steps.append((f"sparse N={sizes[-1]}", lambda: sparse_cases(sizes[-1], repeats)))
     steps.append(("tiny", lambda: tiny_cases(repeats)))
+    steps.append(("decode", lambda: decode_cases([512, 4096] if quick else [512, 4096, 32768], repeats + 4)))
     steps.append(("memory", lambda: memory_cases(16384 if quick else 65536, 4096 if quick else 32768)))
     return run_steps(steps, progress)

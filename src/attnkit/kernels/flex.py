@@ -1,7 +1,7 @@
 """Compiled FlexAttention: attnkit's masks and score mods fused into one generated kernel.
 
-Guards against the traps measured with torch 2.13 on CPU (shared/notes/measured.md,
-docs/flex.md):
+Guards against the traps measured with torch 2.13 on CPU (shared/notes/measured.md; the
+README's Limits has the table):
 - the generated CPU kernel can return wrong numbers, NaN included, with no error: on an
   AVX2 build (``ATEN_CPU_CAPABILITY=avx2`` or an AVX2-only CPU) at head sizes 8 and 16
   with 40 tokens, right at most other shapes, and on an AVX-512 host whose inductor cache
@@ -198,6 +198,10 @@ def flex_attention_call(req: Request) -> tuple[Tensor, Tensor | None]:
         out, lse = _run_compiled(req)
     except torch._dynamo.exc.FailOnRecompileLimitHit:
         _verdicts.out_of_kernels = True
+        return chunked_attention(req)
+    except torch._dynamo.exc.BackendCompilerFailed as err:  # e.g. inductor's C++ under ATEN_CPU_CAPABILITY=default
+        first = str(err).strip().splitlines()[0][:200]
+        _verdicts.seen[signature] = f"torch could not compile FlexAttention for this call on this CPU setting ({first})"
         return chunked_attention(req)
     if signature not in _verdicts.seen:
         exact = chunked_attention(req)

@@ -29,6 +29,7 @@ import torch
 
 from ..kernels import cpu
 from ..kernels.engine import Block, GradBlock, Problem, TileKernel, fused_band, observe_kernel, run_kernel
+from ..kernels.few_queries import few_queries, few_query_attention
 from ..kernels.flex import flex_attention_call, flex_unsupported
 from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish, request
 from ..kernels.plan import CAUSAL_SEG, FULL_SEG
@@ -186,6 +187,9 @@ class Sigmoid(Mechanism):
             if req.needs_grad and req.q.device.type == "cpu":
                 raise ValueError("backend='flex' cannot run this call: FlexAttention has no backward on CPU; use backend='chunked' to train")
             out = self.flex(req)
+        elif few_queries(req) and req.q_len > 0:  # a decoding step: the dense formula, no tiling
+            bias = self.bias_for(req.k_len)
+            out = few_query_attention(req, lambda s: torch.sigmoid(s + bias))
         else:
             out, _ = run_kernel(req, SigmoidKernel(self.bias_for(req.k_len)))
         if observers:

@@ -45,8 +45,21 @@ HEADERS = ["common.h", "parallel.h", "binding.h"]
 # library needs libgomp.so.1, the soname torch already loaded from its own lib/, so its
 # pragmas use torch's thread pool (one runtime: torch.set_num_threads governs both).
 OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") and "OpenMP" in torch.__config__.parallel_info() else []
-FLAGS = ["-O3", "-march=native", "-std=c++17", *OPENMP]
 LDFLAGS = OPENMP
+
+
+def target_arch() -> str:
+    """The ``-march`` of the build: ``native`` (this CPU's every instruction) unless
+    ``ATTNKIT_MARCH`` names another, e.g. ``x86-64-v3`` (AVX2 + FMA) or ``x86-64-v2`` (no
+    AVX): how the suite checks, on an AVX-512 host, the code paths an AVX2 CPU runs."""
+    arch = os.environ.get("ATTNKIT_MARCH", "native")
+    if not arch or not all(c.isalnum() or c in "-_." for c in arch):
+        raise ValueError(f"ATTNKIT_MARCH: expected a -march value such as native or x86-64-v3, got {arch!r}")
+    return arch
+
+
+def flags() -> list[str]:
+    return ["-O3", f"-march={target_arch()}", "-std=c++17", *OPENMP]
 
 
 @dataclass(frozen=True)
@@ -77,8 +90,8 @@ def _cpu_signature() -> bytes:
 
 def extension_name() -> str:
     """The extension's name, keyed by the CPU (so a shared cache never serves one CPU's
-    -march=native build to another) and by torch's version."""
-    digest = hashlib.sha256(_cpu_signature() + torch.__version__.encode()).hexdigest()[:12]
+    -march=native build to another), the target architecture and torch's version."""
+    digest = hashlib.sha256(_cpu_signature() + target_arch().encode() + torch.__version__.encode()).hexdigest()[:12]
     return f"attnkit_cpu_{digest}"
 
 
@@ -97,7 +110,7 @@ def _load(verbose: bool = False) -> Status:
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(name=extension_name(), sources=[str(HERE / s) for s in SOURCES], extra_cflags=FLAGS, extra_ldflags=LDFLAGS,
+        cpp_extension.load(name=extension_name(), sources=[str(HERE / s) for s in SOURCES], extra_cflags=flags(), extra_ldflags=LDFLAGS,
                            extra_include_paths=[str(HERE)], is_python_module=False, verbose=verbose)
         torch.ops.attnkit._gemm_mode  # the library registered its operators  # noqa: B018
         from . import fused, kv, mixed, pointwise, sparse
@@ -109,7 +122,7 @@ def _load(verbose: bool = False) -> Status:
         first = str(err).strip().splitlines()
         detail = first[-1] if first else type(err).__name__
         return Status(False, f"build or load failed: {type(err).__name__}: {detail[:300]}", time.perf_counter() - start)
-    return Status(True, f"torch extension {extension_name()}", time.perf_counter() - start)
+    return Status(True, f"torch extension {extension_name()}, -march={target_arch()}", time.perf_counter() - start)
 
 
 def _single_thread_child() -> None:
