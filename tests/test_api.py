@@ -121,7 +121,8 @@ def test_option_errors_name_the_argument():
     with err("backend: expected 'auto' or one of"):
         ak.attention(q, k, v, backend="cuda")
     with err("backend='sdpa' cannot run this call: mask window(left=2, right=0) is not expressible"):
-        ak.attention(q, k, v, mask=ak.window(2), backend="sdpa")
+        q32, k32, v32 = qkv(B=1, Hq=2, Hkv=2, Nq=32, Nk=32, D=4)  # above 16 queries: no dense mask
+        ak.attention(q32, k32, v32, mask=ak.window(2), backend="sdpa")
     with err("backend='flex' cannot run this call: FlexAttention has no backward on CPU"):
         ak.attention(q.requires_grad_(), k, v, backend="flex")
 

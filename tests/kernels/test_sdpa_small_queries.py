@@ -49,3 +49,20 @@ def test_more_queries_or_training_keep_the_tiled_path():
     q, k, v = torch.randn(1, 2, SMALL_QUERIES + 1, 8), torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
     assert not ak.explain(q, k, v, mask=ak.window(3, 2)).startswith("backend: sdpa")
     assert not ak.explain(q[:, :, :1].requires_grad_(), k, v, mask=ak.window(3, 2)).startswith("backend: sdpa")
+
+
+@pytest.mark.parametrize("mask", [None, ak.causal()])
+def test_a_plain_decoding_step_still_names_a_nan_input(mask):
+    """The plain step goes straight to SDPA; a NaN query or a NaN key it sees comes back as
+    NaN or (torch's flash kernel) a zero row, and the full path then names the input."""
+    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 50, 8), torch.randn(1, 2, 50, 8)
+    q_bad, k_bad = q.clone(), k.clone()
+    q_bad[0, 3, 0, 5] = math.nan
+    k_bad[0, 1, 7, 0] = math.nan
+    with pytest.raises(ValueError, match=r"q: contains NaN or inf \(first at index \[0, 3, 0, 5\]\)"):
+        ak.attention(q_bad, k, v, mask=mask)
+    with pytest.raises(ValueError, match=r"k: contains NaN or inf \(first at index \[0, 1, 7, 0\]\)"):
+        ak.attention(q, k_bad, v, mask=mask)
+    out = ak.attention(q_bad, k, v, mask=mask, check_finite=False)
+    assert torch.isfinite(out[0, :3]).all()
+    assert_close(ak.attention(q, k, v, mask=mask), ak.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference"), torch.float32)

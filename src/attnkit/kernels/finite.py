@@ -145,7 +145,7 @@ def nonfinite_reaches_output(req: Request, out: Tensor) -> bool:
     query or a seen non-finite key makes its row NaN, or zero under that kernel); otherwise
     each check is one reduction over a tensor no larger than the output (keys larger than
     the output, as in decoding, are only looked at when some output row is exactly zero)."""
-    if _rows_finite_and_nonzero(out):
+    if rows_finite_and_nonzero(out):
         return False
     if not all_finite(out):
         return True
@@ -156,14 +156,22 @@ def nonfinite_reaches_output(req: Request, out: Tensor) -> bool:
     return _has_zero_row(out) and seen_nonfinite_key(req)
 
 
-def _rows_finite_and_nonzero(out: Tensor) -> bool:
+def rows_finite_and_nonzero(out: Tensor) -> bool:
+    """Whether every row of ``out`` is finite and not exactly zero (one reduction)."""
     if out.numel() == 0 or torch.compiler.is_compiling():
         return out.numel() != 0
-    flat = out.detach().reshape(-1, out.shape[-1]).abs()
+    flat = out.detach().abs()
     if flat.dtype in (torch.float16, torch.bfloat16):  # a half-precision row sum could overflow
         flat = flat.float()
-    low, high = torch.aminmax(flat @ _ones(flat.shape[-1], flat.dtype, flat.device))
+    if flat.numel() <= _SMALL:  # a decoding step: fewer ops win
+        rows = flat.sum(-1)
+    else:
+        rows = flat.reshape(-1, flat.shape[-1]) @ _ones(flat.shape[-1], flat.dtype, flat.device)
+    low, high = torch.aminmax(rows)
     return math.isfinite(high.item()) and low.item() > 0
+
+
+_SMALL = 1 << 14
 
 
 @functools.lru_cache(maxsize=64)

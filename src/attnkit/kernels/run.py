@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import torch
 
+import math
+
+import torch.nn.functional as F
+
+from ..mods.masks import Causal
 from .dispatch import choose_backend
-from .finite import nonfinite_reaches_output, without_hidden_nonfinite
-from .request import Request, all_finite, empty_result, make_request, nonfinite_error
+from .finite import nonfinite_reaches_output, rows_finite_and_nonzero, without_hidden_nonfinite
+from .request import FLOAT_DTYPES, Request, all_finite, empty_result, make_request, nonfinite_error
 
 Tensor = torch.Tensor
 
@@ -36,6 +41,10 @@ def softmax_attention(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact softmax attention; the arguments are those of ``attnkit.attention`` (which
     documents them) without ``mechanism``."""
+    if mask is None or type(mask) is Causal:
+        out = _plain_sdpa(q, k, v, mask, score, scale, sinks, return_lse, backend, check_finite, observers)
+        if out is not None:
+            return out
     want_lse = return_lse or bool(observers)
     req = make_request(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks, return_lse=want_lse)
     out, lse = run_request(req, backend)
@@ -50,6 +59,32 @@ def softmax_attention(
     if check_finite and nonfinite_reaches_output(req, out):
         raise nonfinite_error(req)
     return (out, lse) if return_lse else out
+
+
+def _plain_sdpa(q, k, v, mask, score, scale, sinks, return_lse, backend, check_finite, observers) -> Tensor | None:
+    """The commonest small call (a decoding step: no mods, no mask or plain causal,
+    inference) straight to torch SDPA, its inputs checked by what SDPA itself would need;
+    None when the call is anything else, or when its output is not clean (finite, no row
+    exactly zero), so the full path validates it, decides and explains."""
+    if score is not None or sinks is not None or return_lse or observers or backend != "auto":
+        return None
+    if not (type(q) is type(k) is type(v) is Tensor) or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return None
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in FLOAT_DTYPES or not (q.device == k.device == v.device):
+        return None
+    (B, Hq, Nq, D), (Bk, Hkv, Nk, Dk), (Bv, Hv, Nv, Dv) = q.shape, k.shape, v.shape
+    if not (B == Bk == Bv and Hkv == Hv and Nk == Nv and D == Dk == Dv) or Hkv == 0 or Hq % Hkv or not (Nq and Nk and D):
+        return None
+    if mask is not None and Nq != Nk and Nq != 1:  # SDPA's is_causal is top-left aligned
+        return None
+    if scale is not None and (type(scale) not in (int, float) or not math.isfinite(scale)):
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return None
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=mask is not None and Nq == Nk, scale=scale, enable_gqa=Hq != Hkv)
+    if check_finite and not rows_finite_and_nonzero(out):
+        return None
+    return out
 
 
 def run_request(req: Request, backend: str = "auto") -> tuple[Tensor, Tensor | None]:
