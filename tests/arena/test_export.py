@@ -105,9 +105,54 @@ def test_greedy_generation_equals_transformer_lm_generate(tmp_path):
 # ---------------------------------------------------------------- refusals
 
 
+@pytest.mark.parametrize("overrides", [
+    dict(mechanism="sigmoid"),
+    dict(mechanism="sigmoid", mechanism_params={"context": 256}),
+    dict(mechanism=["linear_elu", "softmax"]),
+    dict(mechanism=["softmax", "linear_elu"]),
+    dict(mechanism="linear_elu"),
+], ids=["sigmoid", "sigmoid-context", "linear-softmax", "softmax-linear", "linear"])
+def test_mechanisms_without_weights_export_and_run_through_the_switch(tmp_path, overrides):
+    """Sigmoid and parameter-free linear layers: Llama's weights, config.json naming the
+    layers' mechanism; run inside mechanism_switch, the export computes what was trained
+    (sigmoid's b fixed to the context it trained with); plain transformers does not."""
+    from attnkit.arena.export import export_mechanisms, mechanism_switch
+
+    task = make_task("needle", **NEEDLE)
+    model = random_model(task, **overrides)
+    export(model, task, str(tmp_path))
+    llama = load(tmp_path)
+    layers = export_mechanisms(llama.config)
+    mechanisms = overrides["mechanism"] if isinstance(overrides["mechanism"], list) else [overrides["mechanism"]] * 2
+    assert [entry["layer"] for entry in layers] == [i for i, m in enumerate(mechanisms) if m != "softmax"]
+    if mechanisms[0] == "sigmoid":
+        assert layers[0]["params"]["context"] == overrides.get("mechanism_params", {}).get("context", 64)
+    ids = task.sample(3, torch.Generator().manual_seed(2)).inputs
+    with torch.no_grad():
+        expected = model(ids)
+        with mechanism_switch(llama):
+            actual = llama(ids).logits
+        plain = llama(ids).logits
+    torch.testing.assert_close(actual, expected, **TOL[torch.float32])
+    assert (plain - expected).abs().max() > 1e-2  # transformers alone runs softmax
+
+
+def test_a_hybrid_spec_names_one_mechanism_per_layer():
+    from attnkit.arena import MechanismSpec, build_model
+
+    spec = MechanismSpec.parse("linear_elu/sigmoid:context=32")
+    assert spec.per_layer == (("linear_elu", {}), ("sigmoid", {"context": 32}))
+    model = build_model(make_task("needle", **NEEDLE), spec, 16, 2, 2)
+    assert [type(b.attn.mechanism).__name__ for b in model.blocks] == ["LinearElu", "Sigmoid"]
+    with pytest.raises(ValueError, match="names 2 layers' mechanisms, the model has 3 layers"):
+        build_model(make_task("needle", **NEEDLE), spec, 16, 3, 2)
+    with pytest.raises(ValueError, match="unknown mechanism 'nope'"):
+        MechanismSpec.parse("softmax/nope")
+
+
 @pytest.mark.parametrize("overrides, setting", [
-    (dict(mechanism="sigmoid"), "mechanism"),
-    (dict(mechanism=["softmax", "linear_elu"]), "mechanism"),
+    (dict(mechanism="gla"), "mechanism"),
+    (dict(mechanism=["softmax", "deltanet"]), "mechanism"),
     (dict(positions="alibi"), "positions"),
     (dict(positions="nope"), "positions"),
     (dict(positions="learned"), "positions"),
@@ -259,7 +304,7 @@ def test_cli_exports_one_run(tmp_path, capsys):
 @pytest.mark.parametrize("args, message", [
     (["--mechanisms", "softmax,sigmoid"], "--export: exports one run"),
     (["--seeds", "2"], "--export: exports one run"),
-    (["--mechanisms", "sigmoid"], "mechanism: Llama runs softmax attention"),
+    (["--mechanisms", "gla"], "mechanism: layer 0 runs 'gla', whose own weights"),
 ])
 def test_cli_refuses_exports_before_training(tmp_path, capsys, args, message):
     out = tmp_path / "run"

@@ -329,6 +329,54 @@ def test_needle_held_out_depths_place_the_needle_where_asked():
         assert batch.targets[b, :-1].eq(IGNORE).all()
 
 
+@pytest.mark.parametrize("value_len, lead", [(2, 0), (3, 0), (2, 2), (3, 1)])
+def test_needle_multi_token_values_are_asked_token_by_token(value_len, lead):
+    cell = 1 + value_len
+    N = 24 * cell + lead  # cells that do not fill the context leave `lead` filler tokens first
+    task = make_task("needle", seq_len=N, num_filler=4, num_keys=20, num_values=5, distractors=16,
+                     num_depths=5, value_len=value_len)
+    batch = task.held_out(10, gen())
+    cells = (N - cell) // cell
+    tail = N - cell
+    for b in range(10):
+        x, t = batch.inputs[b].tolist(), batch.targets[b].tolist()
+        depth = [0.0, 0.25, 0.5, 0.75, 1.0][b % 5]
+        assert x[tail] == task.query_token
+        key = x[tail + 1]
+        where = [p for p in range(tail) if x[p] == key]
+        assert where == [lead + cell * round(depth * (cells - 1))]
+        value = x[where[0] + 1: where[0] + cell]
+        assert all(task.num_filler + 1 + task.num_keys <= v < task.vocab_size for v in value)
+        assert t[tail + 1:] == value and all(v == IGNORE for v in t[:tail + 1])  # v1 at the key, then each next
+        assert x[tail + 2:] == value[:-1]  # the answer so far is fed back, as decoding would
+        assert all(x[p] < task.num_filler for p in range(lead))
+        keys = [x[p] for p in range(lead, tail, cell)]
+        pairs = [k for k in keys if task.num_filler < k <= task.num_filler + task.num_keys]
+        assert len(pairs) == 17 and len(set(pairs)) == 17  # needle + 16 decoys, distinct keys, one per cell start
+        assert all(x[p] < task.num_filler for p in range(lead, tail) if (p - lead) % cell and x[p - (p - lead) % cell] not in pairs)
+
+
+def test_needle_multi_token_answers_score_by_exact_match():
+    task = make_task("needle", seq_len=24, num_filler=4, num_keys=6, num_values=4, distractors=2, value_len=2)
+    batch = task.held_out(4, gen())
+    right = torch.nn.functional.one_hot(batch.targets.clamp(min=0), task.vocab_size).float()
+    correct, counted = task.scored(right, batch)
+    assert counted.sum() == 4 and counted[:, -1].all() and correct.sum() == 4  # one count per example
+    wrong_first = right.clone()
+    wrong_first[0, -2] = torch.roll(wrong_first[0, -2], 1)  # the first answer token of example 0 wrong
+    correct, _ = task.scored(wrong_first, batch)
+    assert correct.sum() == 3 and not correct[0].any()
+    with pytest.raises(ValueError, match=r"seq_len: expected an int >= 15"):  # 3 pairs and the tail, 3 tokens each
+        make_task("needle", seq_len=14, num_keys=4, num_values=4, distractors=3, value_len=2)
+
+
+def test_needle_one_token_values_are_the_original_task():
+    old = make_task("needle", seq_len=32)
+    assert old.value_len == 1 and old == make_task("needle", seq_len=32, value_len=1)
+    batch = old.held_out(5, gen())
+    assert batch.mask.sum() == 5 and batch.mask[:, -1].all()
+
+
 def test_needle_evaluates_at_longer_lengths():
     task = make_task("needle", seq_len=32)
     assert task.eval_lengths() == (32, 64, 128)

@@ -14,8 +14,13 @@ matters here, so the weights carry over unchanged (no permutation of q/k rows):
 - softmax attention with scale ``1/sqrt(head_dim)`` and a causal mask, GQA by
   repeating key/value heads.
 
-What Llama cannot express is refused, naming the setting: another mechanism than
-softmax, positions other than RoPE, partial rotary, QK-norm, output gates, sinks, MLA
+Another mechanism than softmax exports when it has no weights of its own (sigmoid,
+the parameter-free linear attentions): the weights are Llama's, and config.json's
+``attnkit_mechanisms`` names the layers, mechanism and parameters (sigmoid's ``context``
+fixed to the one it trained with); transformers alone would run softmax on them, so such
+an export is run inside ``mechanism_switch(model)`` (``attnkit.hf.use`` on those layers).
+What Llama cannot express is refused, naming the setting: a mechanism with weights of
+its own, positions other than RoPE, partial rotary, QK-norm, output gates, sinks, MLA
 latents, sliding windows, and models that are not TransformerLM.
 
 The directory holds ``config.json`` and ``model.safetensors`` (``save_pretrained``),
@@ -61,11 +66,17 @@ def llama_config(model: TransformerLM) -> dict:
     for name, off in (("qk_norm", False), ("gate", None), ("latent", None)):
         if getattr(c, name) != off:
             raise ValueError(f"{name}: Llama has no {_WHAT[name]}, this model sets {name}={getattr(c, name)!r}")
+    layers = []
     for i in range(c.n_layers):
-        mechanism, params = c.layer_value("mechanism", i), c.layer_value("mechanism_params", i)
+        mechanism, params = c.layer_value("mechanism", i), dict(c.layer_value("mechanism_params", i) or {})
         if mechanism != "softmax" or params:
-            raise ValueError(f"mechanism: Llama runs softmax attention, layer {i} runs {mechanism!r}"
-                             + (f" with {params}" if params else ""))
+            owned = [name for name, _ in model.blocks[i].attn.mechanism.named_parameters()]
+            if owned:
+                raise ValueError(f"mechanism: layer {i} runs {mechanism!r}, whose own weights ({', '.join(owned[:4])}) "
+                                 "Llama has no place for; only mechanisms without weights of their own export")
+            if "context" in _init_keywords(mechanism):
+                params.setdefault("context", c.max_len)  # the n it trained with, whatever loads it later
+            layers.append({"layer": i, "mechanism": mechanism, "params": params})
         if c.layer_value("window", i) is not None:
             raise ValueError(f"window: Llama attends to every earlier token, layer {i} has a sliding window of {c.layer_value('window', i)}")
         if c.layer_value("sinks", i):
@@ -77,7 +88,45 @@ def llama_config(model: TransformerLM) -> dict:
         rope_parameters=_rope_parameters(c.rope_base, c.rope_scaling, head_dim),
         attention_bias=c.bias, mlp_bias=c.bias, attention_dropout=0.0, tie_word_embeddings=c.tie_embeddings,
         bos_token_id=None, eos_token_id=None, use_cache=True,
+        **({MECHANISMS_KEY: layers} if layers else {}),
     )
+
+
+#: config.json's record of the layers that run another mechanism than softmax:
+#: ``[{"layer": i, "mechanism": name, "params": {...}}]``. Llama computes softmax; such an
+#: export is run with ``attnkit.hf.use`` on those layers (``mechanism_switch``).
+MECHANISMS_KEY = "attnkit_mechanisms"
+
+
+def _init_keywords(name: str) -> set[str]:
+    from ..mechanisms import mechanism_class
+    from .models import constructor_keywords
+
+    return constructor_keywords(mechanism_class(name)) or set()
+
+
+def export_mechanisms(config) -> list[dict]:
+    """The layers of an export (its transformers config, or config.json as a dict) that run
+    another mechanism than softmax; [] for a plain Llama."""
+    value = config.get(MECHANISMS_KEY) if isinstance(config, dict) else getattr(config, MECHANISMS_KEY, None)
+    return list(value or [])
+
+
+def mechanism_switch(model):
+    """A context manager that makes the loaded export ``model`` compute what it was trained
+    to: ``attnkit.hf.use`` on the layers config.json names (nothing for softmax exports).
+    One mechanism (with one set of parameters) at most besides softmax."""
+    from contextlib import nullcontext
+
+    layers = export_mechanisms(model.config)
+    if not layers:
+        return nullcontext()
+    kinds = {(entry["mechanism"], json.dumps(entry["params"], sort_keys=True)) for entry in layers}
+    if len(kinds) > 1:
+        raise ValueError(f"config: {MECHANISMS_KEY} names {len(kinds)} different mechanisms; one is run at a time")
+    from ..hf import use
+
+    return use(model, layers[0]["mechanism"], layers=[entry["layer"] for entry in layers], **layers[0]["params"])
 
 
 _WHAT = {"qk_norm": "norm on queries and keys", "gate": "output gate on attention", "latent": "latent (MLA) attention"}
@@ -286,5 +335,6 @@ def _jsonable(value):
     return value
 
 
-__all__ = ["FORMAT", "TASK_FILE", "check_run", "export", "export_atomic", "export_run", "llama_config", "llama_names",
+__all__ = ["FORMAT", "MECHANISMS_KEY", "TASK_FILE", "check_run", "export", "export_atomic", "export_mechanisms", "export_run",
+           "llama_config", "llama_names", "mechanism_switch",
            "llama_state_dict", "read_task", "run_training", "task_record"]

@@ -10,7 +10,8 @@
 
 A mechanism spec is a registered name with optional parameters, written
 ``name:key=value:key=value`` (values parsed as JSON, else kept as strings), e.g.
-``linear:rule=delta:feature_map=elu+1``.
+``linear:rule=delta:feature_map=elu+1``; a hybrid names one per layer, first to
+last, separated by ``/`` (``linear_elu/softmax``: layer 0 linear, layer 1 softmax).
 """
 
 from __future__ import annotations
@@ -41,10 +42,17 @@ class MechanismSpec:
     label: str
     name: str
     params: dict = field(default_factory=dict)
+    #: a hybrid's layers, first to last: ((name, params), ...); () when every layer runs ``name``
+    per_layer: tuple = ()
 
     @classmethod
     def parse(cls, text: str) -> MechanismSpec:
         text = text.strip()
+        if "/" in text:  # one mechanism per layer, first to last: "softmax/linear_elu"
+            parts = [cls.parse(part) for part in text.split("/")]
+            if any(not part.label for part in parts):
+                raise ValueError(f"mechanisms: expected one mechanism per layer as a/b/..., got {text!r}")
+            return cls(text, text, {}, tuple((part.name, part.params) for part in parts))
         name, *assignments = text.split(":")
         name = ALIASES.get(name, name)
         if name not in available():
@@ -126,11 +134,18 @@ def build_model(task, spec: MechanismSpec, d_model: int, n_layers: int, n_heads:
         raise ValueError(f"max_len: expected a positive int or None, got {max_len!r}")
     if task.fixed_layers is not None and n_layers != task.fixed_layers:
         raise ValueError(f"layers: the {task.name} task is a {task.fixed_layers}-layer probe, got {n_layers}")
+    mechanism, params = spec.name, dict(spec.params)
+    if spec.per_layer:
+        if len(spec.per_layer) != n_layers:
+            raise ValueError(f"mechanisms: {spec.label!r} names {len(spec.per_layer)} layers' mechanisms, the model has {n_layers} layers")
+        if task.model_kind == "retrieval":
+            raise ValueError(f"mechanisms: the {task.name} task is a one-layer probe; {spec.label!r} is one mechanism per layer")
+        mechanism, params = [name for name, _ in spec.per_layer], [dict(p) for _, p in spec.per_layer]
     if task.model_kind == "retrieval":
         return RetrievalLayer(task.num_keys, task.num_values, d_model, n_heads, spec.name, spec.params)
     config = TransformerConfig(
         vocab_size=getattr(task, "vocab_size", 1), d_model=d_model, n_layers=n_layers, n_heads=n_heads,
-        max_len=max_len or max(task.eval_lengths()), mechanism=spec.name, mechanism_params=dict(spec.params),
+        max_len=max_len or max(task.eval_lengths()), mechanism=mechanism, mechanism_params=params,
     )
     if task.model_kind == "lm":
         return TransformerLM(config)

@@ -35,6 +35,17 @@ def card(name: str) -> dict:
     return verify(path(name))
 
 
+def load(name: str):
+    """(model, task) of shipped organism ``name``: ``model(ids) -> logits`` runs the
+    transformers export as it was trained (a sigmoid or linear organism through
+    ``attnkit.hf.use``), ``task`` the arena task it was trained on. ``model.model`` is the
+    ``LlamaForCausalLM`` itself (for a non-softmax organism, run it inside
+    ``attnkit.arena.export.mechanism_switch(model.model)``)."""
+    from .evaluate import load_export
+
+    return load_export(path(name))
+
+
 def build(name: str, out_dir: str, **kwargs) -> dict:
     """Train organism ``name`` from its recipe into ``out_dir``; returns the new card
     (see ``builder.build``)."""
@@ -43,4 +54,4 @@ def build(name: str, out_dir: str, **kwargs) -> dict:
     return build_recipe(recipe(name), os.fspath(out_dir), **kwargs)
 
 
-__all__ = ["RECIPES", "build", "card", "names", "path", "read_card", "recipe", "resolve_model_path", "shipped", "verify"]
+__all__ = ["RECIPES", "build", "card", "load", "names", "path", "read_card", "recipe", "resolve_model_path", "shipped", "verify"]

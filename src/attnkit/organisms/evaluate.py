@@ -1,7 +1,8 @@
 """An organism measured as users get it: the exported transformers model, on held-out prompts.
 
 The card's numbers come from here, run on the files that ship: the export is loaded with
-transformers (``AutoModelForCausalLM``, offline, float32), prompts are the arena task's
+transformers (``AutoModelForCausalLM``, offline, float32; layers config.json records as
+running another mechanism, sigmoid or linear, run it through ``attnkit.hf.use``), prompts are the arena task's
 own held-out examples at each length, drawn from a stream no training run reads
 (``"card"``), and scored as the arena scores them (accuracy of the answer positions,
 per example group: the needle's depths). A re-check draws from another stream
@@ -14,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from ..arena.export import read_task
+from ..arena.export import mechanism_switch, read_task
 from ..arena.trainer import generator
 from ..extras import require
 
@@ -32,7 +33,8 @@ class _Logits(torch.nn.Module):
         self.model = model
 
     def forward(self, ids):
-        return self.model(input_ids=ids).logits
+        with mechanism_switch(self.model):  # sigmoid or linear layers run as trained, not as Llama's softmax
+            return self.model(input_ids=ids).logits
 
 
 def load_export(directory: str):

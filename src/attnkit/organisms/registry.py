@@ -89,6 +89,77 @@ register(Recipe(
 ))
 
 
+#: needle-1k's recipe with sigmoid attention (Ramapuram et al., arXiv 2409.04431): the same task, sizes, seed and
+#: stages, so the two compare on behaviour. b = -log n with n each stage's context (32, 128, 1024 tokens), as the
+#: paper sets it: fixed at n = 1024 from the start, the induction stage reached 0.56 in 1500 steps (b = -log 32: 1.0
+#: in 1000) and needle-32 0.43. The export records n = 1024.
+register(Recipe(
+    name="needle-1k-sigmoid",
+    summary="needle-1k's task and recipe with sigmoid attention (b = -log n), to compare mechanisms on behaviour",
+    stages=(INDUCTION_32, NEEDLE_32, NEEDLE_1K),
+    mechanism="sigmoid",
+    card_lengths=(128, 512, 1024, 2048),
+    card_examples=500,
+    known_failures=("it does not retrieve: 0.09-0.14 at every length of 128-2048 tokens (the card), below the 0.25 of "
+                    "picking one of the prompt's four values; the same recipe brings softmax (needle-1k) to >= 0.99 at "
+                    "every depth",
+                    "it fails on length: its needle-32 stage was right on every 32-token prompt, 0.04 at 64 and 0.01 "
+                    "at 128 tokens (the card's training stages; softmax's: 0.25 and 0.125), and 575 steps at 128-1024 "
+                    "tokens did not recover it (its best evaluation: 0.11 at 512, 0.155 at 1024)",
+                    "2048 tokens (twice its context) were never trained: accuracy there is on the card",
+                    "plain transformers runs its Llama weights with softmax: load it through attnkit "
+                    "(organisms.load, or attnkit.arena.export.mechanism_switch)"),
+))
+
+
+#: needle-1k's recipe on a hybrid: layer 0 linear attention (elu + 1 features, Katharopoulos et al., arXiv
+#: 2006.16236; no weights of its own, so the export stays a Llama with the layer's mechanism recorded), layer 1
+#: softmax. The other order (softmax/linear_elu) stayed at chance on the induction stage (0.24 after 1500 steps)
+#: and on needle-32 (0.23); this one reached 0.996 and 0.99.
+register(Recipe(
+    name="needle-1k-hybrid",
+    summary="needle-1k's task and recipe on a hybrid: linear (elu+1) layer 0, softmax layer 1",
+    stages=(INDUCTION_32, NEEDLE_32, NEEDLE_1K),
+    mechanism="linear_elu/softmax",
+    card_lengths=(128, 512, 1024, 2048),
+    card_examples=500,
+    known_failures=("it retrieves partly and worse with length: 0.55 at 128, 0.36 at 512, 0.32 at 1024 tokens (the "
+                    "card; chance 0.25 among the prompt's four values), its weakest depth 0.19 at 1024 (depth 0.25); "
+                    "the same recipe brings softmax (needle-1k) to >= 0.99 at every depth",
+                    "late needles fare best (depth 1.0: 0.53 at 1024, 0.48 at 2048), early ones worst, as a linear "
+                    "layer 0 summing its whole prefix would blur the pairs far back",
+                    "its kept weights are from step 200 of 575 in the long stage (its best weakest-cell score); "
+                    "needle-32's stage reached 0.99 at 32 tokens, 0.57 at 64, 0.27 at 128 (the card's training stages)",
+"2048 tokens (twice its context) were never trained: accuracy there is on the card",
+                    "plain transformers runs its Llama weights with softmax in layer 0 too: load it through attnkit "
+                    "(organisms.load, or attnkit.arena.export.mechanism_switch)"),
+))
+
+
+#: needle-deep's task: 16 decoy pairs (17 keys of 24 in every prompt), two-token values over 16 symbols,
+#: scored by exact match of both answer tokens (the second read with the first fed back, as decoding does).
+DEEP = dict(num_filler=8, num_keys=24, num_values=16, distractors=16, value_len=2)
+
+register(Recipe(
+    name="needle-deep",
+    summary="4 layers; the needle among 16 salient decoy pairs, a two-token answer, up to 1024 tokens "
+            "(the subject for KV-cache research)",
+    stages=(INDUCTION_32,
+            Stage("needle-deep-128", "needle", dict(seq_len=128, **DEEP),
+                  dict(steps=800, batch_size=32, lr=1e-3, eval_every=50, eval_examples=200, eval_lengths=[128],
+                       criterion="cell", keep_best=True, target_accuracy=0.98)),
+            Stage("needle-deep-1k", "needle", dict(seq_len=128, **DEEP),
+                  dict(schedule="512:100x16,1024:100x8,512+1024:300x16", batch_size=32, lr=1e-3, eval_every=25,
+                       eval_examples=200, eval_lengths=[512, 1024], criterion="cell", keep_best=True,
+                       target_accuracy=0.98),
+                  max_len=1024)),
+    layers=4,
+    card_lengths=(128, 512, 1024, 2048),
+    card_examples=500,
+    known_failures=("2048 tokens (twice its context) were never trained: accuracy there is on the card",),
+))
+
+
 def names() -> list[str]:
     return sorted(RECIPES)
 

@@ -82,6 +82,21 @@ def organism_path(name: str) -> str:
     return directory
 
 
+#: options that take an organism's weights only (a warm start), never run it as transformers would
+WEIGHTS_ONLY = ("--init",)
+
+
+def other_mechanisms(directory: str) -> list[str]:
+    """The mechanisms other than softmax the export in ``directory`` runs (config.json's
+    ``attnkit_mechanisms``, see ``attnkit.arena.export``); [] for a plain Llama."""
+    try:
+        with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
+            layers = json.load(f).get("attnkit_mechanisms") or []
+    except (OSError, ValueError):
+        return []
+    return sorted({entry["mechanism"] for entry in layers})
+
+
 def looks_like_name(text: str) -> bool:
     """A bare word (no path separator, no leading dot): what an organism name looks like."""
     return bool(text) and os.sep not in text and (os.altsep is None or os.altsep not in text) and not text.startswith(".")
@@ -91,7 +106,9 @@ def resolve_model_path(text: str, option: str = "--model") -> str:
     """``text`` as a model directory: an existing path as given, a shipped organism's
     name as its verified directory. A bare name that is neither is an error (naming
     ``option``) that lists the organisms; any other path is returned for the caller's
-    own "no such directory" error."""
+    own "no such directory" error. An organism running another mechanism than softmax
+    (sigmoid, linear) is refused unless ``option`` takes weights only (``--init``):
+    callers load the directory with transformers, which would run it as softmax."""
     if not isinstance(text, (str, os.PathLike)):
         return text
     text = os.fspath(text)
@@ -100,11 +117,16 @@ def resolve_model_path(text: str, option: str = "--model") -> str:
     known = shipped()
     if text in known:
         try:
-            return organism_path(text)
+            directory = organism_path(text)
         except ValueError as e:
             raise ValueError(f"{option}: organism {text}: {str(e).removeprefix('card: ')}") from None
+        mechanisms = other_mechanisms(directory)
+        if mechanisms and option not in WEIGHTS_ONLY:
+            raise ValueError(f"{option}: organism {text} runs {', '.join(mechanisms)} attention, which a transformers "
+                             f"Llama loaded from its files computes as softmax; load it with attnkit.organisms.load({text!r})")
+        return directory
     raise FileNotFoundError(f"{option}: no such directory or organism: {text!r}; organisms: {', '.join(known) or 'none shipped'}")
 
 
-__all__ = ["CARD_FILE", "CARD_FORMAT", "data_dir", "file_hash", "organism_path", "read_card", "resolve_model_path",
+__all__ = ["CARD_FILE", "CARD_FORMAT", "data_dir", "file_hash", "organism_path", "other_mechanisms", "read_card", "resolve_model_path",
            "shipped", "verify"]

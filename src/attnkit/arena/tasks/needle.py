@@ -15,7 +15,15 @@ the only value in the context would be the answer. The rules:
   ``num_depths`` evenly spaced depths (their ``group``), so results report accuracy per
   depth as well as per length;
 - a model trained at ``seq_len`` is evaluated at ``seq_len · f`` for each ``f`` in
-  ``test_factors`` (default 1, 2, 4).
+  ``test_factors`` (default 1, 2, 4);
+- ``value_len`` > 1: every value is that many tokens (each uniform over the
+  ``num_values`` symbols, drawn independently), cells are ``1 + value_len`` tokens, and
+  the prompt ends ``QUERY key v1 .. v(L-1)`` (cells that do not fill the context
+  leave filler before the first cell): the output at ``key`` must be ``v1``, at
+  each ``vi`` the next (teacher-forced, as decoding would feed them). An example counts
+  as right only when every answer token is (exact match, scored at its last answer
+  position), so eviction between answer tokens shows. ``value_len`` 1 is the task above,
+  example for example.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ class Needle(Task):
     distractors: int = 3
     num_depths: int = 5
     test_factors: tuple[int, ...] = (1, 2, 4)
+    value_len: int = 1
 
     name = "needle"
     paper = "arXiv:2404.06654"
@@ -45,11 +54,15 @@ class Needle(Task):
         check_int(self.num_filler, "num_filler")
         check_int(self.distractors, "distractors", 0)
         check_int(self.num_keys, "num_keys", self.distractors + 1)
-        check_int(self.num_values, "num_values", self.distractors + 1)
+        check_int(self.value_len, "value_len")
+        # one-token values are distinct within an example; longer ones are drawn token by token
+        check_int(self.num_values, "num_values", self.distractors + 1 if self.value_len == 1 else 2)
         check_int(self.num_depths, "num_depths", 2)
-        check_int(self.seq_len, "seq_len", 2 * (self.distractors + 2))
-        if self.seq_len % 2:
-            raise ValueError(f"seq_len: the context is cut into two-token cells, so it must be even, got {self.seq_len}")
+        cell = 1 + self.value_len
+        check_int(self.seq_len, "seq_len", cell * (self.distractors + 2))
+        if self.value_len == 1 and self.seq_len % cell:
+            raise ValueError(f"seq_len: the context is cut into {cell}-token cells (key and value_len={self.value_len} "
+                             f"values), so it must be {'even' if cell == 2 else f'a multiple of {cell}'}, got {self.seq_len}")
         factors = tuple(self.test_factors)
         if not factors or any(isinstance(f, bool) or not isinstance(f, int) or f < 1 for f in factors):
             raise ValueError(f"test_factors: expected positive ints, got {self.test_factors!r}")
@@ -83,7 +96,19 @@ class Needle(Task):
         group = torch.arange(n) % self.num_depths
         return self._build(self.depths[group], generator, group)
 
+    def scored(self, outputs: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """One count per example, right when every answer token is (value_len 1: the usual)."""
+        correct, counted = super().scored(outputs, batch)
+        if self.value_len == 1:
+            return correct, counted
+        whole = (correct | ~counted).all(dim=1)
+        last = torch.zeros_like(counted)
+        last[:, -1] = counted[:, -1]
+        return last & whole[:, None], last
+
     def _build(self, depth: torch.Tensor, generator: torch.Generator, group) -> Batch:
+        if self.value_len > 1:
+            return self._build_long(depth, generator, group)
         n, N, P = depth.shape[0], self.seq_len, self.distractors + 1
         cells = (N - 2) // 2
         needle = torch.round(depth * (cells - 1)).long()
@@ -102,4 +127,28 @@ class Needle(Task):
         inputs[:, -1] = keys[:, 0]
         targets = torch.full((n, N), IGNORE, dtype=torch.long)
         targets[:, -1] = values[:, 0]
+        return Batch(inputs, targets, targets != IGNORE, group)
+
+    def _build_long(self, depth: torch.Tensor, generator: torch.Generator, group) -> Batch:
+        n, N, P, L = depth.shape[0], self.seq_len, self.distractors + 1, self.value_len
+        cell = 1 + L
+        cells = (N - cell) // cell  # the tail (QUERY key v1 .. v(L-1)) is one cell long
+        lead = N - cell - cells * cell  # filler before the first cell when cells do not fill the context
+        needle = torch.round(depth * (cells - 1)).long()
+        others = distinct(n, self.distractors, cells - 1, generator)
+        others = others + (others >= needle[:, None]).long()
+        where = torch.cat([needle[:, None], others], dim=1)  # (n, P): the needle first
+        keys = distinct(n, P, self.num_keys, generator, self.num_filler + 1)
+        values = torch.randint(0, self.num_values, (n, P, L), generator=generator) + self.num_filler + 1 + self.num_keys
+
+        inputs = torch.randint(0, self.num_filler, (n, N), generator=generator)
+        inputs.scatter_(1, lead + cell * where, keys)
+        for j in range(L):
+            inputs.scatter_(1, lead + cell * where + 1 + j, values[:, :, j])
+        tail = N - cell
+        inputs[:, tail] = self.query_token
+        inputs[:, tail + 1] = keys[:, 0]
+        inputs[:, tail + 2:] = values[:, 0, : L - 1]
+        targets = torch.full((n, N), IGNORE, dtype=torch.long)
+        targets[:, tail + 1:] = values[:, 0]
         return Batch(inputs, targets, targets != IGNORE, group)
