@@ -136,6 +136,9 @@ register(Recipe(
 ))
 
 
+#: NOT SHIPPED: built once, its 128-token stage stayed at chance (exact match 0.000-0.005 on 200 held-out prompts
+#: at every evaluation of 800 steps, from a 4-layer induction model at 1.0), so the build was stopped there; the
+#: recipe needs another curriculum (fewer decoys or one-token values first) before it ships.
 #: needle-deep's task: 16 decoy pairs (17 keys of 24 in every prompt), two-token values over 16 symbols,
 #: scored by exact match of both answer tokens (the second read with the first fed back, as decoding does).
 DEEP = dict(num_filler=8, num_keys=24, num_values=16, distractors=16, value_len=2)
