@@ -8,6 +8,7 @@ from linear_cases import qkv
 
 import attnkit as ak
 from attnkit.mechanisms import get_mechanism
+from attnkit.mechanisms.linear import LinearAttention
 from attnkit.mechanisms.linear.conv import ShortConv
 
 
@@ -67,3 +68,20 @@ def test_bad_widths_and_shapes():
     conv(q, k, v)
     with pytest.raises(ValueError, match="k: the short convolution was built for 2 heads"):
         conv(q, torch.zeros(1, 3, 4, 3, dtype=torch.float64), v)
+
+
+def test_weights_created_at_construction_survive_the_first_call():
+    # With heads= and head_dim= the weights exist before any call; the lazy-module hook
+    # still runs on the first call and used to materialise them again, failing with
+    # "'Parameter' object has no attribute 'materialize'".
+    mech = LinearAttention(short_conv=4, heads=2, head_dim=8, kv_heads=1, value_dim=5).double()
+    conv = mech.conv
+    assert conv.weight_q.shape == (2, 8, 4) and conv.weight_k.shape == (1, 8, 4) and conv.weight_v.shape == (1, 5, 4)
+    before = [w.detach().clone() for w in (conv.weight_q, conv.weight_k, conv.weight_v)]
+    q, k, v = qkv(1, 2, 1, 7, 7, 8, 5)
+    out = mech(q, k, v, mask=ak.causal())
+    for w, b in zip((conv.weight_q, conv.weight_k, conv.weight_v), before):
+        assert torch.equal(w.detach(), b)
+    cq, ck, cv, _ = conv(q, k, v)
+    assert_close(out, LinearAttention().double()(cq, ck, cv, mask=ak.causal()))
+    assert mech(q, k, v, mask=ak.causal()).shape == (1, 2, 7, 5)  # and every later call

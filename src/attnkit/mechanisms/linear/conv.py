@@ -32,6 +32,10 @@ class ShortConv(LazyModuleMixin, nn.Module):
         self.weight_q, self.weight_k, self.weight_v = UninitializedParameter(), UninitializedParameter(), UninitializedParameter()
 
     def initialize_parameters(self, q: Tensor, k: Tensor, v: Tensor, cache=None) -> None:
+        # Called by the lazy-module hook on the first call even when the weights were
+        # created at construction (LinearAttention given heads= and head_dim=): keep them.
+        if not self.has_uninitialized_params():
+            return
         bound = 1 / math.sqrt(self.size)
         with torch.no_grad():
             for w, x in ((self.weight_q, q), (self.weight_k, k), (self.weight_v, v)):
