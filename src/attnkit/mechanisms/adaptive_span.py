@@ -23,15 +23,16 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from ..kernels import chunked_attention, empty_result
-from ..kernels.engine import EngineTiling, SoftmaxKernel, run_kernel
+from ..kernels.engine import EngineTiling, SoftmaxKernel, dense_softmax, run_kernel
 from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish, observe_softmax_as, request
 from ..kernels.request import Request
+from ..kernels.tiles import add_sinks
 from ..mods import Mask, causal
 from ..mods.grid import EMPTY, FULL, PARTIAL, classify_interval
 from ..mods.scores import Bias
+from ._traced import learnable
 from .base import Mechanism, register
 
 Tensor = torch.Tensor
@@ -107,7 +108,7 @@ class AdaptiveSpan(Mechanism):
         if isinstance(loss_coeff, bool) or not isinstance(loss_coeff, (int, float)) or not (0 <= loss_coeff < math.inf):
             raise ValueError(f"adaptive_span(loss_coeff): expected a finite number >= 0, got {loss_coeff!r}")
         self.max_span, self.ramp, self.loss_coeff = max_span, float(ramp), float(loss_coeff)
-        self.span = nn.Parameter(torch.full((num_heads,) if num_heads else (), float(init)))
+        self.span = learnable(torch.full((num_heads,) if num_heads else (), float(init)))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", max_span={self.max_span}, ramp={self.ramp:g}, heads={self.span.numel()}"
@@ -157,14 +158,43 @@ class AdaptiveSpan(Mechanism):
             parts.append((out, stats["lse"]))
         return parts[0] if len(parts) == 1 else _merge(*parts[0], *parts[1])
 
+    def _traced(self, q, k, v, mask, score, scale, sinks) -> tuple[Tensor, Tensor]:
+        """The same attention without reading the spans into Python: one kernel over each
+        head's band with the ramp bias, the band's width a tensor. Under torch.compile the
+        spans are graph data, so the split into flat and ramp parts (and the tiles it skips)
+        is not known while tracing; only distances beyond ``max_span`` are skipped."""
+        z = self.span.detach().clamp(0, 1).double().reshape(-1)
+        # keys_per_head and flat_per_head as tensors, in the same float64 arithmetic
+        keys = torch.ceil(self.ramp + z * self.max_span).clamp(1, self.max_span).long()
+        flat = torch.floor(z * self.max_span).clamp(max=self.max_span - 1).long()
+        bias = _FlatSpanRamp(self.span, self.max_span, self.ramp, flat)
+        score = bias if score is None else [score, bias]
+        req = self._request(q, k, v, mask, score, scale, None, _TracedSpanBand(keys - 1, self.max_span - 1), ramp=False)
+        if torch.is_grad_enabled() and self.span.requires_grad:
+            # The tile engine pulls a learnable bias's gradient through torch.autograd.grad
+            # in its backward, which Dynamo cannot trace: the dense form, under autograd.
+            p, lse = dense_softmax(dense_logits(req))
+            out = torch.matmul(p, dense_values(req)).to(q.dtype)
+        else:
+            kernel = SoftmaxKernel()
+            kernel.tiling = _RAMP_TILES
+            out, stats = run_kernel(req, kernel)
+            lse = stats["lse"]
+        if sinks is not None:
+            out, lse = add_sinks(out, lse, sinks)
+        return out, lse
+
     def forward(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto",
                 check_finite=True, observers=None, layer=None):
         check_options(self.name, sinks=sinks, backend=backend, allow_sinks=True)
-        req = self._request(q, k, v, mask, score, scale, sinks)
+        traced = torch.compiler.is_compiling()
+        req = self._request(q, k, v, mask, score, scale, sinks, _TracedSpanBand(None, self.max_span - 1) if traced else None)
         if backend == "reference":
             out, lse = self.reference(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks, return_lse=True)
         elif req.q_len == 0 or req.k_len == 0:
             out, lse = empty_result(req)
+        elif traced:
+            out, lse = self._traced(q, k, v, mask, score, scale, req.sinks)
         else:
             out, lse = self._chunked(q, k, v, mask, score, scale, sinks)
         if observers:
@@ -210,6 +240,43 @@ def _merge(o1: Tensor, l1: Tensor, o2: Tensor, l2: Tensor) -> tuple[Tensor, Tens
     w1, w2 = torch.exp(l1s - total).unsqueeze(-1), torch.exp(l2s - total).unsqueeze(-1)
     out = torch.where(live.unsqueeze(-1), o1 * w1.to(o1.dtype) + o2 * w2.to(o2.dtype), torch.zeros_like(o1))
     return out, torch.where(live, total, l1)
+
+
+class _FlatSpanRamp(SpanRamp):
+    """The ramp bias, exactly 0 (no gradient) within each head's flat distance ``flat[h]``,
+    as where the chunked path runs plain softmax tiles."""
+
+    def __init__(self, span: Tensor, max_span: int, ramp: float, flat: Tensor):
+        super().__init__(span, max_span, ramp)
+        self.flat = flat
+
+    def bias(self, b, h, q_idx, kv_idx):
+        s = super().bias(b, h, q_idx, kv_idx)
+        flat = self.flat.reshape(()) if self.flat.numel() == 1 else self.flat.to(s.device)[h]
+        return torch.where(q_idx - kv_idx <= flat, torch.zeros_like(s), s)
+
+
+class _TracedSpanBand(Mask):
+    """``0 <= q - kv <= hi[h]`` with ``hi`` a tensor (one per head, or one for all), or
+    ``<= bound`` alone when ``hi`` is None. Tiles are classified from ``bound`` only:
+    empty beyond it, partial (the mask evaluated) elsewhere."""
+
+    def __init__(self, hi: Tensor | None, bound: int):
+        self.hi, self.bound = hi, bound
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        diff = q_idx - kv_idx
+        if self.hi is None:
+            return (diff >= 0) & (diff <= self.bound)
+        hi = self.hi.reshape(()) if self.hi.numel() == 1 else self.hi.to(diff.device)[h]
+        return (diff >= 0) & (diff <= hi)
+
+    def classify(self, grid):
+        some = classify_interval(grid, -self.bound, 0)
+        return torch.where(some == EMPTY, EMPTY, PARTIAL).to(torch.int8)
+
+    def __repr__(self):
+        return f"span_band(traced, <= {self.bound})"
 
 
 class _Within(Mask):

@@ -218,13 +218,15 @@ class BlockSparsePrefill(Mechanism):
         # Other chosen blocks: below the diagonal, wholly visible; gathered per query block.
         below = blocks[:, :, first:] & (torch.arange(n) < torch.arange(first, n).view(-1, 1))
         count = below.sum(-1)  # (B, Hq, m)
-        if int(count.max()):
+        # A compiled graph cannot branch on the counts, only on whether any row could have blocks.
+        traced = torch.compiler.is_compiling()
+        if (n > 1) if traced else bool(count.max()):
             chosen_first = torch.sort((~below).to(torch.uint8), dim=-1, stable=True).indices  # chosen ids first
             # Key block ids as rows of k (B * Hkv * n blocks), for every query head.
             kv_row = (torch.arange(B).view(B, 1) * Hkv + torch.arange(Hq).view(1, Hq) // G) * n
             ids = (chosen_first + kv_row.view(B, Hq, 1, 1)).reshape(B * Hq * m, n)
             o2, l2 = self._gathered(qb.reshape(B * Hq * m, bs * width), kb.reshape(-1, bs * width), vb.reshape(-1, bs * width),
-                                    ids, count.reshape(-1), req.scale)
+                                    ids, count.reshape(-1), req.scale, (first, m) if traced else None)
             o, lse = merge_partial(o, lse.to(cd), o2.view(B, Hq, m, bs, width), l2.view(B, Hq, m, bs).to(cd))
         o = o.reshape(B, Hq, m * bs, width)[:, :, offset : offset + Nq, :Dv]
         lse = lse.reshape(B, Hq, m * bs)[:, :, offset : offset + Nq]
@@ -232,18 +234,28 @@ class BlockSparsePrefill(Mechanism):
 
     GROUP = 32  # query blocks per call, sorted by how many blocks they read (little padding)
 
-    def _gathered(self, q_rows: Tensor, k_rows: Tensor, v_rows: Tensor, ids: Tensor, count: Tensor, scale: float):
+    def _gathered(self, q_rows: Tensor, k_rows: Tensor, v_rows: Tensor, ids: Tensor, count: Tensor, scale: float,
+                  static: tuple[int, int] | None = None):
         """Query blocks (rows of q_rows, one block of bs * W each) against their key blocks
         ``ids[i, :count[i]]`` (rows of k_rows, v_rows), all wholly visible. Blocks are
-        sorted by count and run ``GROUP`` at a time, padded to the group's longest."""
+        sorted by count and run ``GROUP`` at a time, padded to the group's longest.
+
+        ``static = (first, m)`` (under torch.compile, where shapes cannot depend on the
+        counts): rows in their own order, each group padded to the most blocks its rows
+        could hold (row i is query block i % m, with at most first + i % m blocks before it)."""
         rows, W = q_rows.shape[0], q_rows.shape[1] // self.block_size
         bs = self.block_size
         lse_dtype = torch.float64 if q_rows.dtype == torch.float64 else torch.float32
-        order = torch.sort(count, stable=True).indices
+        order = torch.arange(rows) if static else torch.sort(count, stable=True).indices
         outs, lses = [], []
         for g0 in range(0, rows, self.GROUP):
             group = order[g0 : g0 + self.GROUP]
-            g, span = group.numel(), int(count[group].max())
+            if static:
+                first, m = static
+                g = min(rows, g0 + self.GROUP) - g0
+                span = first + max(r % m for r in range(g0, g0 + g))
+            else:
+                g, span = group.numel(), int(count[group].max())
             if span == 0:  # nothing besides the diagonal: an empty part (0, -inf)
                 outs.append(q_rows.new_zeros(g, 1, bs, W))
                 lses.append(torch.full((g, 1, bs), -math.inf, dtype=lse_dtype))
@@ -256,6 +268,8 @@ class BlockSparsePrefill(Mechanism):
                                       mask.repeat_interleave(bs, dim=1).view(g, 1, 1, span * bs), scale)
             outs.append(o)
             lses.append(l)
+        if static:
+            return torch.cat(outs), torch.cat(lses)
         back = torch.sort(order).indices  # inverse permutation
         return torch.cat(outs).index_select(0, back), torch.cat(lses).index_select(0, back)
 

@@ -48,6 +48,22 @@ OBSERVE_Q_BLOCK = 128
 OBSERVE_K_BLOCK = 512
 
 
+def _memo(fn):
+    """``functools.cached_property`` without the lock that Python 3.11 takes in it (which
+    torch.compile cannot enter): cached on eager calls, recomputed while tracing."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def get(self):
+        if torch.compiler.is_compiling():
+            return fn(self)
+        if name not in self.__dict__:
+            self.__dict__[name] = fn(self)  # the instance dict: a frozen dataclass allows it
+        return self.__dict__[name]
+
+    return property(get)
+
+
 @dataclass(frozen=True)
 class ExactPart:
     """Queries [q0, q1) against keys [k0, k1), computed exactly (causal: a square
@@ -88,17 +104,17 @@ class HyperPart:
     def q_block_size(self) -> int:
         return -(-(self.q1 - self.q0) // self.n_blocks)
 
-    @functools.cached_property
+    @_memo
     def q_block(self) -> Tensor:
         """Block id of every query, in original order (B, Hq, nq)."""
         return _ranks(self.q_order) // self.q_block_size
 
-    @functools.cached_property
+    @_memo
     def k_block(self) -> Tensor:
         """Block id of every key, in original order (B, Hkv, nk)."""
         return _ranks(self.k_order) // self.block_size
 
-    @functools.cached_property
+    @_memo
     def counts(self) -> Tensor:
         """How many times each key was drawn, (B, Hkv, nk)."""
         out = torch.zeros(self.k_order.shape, dtype=torch.long)
@@ -121,6 +137,34 @@ def _ranks(order: Tensor) -> Tensor:
     """Inverse permutation along the last dim: rank of every index in ``order``."""
     ranks = torch.empty_like(order)
     return ranks.scatter_(-1, order, torch.arange(order.shape[-1]).expand_as(order).contiguous())
+
+
+def _draws(seed: int, dim: int, projs: int, sample_shape: tuple[int, int, int], highs: tuple[int, ...]) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """The random choices of a call, from one generator seeded with ``seed``: the LSH
+    hyperplanes (dim, projs), then for each sampled piece in order key indices below its
+    ``high`` of shape ``sample_shape``. A generator cannot be created inside a
+    torch.compile graph: compiled calls draw them through an op the graph keeps opaque."""
+    if torch.compiler.is_compiling():
+        proj, *samples = _draws_op(seed, dim, projs, list(sample_shape), list(highs))
+        return proj, tuple(samples)
+    return _draw(seed, dim, projs, sample_shape, highs)
+
+
+def _draw(seed, dim, projs, sample_shape, highs) -> tuple[Tensor, tuple[Tensor, ...]]:
+    gen = torch.Generator().manual_seed(seed)
+    proj = torch.randn(dim, projs, generator=gen, dtype=torch.float64)
+    return proj, tuple(torch.randint(high, tuple(sample_shape), generator=gen) for high in highs)
+
+
+@torch.library.custom_op("attnkit_mechanisms::hyper_attention_draws", mutates_args=())
+def _draws_op(seed: int, dim: int, projs: int, sample_shape: list[int], highs: list[int]) -> list[Tensor]:
+    proj, samples = _draw(seed, dim, projs, sample_shape, highs)
+    return [proj, *samples]
+
+
+@_draws_op.register_fake
+def _(seed, dim, projs, sample_shape, highs):
+    return [torch.empty(dim, projs, dtype=torch.float64), *(torch.empty(sample_shape, dtype=torch.long) for _ in highs)]
 
 
 def gray_rank(codes: Tensor, bits: int) -> Tensor:
@@ -147,7 +191,7 @@ class FlashWithLse(torch.autograd.Function):
         lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
         if mask is not None:
             dead = torch.isneginf(mask).all(dim=-1).expand_as(lse)  # the op reports lse = 0 there
-            if bool(dead.any()):
+            if torch.compiler.is_compiling() or bool(dead.any()):  # compiled: no data branch
                 lse = lse.masked_fill(dead, -math.inf)
                 o = o.masked_fill(dead.unsqueeze(-1), 0.0)
         ctx.scale, ctx.causal = scale, causal
@@ -208,24 +252,14 @@ class HyperAttention(Mechanism):
         cover every visible (query, key) pair exactly once."""
         B, Hq, Nq, D = q.shape
         Nk = k.shape[2]
-        gen = torch.Generator().manual_seed(self.seed)
-        proj = torch.randn(D, self.lsh_num_projs, generator=gen, dtype=torch.float64)
-        parts: list[ExactPart | HyperPart] = []
+        pieces: list[tuple[int, int, int, int, bool | None]] = []  # (q0, q1, k0, k1, causal), None: a HyperPart
 
         def rect(q0, q1, k0, k1):
-            if q1 - q0 < self.min_seq_len:
-                parts.append(ExactPart(q0, q1, k0, k1, False))
-                return
-            n_blocks = -(-(k1 - k0) // self.block_size)
-            samples = None
-            if self.sample_size > 0 and n_blocks > 1:
-                samples = torch.randint(k1 - k0, (B, k.shape[1], self.sample_size), generator=gen)
-            parts.append(HyperPart(q0, q1, k0, k1, self._sort(q[:, :, q0:q1], proj), self._sort(k[:, :, k0:k1], proj),
-                                   n_blocks, self.block_size, samples))
+            pieces.append((q0, q1, k0, k1, False if q1 - q0 < self.min_seq_len else None))
 
         def square(q0, k0, n):
             if n < self.min_seq_len:
-                parts.append(ExactPart(q0, q0 + n, k0, k0 + n, True))
+                pieces.append((q0, q0 + n, k0, k0 + n, True))
                 return
             half = n // 2
             square(q0, k0, half)
@@ -240,6 +274,21 @@ class HyperAttention(Mechanism):
             square(0, Nk - Nq, Nq)
         else:  # the first Nq - Nk queries see no key (bottom-right alignment)
             square(Nq - Nk, 0, Nk)
+
+        def sampled(q0, q1, k0, k1):
+            return self.sample_size > 0 and -(-(k1 - k0) // self.block_size) > 1
+
+        highs = tuple(k1 - k0 for q0, q1, k0, k1, c in pieces if c is None and sampled(q0, q1, k0, k1))
+        proj, draws = _draws(self.seed, D, self.lsh_num_projs, (B, k.shape[1], self.sample_size), highs)
+        draws = iter(draws)
+        parts: list[ExactPart | HyperPart] = []
+        for q0, q1, k0, k1, c in pieces:
+            if c is not None:
+                parts.append(ExactPart(q0, q1, k0, k1, c))
+                continue
+            samples = next(draws) if sampled(q0, q1, k0, k1) else None
+            parts.append(HyperPart(q0, q1, k0, k1, self._sort(q[:, :, q0:q1], proj), self._sort(k[:, :, k0:k1], proj),
+                                   -(-(k1 - k0) // self.block_size), self.block_size, samples))
         return parts
 
     def _sort(self, x: Tensor, proj: Tensor) -> Tensor:

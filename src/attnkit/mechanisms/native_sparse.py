@@ -528,10 +528,11 @@ class NativeSparseAttention(Mechanism):
             vc = None if v_cmp is None else v_cmp.detach().to(cd)
             for r0 in range(0, Nq, SELECT_Q_CHUNK):
                 r1 = min(r0 + SELECT_Q_CHUNK, Nq)
-                cols = int(own[r1 - 1]) + 1  # no block after the chunk's last own block matters
-                seen = min(n_cmp, self._complete(int(pos[r1 - 1])))
+                # positions as ints (pos[i] = i + Nk - Nq): sizes torch.compile knows while tracing
+                cols = (r1 - 1 + Nk - Nq) // self.select_block + 1  # no block after the chunk's last own block matters
+                seen = min(n_cmp, self._complete(r1 - 1 + Nk - Nq))
                 if seen:
-                    p, lse = self._compressed_probs(qc[:, :, r0:r1] * scale, kt[..., :seen], pos[r0:r1])
+                    p, lse = self._compressed_probs(qc[:, :, r0:r1] * scale, kt[..., :seen], pos[r0:r1], r0 + Nk - Nq)
                     importance = self.block_mass(p, cols)
                     lse_cmp[:, :, r0:r1] = lse.view(B, Hq, r1 - r0)
                     if vc is not None:
@@ -546,8 +547,9 @@ class NativeSparseAttention(Mechanism):
         """How many compressed blocks are complete at a token position (eq. 7's causal rule)."""
         return max(0, (position - self.compress_block + 1) // self.compress_stride + 1)
 
-    def _compressed_probs(self, q: Tensor, k_t: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
-        """Softmax p (B, Hkv, G, rows, Ncmp) of the scaled queries at positions ``pos`` over
+    def _compressed_probs(self, q: Tensor, k_t: Tensor, pos: Tensor, pos0: int) -> tuple[Tensor, Tensor]:
+        """Softmax p (B, Hkv, G, rows, Ncmp) of the scaled queries at positions ``pos`` (the
+        first, ``pos0``, also as an int) over
         the compressed keys k_t (B, Hkv, D, Ncmp) complete at each (eq. 7-8), and its lse
         (B, Hkv, G, rows, 1); a row that sees no block gets p = 0 and lse = -inf. In place on
         one scores buffer."""
@@ -555,7 +557,7 @@ class NativeSparseAttention(Mechanism):
         Hkv, seen = k_t.shape[1], k_t.shape[3]
         G = Hq // Hkv
         s = torch.matmul(q.reshape(B, Hkv, G * rows, D), k_t).view(B, Hkv, G, rows, seen)
-        first = self._complete(int(pos[0]))  # blocks before it are complete for every row
+        first = self._complete(pos0)  # blocks before it are complete for every row
         if first < seen:
             hidden = torch.arange(first, seen) * self.compress_stride + self.compress_block - 1 > pos[:, None]
             s[..., first:].masked_fill_(hidden, -math.inf)
@@ -664,11 +666,39 @@ class NativeSparseAttention(Mechanism):
                                   span_rows=SELECTED_SPAN_ROWS, window_block=WINDOW_BLOCK_NATIVE)
 
     def _selected(self, q, k, v, selection, req) -> tuple[Tensor, Tensor]:
+        if torch.compiler.is_compiling():
+            return self._selected_gathered(q, k, v, selection, req)
         D, Dv = q.shape[-1], v.shape[-1]
         width = max(D, Dv)  # the op wants one head size: pad the smaller with zero columns
         q, k, v = (t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
         out, lse = _SelectedAttention.apply(q, k, v, selection, req.scale, self.select_block, req.q_start)
         return out[..., :Dv], lse
+
+    def _selected_gathered(self, q, k, v, selection, req) -> tuple[Tensor, Tensor]:
+        """The selection branch for torch.compile, where shapes cannot depend on the data:
+        how many queries chose each key block (the entries of ``_SelectedAttention``) is
+        data. Each query gathers the raw tokens of its ``n`` slots instead, (B, Hkv, Nq,
+        n * select_block) keys, masked where a slot is empty, a token lies after the query
+        or past Nk; plain softmax with autograd. Memory grows as Nq * n * select_block."""
+        B, Hq, Nq, D = q.shape
+        Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+        G, bs, n = Hq // Hkv, self.select_block, selection.shape[-1]
+        n_blocks = -(-Nk // bs)
+        ids = selection.clamp(min=0)  # (B, Hkv, Nq, n)
+        b_idx = torch.arange(B).view(B, 1, 1, 1)
+        h_idx = torch.arange(Hkv).view(1, Hkv, 1, 1)
+        kb = _pad_rows(k, 0, n_blocks * bs - Nk).view(B, Hkv, n_blocks, bs, D)[b_idx, h_idx, ids].view(B, Hkv, Nq, n * bs, D)
+        vb = _pad_rows(v, 0, n_blocks * bs - Nk).view(B, Hkv, n_blocks, bs, Dv)[b_idx, h_idx, ids].view(B, Hkv, Nq, n * bs, Dv)
+        key_pos = (ids.unsqueeze(-1) * bs + torch.arange(bs)).view(B, Hkv, Nq, n * bs)
+        q_pos = (torch.arange(Nq) + req.q_start).view(1, 1, Nq, 1)
+        visible = (selection >= 0).repeat_interleave(bs, dim=-1) & (key_pos <= q_pos)  # past Nk is after every query
+        qg = q.view(B, Hkv, G, Nq, D).transpose(2, 3)  # (B, Hkv, Nq, G, D)
+        s = torch.matmul(qg, kb.transpose(-1, -2)) * req.scale  # (B, Hkv, Nq, G, n * bs)
+        s = s.masked_fill(~visible.unsqueeze(3), -math.inf)
+        lse = torch.logsumexp(s, dim=-1)  # -inf for a row without keys (never: the own block holds the query)
+        p = torch.exp(s - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
+        out = torch.matmul(p, vb)  # (B, Hkv, Nq, G, Dv)
+        return out.transpose(2, 3).reshape(B, Hq, Nq, Dv), lse.transpose(2, 3).reshape(B, Hq, Nq)
 
     def _tiles(self, req, call, g, k_cmp, lse_cmp, selection, lse_slc, lse_win):
         """The weight each raw key gets in the output: g_slc * P_slc + g_win * P_win +

@@ -48,9 +48,9 @@ def _selection(blk: Block, s: Tensor, head: int, k0: int, k1: int, bos: Tensor) 
     sel = torch.relu(s[:, head])
     at_bos = torch.arange(k0, k1, device=sel.device)[None, :] == bos[blk.bs, None]
     sel = sel.masked_fill(at_bos[:, None, :], 0.0)
-    q_pos = blk.q_positions
-    if q_pos[0] < k1 and q_pos[-1] >= k0:
-        own = q_pos[:, None] == torch.arange(k0, k1)[None, :]
+    first = blk.prob.q_start + blk.q0  # positions as ints: a branch torch.compile can take while tracing
+    if first < k1 and first + (blk.q1 - blk.q0) - 1 >= k0:
+        own = blk.q_positions[:, None] == torch.arange(k0, k1)[None, :]
         sel = sel.masked_fill(own, 0.0)
     return sel
 
@@ -164,7 +164,10 @@ class Selective(Mechanism):
         check_options(self.name, sinks=sinks, backend=backend)
         req = request(q, k, v, mask=mask, score=score, scale=scale)
         self._check(req, initial_state)
-        if backend == "reference":
+        if backend == "reference" or torch.compiler.is_compiling():
+            # Compiled: the dense form. The tiled kernel keeps F in its own attributes from
+            # block to block and from the forward to the backward, state that Dynamo refuses
+            # to let an autograd.Function mutate.
             out, lse, state = self._dense(req, initial_state)
         else:
             kernel = SelectiveKernel(self.selector_head, initial_state, first_keys(req))

@@ -13,11 +13,13 @@ FAVOR+) or GLA's per-feature gates never exist for the whole sequence.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from .call import LinearCall
 from .core import Recurrence, chunk_forward, log_gates, skip_keys
@@ -68,10 +70,16 @@ def default_chunk(rule: str) -> int:
     return DELTA_CHUNK if rule == "delta" else CHUNK
 
 
+@torch.compiler.assume_constant_result
+def _threads() -> int:
+    # torch.compile reads it once, while tracing: it sizes spans, never changes a value
+    return torch.get_num_threads()
+
+
 def span_length(n: int, bh: int, feature_dim: int, memory_dim: int, chunk: int, grad: bool = True) -> int:
     """Tokens per span: as many as keep the temporaries small, and enough that the
     saved span-start states stay bounded for wide feature maps."""
-    elements = SPAN_ELEMENTS if grad else INFERENCE_SPAN_ELEMENTS * torch.get_num_threads()
+    elements = SPAN_ELEMENTS if grad else INFERENCE_SPAN_ELEMENTS * _threads()
     by_temporaries = elements // (bh * (feature_dim + memory_dim + chunk))
     by_saved = math.ceil(n * bh * feature_dim * memory_dim / SAVED_STATE_ELEMENTS)
     length = max(by_temporaries // chunk, math.ceil(by_saved / chunk), 1) * chunk
@@ -174,6 +182,23 @@ class ChunkedScan(torch.autograd.Function):
         return (None, None, None, *result, d_memory if ctx.needs_input_grad[8] else None, *weight_grads)
 
 
+def traced_scan(rec, plan, fns, q, k, v, g, beta, memory, *weights):
+    """``ChunkedScan`` for torch.compile, which cannot trace its backward (it calls
+    ``torch.autograd.grad``): the same spans, each under activation checkpointing, so
+    autograd differentiates the same operations and recomputes one span at a time."""
+    grad = torch.is_grad_enabled()
+    pieces = []
+    for lo, hi in plan.spans:
+        args = (*_span_inputs(plan, lo, hi, q, k, v, g, beta), memory, weights)
+        step = functools.partial(span_forward, rec, plan, fns, lo)
+        piece, memory = checkpoint(step, *args, use_reentrant=False) if grad else step(*args)
+        if piece is not None:
+            pieces.append(piece)
+    if q is None:
+        return memory
+    return torch.cat(pieces, dim=2) if pieces else memory.new_zeros(*q.shape[:3], memory.shape[-1] - int(rec.normalize and rec.divide)), memory
+
+
 def chunked_form(call: LinearCall, chunk: int | None = None) -> tuple[Tensor, Tensor]:
     """(outputs (B, H, Nq, Dv), final memory (B, H, D_f, Dv')) in the compute dtype; chunk
     None takes the rule's default."""
@@ -194,9 +219,10 @@ def chunked_form(call: LinearCall, chunk: int | None = None) -> tuple[Tensor, Te
     inputs = (call.q, call.k, call.v, g, beta, memory, *weights)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
     plan = make_plan(call, chunk, grad)
+    scan = traced_scan if torch.compiler.is_compiling() else ChunkedScan.apply
     if call.causal and call.q.shape[2] > 0:
-        return ChunkedScan.apply(rec, plan, fns, call.q, call.k, call.v, g, beta, memory, *weights)
-    final = ChunkedScan.apply(rec, plan, fns, None, call.k, call.v, g, beta, memory, *weights)
+        return scan(rec, plan, fns, call.q, call.k, call.v, g, beta, memory, *weights)
+    final = scan(rec, plan, fns, None, call.k, call.v, g, beta, memory, *weights)
     if call.causal:  # no queries: only the state moves
         return final.new_zeros(*call.q.shape[:3], call.v.shape[-1]), final
     phi_q = rec.queries(call.q.to(final.dtype), call.start + call.q_offset)

@@ -111,6 +111,8 @@ def cumulative_gates(g: Tensor, dtype: torch.dtype) -> Tensor:
     """b = cumsum of log-gates g (..., L, Dg) along L. In the compute dtype when the total
     decay stays above e^-FACTOR_LIMIT (b is then small and exact to rounding), else in
     float64, which keeps the differences b_i - b_j exact when b itself is large."""
+    if dtype != torch.float64 and torch.compiler.is_compiling():
+        return g.to(torch.float64).cumsum(-2)  # a compiled graph cannot branch on the decay: the choice exact for any
     b = g.to(dtype).cumsum(-2)
     if dtype != torch.float64 and float(b[..., -1, :].detach().min()) < -FACTOR_LIMIT:
         b = g.to(torch.float64).cumsum(-2)
@@ -135,7 +137,8 @@ def decayed_scores(x: Tensor, k: Tensor, b: Tensor | None, strict: bool) -> Tens
     visible = torch.ones(L, L, dtype=torch.bool, device=x.device).tril(-1 if strict else 0)
     if b is None:
         return (x @ k.transpose(-1, -2)).masked_fill(~visible, 0)
-    if float(b[..., -1, :].detach().min()) >= -FACTOR_LIMIT:
+    # compiled graphs cannot branch on the decay: they take the pairwise paths, exact for any
+    if not torch.compiler.is_compiling() and float(b[..., -1, :].detach().min()) >= -FACTOR_LIMIT:
         bx = b.to(x.dtype)
         return ((x * torch.exp(bx)) @ (k * torch.exp(-bx)).transpose(-1, -2)).masked_fill(~visible, 0)
     if b.shape[-1] == 1:
@@ -224,7 +227,8 @@ class ChunkDecay:
         b = cumulative_gates(g, dtype)
         total = b[..., -1:, :]  # (..., 1, Dg)
         self.b = b
-        strongest = float(total.detach().min())
+        # compiled graphs cannot branch on the decay: unfactored (pairwise), exact for any
+        strongest = -math.inf if torch.compiler.is_compiling() else float(total.detach().min())
         self.factored = strongest >= -2 * MIDPOINT_LIMIT
         self.midpoint = self.factored and strongest < -MIDPOINT_LIMIT
         self.across = torch.exp(total).to(dtype)

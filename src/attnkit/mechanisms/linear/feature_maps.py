@@ -151,6 +151,8 @@ class FAVORPlus(FeatureMap):
         self._cache.clear()
 
     def projection(self, d: int, dtype: torch.dtype, device) -> Tensor:
+        if torch.compiler.is_compiling():  # no cache to fill inside a graph: drawn by an opaque op on every call
+            return _orthogonal_gaussian_op(self.features(d), d, self.seed).to(device=device, dtype=dtype)
         key = (d, dtype, str(device))
         if key not in self._cache:
             self._cache[key] = orthogonal_gaussian(self.features(d), d, self.seed).to(device=device, dtype=dtype)
@@ -178,6 +180,18 @@ def orthogonal_gaussian(m: int, d: int, seed: int) -> Tensor:
     w = q.transpose(-1, -2).reshape(-1, d)[:m]
     norms = torch.randn(m, d, generator=gen, dtype=torch.float64).norm(dim=-1, keepdim=True)
     return w * norms
+
+
+# A generator cannot be created inside a torch.compile graph: compiled calls draw the
+# projection through this op, which the graph keeps as one opaque node.
+@torch.library.custom_op("attnkit_mechanisms::orthogonal_gaussian", mutates_args=())
+def _orthogonal_gaussian_op(m: int, d: int, seed: int) -> Tensor:
+    return orthogonal_gaussian(m, d, seed)
+
+
+@_orthogonal_gaussian_op.register_fake
+def _(m: int, d: int, seed: int) -> Tensor:
+    return torch.empty(m, d, dtype=torch.float64)
 
 
 class CosReweight(FeatureMap):

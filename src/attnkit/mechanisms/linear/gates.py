@@ -79,21 +79,45 @@ class _KeyProjection(LazyModuleMixin, nn.Module):
     per_query_head = False
 
     def forward(self, k: Tensor, heads: int, feature_dim: int) -> Tensor:
+        if self.traced:
+            return self.compute(k, *self._initial(k.shape[1], k.shape[-1], feature_dim, k.device))
         self._check(feature_dim)
         return self.compute(k, *self.weights())
 
     def key_gate(self, k: Tensor, heads: int, feature_dim: int) -> KeyGate:
         """The gates for query heads ``heads`` (each kv head's weights repeated to its group)."""
-        if self.has_uninitialized_params():
-            self(k[:, :, :0], heads, feature_dim)  # materialise through the lazy-module hook
-        self._check(feature_dim)
+        if self.traced:
+            weights = self._initial(k.shape[1], k.shape[-1], feature_dim, k.device)
+        else:
+            if self.lazy:
+                if torch.compiler.is_compiling():
+                    raise ValueError(f"{type(self).__name__}: this gate's weights take their shapes from its first call, which "
+                                     "torch.compile cannot trace; build the mechanism with heads= and head_dim= (or call it once) "
+                                     "before compiling")
+                self(k[:, :, :0], heads, feature_dim)  # materialise through the lazy-module hook
+            self._check(feature_dim)
+            weights = self.weights()
         group = heads // k.shape[1]
-        return KeyGate(self.compute, tuple(w.repeat_interleave(group, dim=0) if group > 1 else w for w in self.weights()))
+        return KeyGate(self.compute, tuple(w.repeat_interleave(group, dim=0) if group > 1 else w for w in weights))
 
     def _check(self, feature_dim: int) -> None:
         pass
 
+    @property
+    def lazy(self) -> bool:
+        """True while the weights await their shapes from the first call (an isinstance
+        test, which torch.compile traces; ``has_uninitialized_params`` it cannot)."""
+        return any(isinstance(w, UninitializedParameter) for w in self.weights())
+
     def __init__(self, heads: int | None = None, head_dim: int | None = None, feature_dim: int | None = None):
+        #: built while torch.compile traces (a mechanism given by name, made inside the
+        #: compiled call): Dynamo can neither register the lazy-module hooks nor create
+        #: parameters there, and nothing could train them once the call returns, so such
+        #: a gate holds no weights and every call runs on the initial ones, made for it
+        self.traced = torch.compiler.is_compiling()
+        if self.traced:
+            super(LazyModuleMixin, self).__init__()  # nn.Module only: no lazy-module hooks
+            return
         super().__init__()
         self._declare()
         if heads is not None and head_dim is not None:
@@ -106,8 +130,16 @@ class _KeyProjection(LazyModuleMixin, nn.Module):
     def _declare(self) -> None:
         raise NotImplementedError
 
-    def _materialize(self, heads: int, head_dim: int, feature_dim: int, device) -> None:
+    def _initial(self, heads: int, head_dim: int, feature_dim: int, device) -> tuple[Tensor, ...]:
+        """The initial weights, in the order of ``weights()``, in the default dtype."""
         raise NotImplementedError
+
+    def _materialize(self, heads: int, head_dim: int, feature_dim: int, device) -> None:
+        initial = self._initial(heads, head_dim, feature_dim, device)
+        with torch.no_grad():
+            for w, x in zip(self.weights(), initial):
+                w.materialize(x.shape, device=device)
+                w.copy_(x)
 
 
 def _dtype(k: Tensor) -> torch.dtype:
@@ -135,15 +167,10 @@ class GLAGate(_KeyProjection):
     def _declare(self):
         self.down, self.up, self.bias = UninitializedParameter(), UninitializedParameter(), UninitializedParameter()
 
-    def _materialize(self, heads, head_dim, feature_dim, device):
-        with torch.no_grad():
-            self.down.materialize((heads, head_dim, self.rank), device=device)
-            bound = 2**-2.5 * math.sqrt(6 / (head_dim + self.rank))
-            self.down.uniform_(-bound, bound)
-            self.up.materialize((heads, self.rank, feature_dim), device=device)
-            self.up.zero_()
-            self.bias.materialize((heads, feature_dim), device=device)
-            self.bias.zero_()
+    def _initial(self, heads, head_dim, feature_dim, device):
+        bound = 2**-2.5 * math.sqrt(6 / (head_dim + self.rank))
+        down = torch.empty(heads, head_dim, self.rank, device=device).uniform_(-bound, bound)
+        return down, torch.zeros(heads, self.rank, feature_dim, device=device), torch.zeros(heads, feature_dim, device=device)
 
     def weights(self):
         return self.down, self.up, self.bias
@@ -169,17 +196,14 @@ class MambaGate(_KeyProjection):
     def _declare(self):
         self.weight, self.A_log, self.dt_bias = UninitializedParameter(), UninitializedParameter(), UninitializedParameter()
 
-    def _materialize(self, heads, head_dim, feature_dim, device):
+    def _initial(self, heads, head_dim, feature_dim, device):
         u = (torch.arange(heads, dtype=torch.float64) + 0.5) / heads
         a = 1 + 15 * u
         dt = torch.exp(math.log(1e-3) + u * (math.log(1e-1) - math.log(1e-3))).clamp_min(1e-4)
-        with torch.no_grad():
-            self.weight.materialize((heads, head_dim, 1), device=device)
-            self.weight.zero_()
-            self.A_log.materialize((heads,), device=device)
-            self.A_log.copy_(torch.log(a))
-            self.dt_bias.materialize((heads,), device=device)
-            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus⁻¹(Δt)
+        dt_bias = dt + torch.log(-torch.expm1(-dt))  # softplus⁻¹(Δt)
+        dtype = torch.get_default_dtype()
+        return (torch.zeros(heads, head_dim, 1, device=device), torch.log(a).to(device=device, dtype=dtype),
+                dt_bias.to(device=device, dtype=dtype))
 
     def weights(self):
         return self.weight, self.A_log, self.dt_bias
@@ -197,10 +221,8 @@ class BetaGate(_KeyProjection):
     def _declare(self):
         self.weight = UninitializedParameter()
 
-    def _materialize(self, heads, head_dim, feature_dim, device):
-        with torch.no_grad():
-            self.weight.materialize((heads, head_dim, 1), device=device)
-            self.weight.zero_()
+    def _initial(self, heads, head_dim, feature_dim, device):
+        return (torch.zeros(heads, head_dim, 1, device=device),)
 
     def weights(self):
         return (self.weight,)

@@ -193,7 +193,7 @@ class LinearAttention(Mechanism):
             check_per_token(g, "decay", B, Hq, Hkv, Nk, Df)
         else:
             check_per_token(g, "g", B, Hq, Hkv, Nk, Df)
-            if not bool(torch.isfinite(g.detach()).all()) or bool((g.detach() > 0).any()):
+            if not torch.compiler.is_compiling() and (not bool(torch.isfinite(g.detach()).all()) or bool((g.detach() > 0).any())):
                 raise ValueError("g: log-gates must be finite and <= 0 (decay exp(g) in (0, 1]); pass a very negative value for a decay near 0")
         return expand_heads(g, Hq)
 
@@ -212,7 +212,7 @@ class LinearAttention(Mechanism):
                 check_per_token(beta, "beta", B, Hq, Hkv, Nk, None)
         else:
             check_per_token(beta, "beta", B, Hq, Hkv, Nk, None)
-            if not bool(torch.isfinite(beta.detach()).all()):
+            if not torch.compiler.is_compiling() and not bool(torch.isfinite(beta.detach()).all()):
                 raise ValueError("beta: contains NaN or inf")
         return expand_heads(beta, Hq)
 
