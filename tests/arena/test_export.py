@@ -242,7 +242,7 @@ def test_task_json_rebuilds_the_task_and_its_example(tmp_path):
     rebuilt, symbols, record = read_task(str(tmp_path))
     assert rebuilt == task and symbols == task_symbols(task)
     assert record["task"] == "needle" and record["training"] == {"steps": 7}
-    assert record["params"] == {**NEEDLE, "num_depths": 5, "test_factors": [1, 2, 4]}
+    assert record["params"] == {**NEEDLE, "num_depths": 5, "test_factors": [1, 2, 4], "value_len": 1}
     words = record["example"]["text"].split()
     assert len(words) == task.seq_len and words[-2] == "Q" and words[-1].startswith("k")
     [[position, answer]] = record["example"]["answers"]
