@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import platform
 
+from ..kernels.machine import cpu_name
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("doctor", help="show the build status of the C++ operators, compiler, CPU, threads and versions",
@@ -25,17 +27,6 @@ def _version(module: str) -> str:
         return "not installed"
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def report() -> dict[str, str]:
     import torch
 
@@ -49,7 +40,7 @@ def report() -> dict[str, str]:
         "operators_detail": status.reason,
         "operators_seconds": f"{status.seconds:.1f}",
         "compiler": cpu.build.compiler(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_name(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": f"{torch.get_num_threads()} intra-op ({backend}), {torch.get_num_interop_threads()} inter-op",
         "python": platform.python_version(),

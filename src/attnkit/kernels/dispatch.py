@@ -13,15 +13,14 @@ from dataclasses import dataclass
 import torch
 
 from ..mods import band_of
-from ..mods.masks import Causal
 from ..mods.scores import Softcap
 from . import cpu
 from .chunked import chunked_attention, choose_engine, make_chunked_plan
 from .flex import flex_attention_call, flex_reroute, flex_unsupported
+from .few_queries import SMALL_QUERIES
 from .reference import reference_attention
 from .request import Request
-from .few_queries import SMALL_QUERIES
-from .sdpa import sdpa_attention, sdpa_unsupported
+from .sdpa import is_plain_causal, sdpa_attention, sdpa_unsupported
 
 Tensor = torch.Tensor
 
@@ -59,7 +58,7 @@ def choose_backend(req: Request, backend: str = "auto") -> tuple[Backend, list[s
     reasons = []
     why_not_sdpa = sdpa_unsupported(req)
     if why_not_sdpa is None:
-        if req.mask is not None and not isinstance(req.mask, Causal) and req.q_len <= SMALL_QUERIES:
+        if req.mask is not None and not is_plain_causal(req):
             return BACKENDS["sdpa"], [f"{req.q_len} queries (at most {SMALL_QUERIES}): the mask goes to torch SDPA as an Nq x Nk boolean tensor"]
         return BACKENDS["sdpa"], ["the call reduces to torch SDPA (no mods beyond causal and a scalar temperature)"]
     reasons.append(f"not sdpa: {why_not_sdpa}")

@@ -92,10 +92,11 @@ def flex_unsupported(req: Request) -> str | None:
 
 def flex_reroute(req: Request) -> str | None:
     """Why a call that flex accepts runs on the chunked backend instead, or None."""
-    why = _verdicts.seen.get(_signature(req))
+    signature = _signature(req)
+    why = _verdicts.seen.get(signature)
     if why is not None:
         return why
-    if _verdicts.out_of_kernels and _signature(req) not in _verdicts.seen:
+    if _verdicts.out_of_kernels and signature not in _verdicts.seen:
         return f"{MAX_KERNELS} compiled flex kernels already: one more would pass the recompile limit and run an unfused O(N^2) path"
     return None
 

@@ -11,6 +11,18 @@ import platform
 import torch
 
 
+def cpu_name() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), else the platform's processor string."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_info() -> dict:
     """Python and torch versions, intra-op threads, the CPU's vector capability, the
     architecture, and the CUDA device when one is visible (else None)."""

@@ -8,10 +8,9 @@ branch) finds it here, one layer down.
 
 from __future__ import annotations
 
-import torch
-
 import math
 
+import torch
 import torch.nn.functional as F
 
 from ..mods.masks import Causal

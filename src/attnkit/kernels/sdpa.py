@@ -23,7 +23,7 @@ def sdpa_unsupported(req: Request) -> str | None:
         return "SDPA has no attention sinks"
     if req.v_dim != req.head_dim:
         return f"SDPA's fused kernels need Dv == D (got D={req.head_dim}, Dv={req.v_dim})"
-    if req.mask is not None and not _is_plain_causal(req) and not _small_dense_mask(req):
+    if req.mask is not None and not is_plain_causal(req) and not _small_dense_mask(req):
         return f"mask {req.mask!r} is not expressible in SDPA without an N^2 tensor"
     if req.score is not None and _folded_scale(req) is None:
         return f"score mod {req.score!r} is not expressible in SDPA"
@@ -35,7 +35,7 @@ def sdpa_unsupported(req: Request) -> str | None:
     return None
 
 
-def _is_plain_causal(req: Request) -> bool:
+def is_plain_causal(req: Request) -> bool:
     # SDPA's is_causal is top-left aligned; it matches ours when Nq == Nk, or trivially
     # when a single query sees every key.
     return isinstance(req.mask, Causal) and (req.q_len == req.k_len or req.q_len == 1)
@@ -66,8 +66,7 @@ def sdpa_attention(req: Request) -> tuple[Tensor, Tensor | None]:
             lse = lse.to(torch.float64)
         return out, lse
     gqa = req.heads != req.kv_heads
-    if req.mask is not None and not _is_plain_causal(req):
-        out = F.scaled_dot_product_attention(req.q, req.k, req.v, attn_mask=dense_visible(req), scale=scale, enable_gqa=gqa)
-        return out, None
-    out = F.scaled_dot_product_attention(req.q, req.k, req.v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    dense = req.mask is not None and not is_plain_causal(req)  # a few queries: the mask as a tensor
+    out = F.scaled_dot_product_attention(req.q, req.k, req.v, attn_mask=dense_visible(req) if dense else None,
+                                         is_causal=is_causal and not dense, scale=scale, enable_gqa=gqa)
     return out, None

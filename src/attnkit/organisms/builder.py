@@ -23,8 +23,8 @@ from ..arena.export import TASK_FILE, export_run
 from ..arena.runner import execute, plan, train_config
 from ..arena.schedule import all_lengths, as_stages
 from ..arena.tasks import make_task
-from ..kernels.machine import machine_info
-from .cards import cpu_name, make_card
+from ..kernels.machine import cpu_name, machine_info
+from .cards import make_card
 from .evaluate import measure
 from .recipes import Recipe
 from .store import CARD_FILE

@@ -16,23 +16,10 @@
 from __future__ import annotations
 
 import os
-import platform
 
 from .store import CARD_FILE, CARD_FORMAT, file_hash
 
 VERSION = 1
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux /proc/cpuinfo), else the platform's processor string."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def hashes(directory: str) -> dict[str, str]:
@@ -124,4 +111,4 @@ def markdown_table(cards: list[dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["VERSION", "cpu_name", "format_card", "hashes", "make_card", "markdown_table", "summary_row", "worst_cell"]
+__all__ = ["VERSION", "format_card", "hashes", "make_card", "markdown_table", "summary_row", "worst_cell"]
