@@ -206,7 +206,7 @@ def use(
     register()
     configs = _configs(model)
     saved_impl = {id(c): (c, c._attn_implementation_internal) for c in configs}
-    modules = list(model.modules())
+    modules = switched_modules(model)
     saved_active = {m: _ACTIVE.get(m) for m in modules}
     unhook = None
     try:
@@ -228,6 +228,26 @@ def use(
                 _ACTIVE.pop(m, None)
             else:
                 _ACTIVE[m] = previous
+
+
+def switched_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules a switch (and ``attnkit.steer``) acts on: all of ``model``'s, except,
+    in a composite model whose text config is a sub-config (a vision-language model),
+    those of its other towers (the vision encoder). Their layers are numbered apart
+    from the decoder's, and ``layers=``/``heads=`` index the text config, so observers
+    and interventions see the decoder only; the towers still run on attnkit, unchanged.
+    Observe a tower by passing it as the model (``use(model.model.vision_tower)``)."""
+    from transformers import PreTrainedModel
+
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is config:
+        return list(model.modules())
+    skip: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, PreTrainedModel) and m.config is not config and m.config is not text:
+            skip.update(id(x) for x in m.modules())
+    return [m for m in model.modules() if id(m) not in skip]
 
 
 def _check_model(model) -> None:

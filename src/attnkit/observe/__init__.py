@@ -18,6 +18,7 @@ from .meter import TOKEN_VIEW_LIMIT, Meter, TileView
 from .sinks import SinkMass
 from .spans import SpanMass
 from .topkeys import TopKeys
+from .visual import VisualAttention
 
 #: meters by the names the CLI and ``attnkit.inspect(meters=[...])`` accept
 METERS = {
@@ -28,8 +29,9 @@ METERS = {
     "topkeys": TopKeys,
     "spans": SpanMass,
 }
+# VisualAttention needs the image keys, so it is built by attnkit.vision, not by name.
 
 __all__ = [
     "AttentionTile", "CallInfo", "DistanceProfile", "Entropy", "HeadClass", "LABELS", "LogitStats", "METERS", "Meter",
-    "Observer", "Selection", "SinkMass", "SpanMass", "TOKEN_VIEW_LIMIT", "TileView", "TopKeys", "classify_heads", "feed", "interested",
+    "Observer", "Selection", "SinkMass", "SpanMass", "TOKEN_VIEW_LIMIT", "TileView", "TopKeys", "VisualAttention", "classify_heads", "feed", "interested",
 ]

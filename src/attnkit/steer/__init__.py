@@ -16,6 +16,8 @@ from .prune import LayerPruning, coupling_scores, prune_layers
 from .rerank import rerank
 from .selection import HeadRanking, profile_heads, rank_heads
 from .targets import resolve_heads
+from .visual import (AblateVisual, AmplifyVisual, CalibrateVisual, HoldVisual, ablate_visual, amplify_visual,
+                     calibrate_visual, hold_visual)
 
 __all__ = [
     "apply", "Steering", "Intervention", "resolve_heads",
@@ -23,4 +25,6 @@ __all__ = [
     "disperse", "Disperse", "contrastive_generate", "inducing_heads",
     "calibrate_positions", "PositionCalibration", "prune_layers", "LayerPruning", "coupling_scores",
     "rerank", "rank_heads", "profile_heads", "HeadRanking",
+    "amplify_visual", "AmplifyVisual", "calibrate_visual", "CalibrateVisual", "hold_visual", "HoldVisual",
+    "ablate_visual", "AblateVisual",
 ]

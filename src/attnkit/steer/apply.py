@@ -40,7 +40,7 @@ def apply(model: nn.Module, *interventions: Intervention):
     """Steer ``model`` with ``interventions`` for the duration of the ``with`` block.
     Yields the ``Steering`` (its ``interventions`` are the copies bound to ``model``)."""
     from ..hf.attention import EDITS
-    from ..hf.switch import _check_model, active_switch, use
+    from ..hf.switch import _check_model, active_switch, switched_modules, use
 
     _check_model(model)
     if not interventions:
@@ -49,7 +49,7 @@ def apply(model: nn.Module, *interventions: Intervention):
         if not isinstance(iv, Intervention):
             raise ValueError(f"interventions: argument {i + 1} is a {type(iv).__name__}, not an attnkit.steer intervention")
     bound = [iv.bind(model) for iv in interventions]  # every check before anything changes
-    modules = list(model.modules())
+    modules = switched_modules(model)  # a vision-language model: its decoder's layers only
     saved = {m: EDITS.get(m) for m in modules}
     with ExitStack() as stack:
         try:

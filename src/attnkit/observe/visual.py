@@ -1,0 +1,228 @@
+"""Attention on image tokens: how much, how concentrated, onto which tokens, per step.
+
+The image tokens are given as key positions, a (B, N0) bool mask over the prompt (keys
+past N0, the generated tokens, are text): this meter knows nothing of models, and
+``attnkit.vision.image_spans`` finds the mask from a model's own placeholders.
+
+Per query row i with weights w over its visible keys, I the image keys:
+
+- share ``v_i = Σ_{j∈I} w_ij / Σ_j w_ij`` — the visual attention share (the "visual
+  attention score" of the cold-start study in the reading lists; too little of it is the
+  hallucination cause named by PAI, Liu et al. 2024, arXiv 2407.21771);
+- uniform share ``|I ∩ visible_i| / |visible_i|``, what a uniform head would give;
+- visual entropy ``H_i = log S1 − S2 / S1`` of the weights renormalised over I (S1 =
+  Σ_I w, S2 = Σ_I w log w), and ``H_i / log |I ∩ visible_i|``;
+- top-k concentration: the share of a row's visual mass on its k largest image keys;
+- received mass per image key, summed over rows: the "blind" tokens that soak up
+  visual attention (AVC, Woo et al. 2024, arXiv 2405.17820; the visual attention sink
+  of VAR, Kang et al. 2025, arXiv 2503.03321) are the keys with the most of it;
+- per generated step: the share of the query row at position N0 − 1 + t, whose output
+  predicts generated token t, kept per layer × head × batch row (``arrays()``), and its
+  drift, the least-squares slope per step ("text inertia": visual attention draining
+  towards the text as generation goes on).
+
+Rows that see no key (padding) are left out of every mean. State is O(B·H·N0) per layer
+(received mass) plus O(B·H·T) for T steps; the rows of one call are O(B·H·R·k).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import CallInfo
+from .meter import Meter, TileView
+
+Tensor = torch.Tensor
+
+
+def key_mask(keys, name: str = "keys") -> Tensor:
+    """(B, N0) bool from a bool tensor, or from per-row lists of (start, end) spans."""
+    if isinstance(keys, Tensor):
+        if keys.dtype != torch.bool or keys.dim() != 2 or keys.shape[1] == 0:
+            raise ValueError(f"{name}: expected a (batch, tokens) bool mask of image keys, got {keys.dtype} {tuple(keys.shape)}")
+        return keys.detach().cpu()
+    if isinstance(keys, (list, tuple)) and keys and all(isinstance(r, (list, tuple)) for r in keys):
+        ends = [e for row in keys for _, e in row] or [1]
+        out = torch.zeros(len(keys), max(ends), dtype=torch.bool)
+        for b, row in enumerate(keys):
+            for span in row:
+                if (len(span) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in span) or not 0 <= span[0] < span[1]):
+                    raise ValueError(f"{name}: expected (start, end) spans with 0 <= start < end, got {span!r} in row {b}")
+                out[b, span[0] : span[1]] = True
+        return out
+    raise ValueError(f"{name}: expected a (batch, tokens) bool mask or one list of (start, end) spans per batch row, got {type(keys).__name__}")
+
+
+class VisualAttention(Meter):
+    """Per head: ``visual.share``, ``visual.share.uniform``, ``visual.entropy``,
+    ``visual.entropy.norm``, ``visual.topk`` (k = ``top_k``), ``visual.blind`` (share of
+    the received visual mass on the ``top_k`` most-attended image keys, per batch row,
+    averaged) and, over two steps or more, ``visual.drift``. ``arrays()`` gives
+    ``visual_share`` per step and ``visual_received`` per image key."""
+
+    name = "visual"
+
+    def __init__(self, keys, top_k: int = 4, **restrict):
+        super().__init__(**restrict)
+        self.keys = key_mask(keys)
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"top_k: expected an int >= 1, got {top_k!r}")
+        if not self.keys.any():
+            raise ValueError("keys: the mask marks no image key")
+        self.top_k = top_k
+        self.prompt_len = self.keys.shape[1]
+        self._state: dict = {}
+        self._steps: dict = {}  # layer -> (B, H, T) share per step, NaN where not seen
+
+    def _img(self, call: CallInfo) -> Tensor:
+        if self.keys.shape[0] not in (1, call.batch):
+            raise ValueError(f"keys: a mask for {self.keys.shape[0]} batch rows, but layer {call.layer}'s call has {call.batch}")
+        img = self.keys.expand(call.batch, -1)
+        if call.k_len >= self.prompt_len:
+            return torch.cat([img, img.new_zeros(call.batch, call.k_len - self.prompt_len)], 1)
+        return img[:, : call.k_len]
+
+    def begin_call(self, call: CallInfo, n_heads: int, row_lo: int, row_hi: int) -> None:
+        self._call_img = self._img(call)
+        shape = (call.batch, n_heads, row_hi - row_lo)
+        self._s_all, self._s_img, self._s2, self._n_vis, self._n_img = (torch.zeros(shape, dtype=torch.float64) for _ in range(5))
+        self._top = torch.zeros(shape + (self.top_k,), dtype=torch.float64)
+        self._q0 = call.q_start + row_lo
+        if call.layer not in self._state:
+            z = lambda: torch.zeros(n_heads, dtype=torch.float64)  # noqa: E731
+            self._state[call.layer] = {
+                "rows": z(), "share": z(), "uniform": z(), "entropy": z(), "entropy_norm": z(), "norm_rows": z(),
+                "topk": z(), "visual_rows": z(),
+                "received": torch.zeros(call.batch, n_heads, self.prompt_len, dtype=torch.float64),
+            }
+        elif self._state[call.layer]["received"].shape[0] != call.batch:
+            raise ValueError(f"layer {call.layer}: calls with batch {self._state[call.layer]['received'].shape[0]} then {call.batch} cannot share one meter")
+
+    def update_view(self, call: CallInfo, view: TileView) -> None:
+        at = (view.batch, slice(None), view.rows)
+        k0, span = view.k0, view.w.shape[3]
+        w = view.w.double()
+        img = self._call_img[view.batch, k0 : k0 + span].view(w.shape[0], 1, 1, span)
+        vis = view.visible()
+        self._s_all[at] += w.sum(-1)
+        self._n_vis[at] += view.visible_per_row()
+        if not bool(img.any()):
+            return
+        wi = w * img
+        self._s_img[at] += wi.sum(-1)
+        self._s2[at] -= torch.special.entr(wi).sum(-1)
+        img_vis = (img if vis is None else img & vis).expand(w.shape)
+        self._n_img[at] += img_vis.sum(-1, dtype=torch.float64)
+        k = min(self.top_k, span)
+        both = torch.cat([self._top[at], wi.topk(k, dim=-1).values], -1)
+        self._top[at] = both.topk(self.top_k, dim=-1).values
+        end = min(k0 + span, self.prompt_len)
+        if end > k0:
+            self._state[call.layer]["received"][view.batch, :, k0:end] += wi[..., : end - k0].sum(2)
+
+    def end_call(self, call: CallInfo) -> None:
+        st = self._state[call.layer]
+        live = self._s_all > 0
+        share = torch.where(live, self._s_img / self._s_all.clamp_min(1e-300), 0.0)
+        uniform = torch.where(self._n_vis > 0, self._n_img / self._n_vis.clamp_min(1), 0.0)
+        seen = self._s_img > 0
+        s1 = torch.where(seen, self._s_img, 1.0)
+        h = torch.where(seen, torch.log(s1) - self._s2 / s1, 0.0).clamp_min(0.0)
+        multi = seen & (self._n_img >= 2)
+        norm = torch.where(multi, h / torch.log(torch.where(multi, self._n_img, 2.0)), 0.0)
+        top = torch.where(seen, self._top.sum(-1) / s1, 0.0)
+        st["rows"] += live.sum((0, 2))
+        st["share"] += share.sum((0, 2))
+        st["uniform"] += (uniform * live).sum((0, 2))
+        st["visual_rows"] += seen.sum((0, 2))
+        st["entropy"] += h.sum((0, 2))
+        st["entropy_norm"] += norm.sum((0, 2))
+        st["norm_rows"] += multi.sum((0, 2))
+        st["topk"] += top.sum((0, 2))
+        self._record_steps(call, torch.where(live, share, float("nan")))
+        del self._s_all, self._s_img, self._s2, self._n_vis, self._n_img, self._top, self._call_img
+
+    def _record_steps(self, call: CallInfo, share: Tensor) -> None:
+        first = self.prompt_len - 1  # query position of step 0
+        q0, rows = self._q0, share.shape[2]
+        lo = max(first, q0)
+        if lo >= q0 + rows:
+            return
+        t0, t1 = lo - first, q0 + rows - first
+        steps = self._steps.get(call.layer)
+        if steps is None or steps.shape[2] < t1:
+            grown = torch.full(share.shape[:2] + (t1,), float("nan"), dtype=torch.float64)
+            if steps is not None:
+                grown[..., : steps.shape[2]] = steps
+            steps = grown
+        steps[..., t0:t1] = share[..., lo - q0 :]
+        self._steps[call.layer] = steps
+
+    def rows(self):
+        out = []
+        for layer, heads, _ in self.measured():
+            st = {k: v for k, v in self._state[layer].items()}
+            steps = self._steps.get(layer)
+            drift = _slope(steps) if steps is not None else None
+            blind = _blind(st["received"], self.top_k)
+            for j, hd in enumerate(heads):
+                n = float(st["rows"][j])
+                if not n:
+                    continue
+                out.append((layer, hd, "visual.share", float(st["share"][j]) / n))
+                out.append((layer, hd, "visual.share.uniform", float(st["uniform"][j]) / n))
+                nv = float(st["visual_rows"][j])
+                if nv:
+                    out.append((layer, hd, "visual.entropy", float(st["entropy"][j]) / nv))
+                    out.append((layer, hd, f"visual.top{self.top_k}", float(st["topk"][j]) / nv))
+                if float(st["norm_rows"][j]):
+                    out.append((layer, hd, "visual.entropy.norm", float(st["entropy_norm"][j]) / float(st["norm_rows"][j])))
+                if blind is not None and torch.isfinite(blind[j]):
+                    out.append((layer, hd, "visual.blind", float(blind[j])))
+                if drift is not None and torch.isfinite(drift[j]):
+                    out.append((layer, hd, "visual.drift", float(drift[j])))
+        return out
+
+    def arrays(self) -> dict:
+        """``visual_share``: {(layer, head): {"step_start": N0 - 1, "values": (B, T)}}
+        (NaN for a step or row not observed); ``visual_received``: {(layer, head): (B, N0)}
+        mass each key received (0 off the image)."""
+        shares, received = {}, {}
+        for layer, heads, _ in self.measured():
+            steps = self._steps.get(layer)
+            for j, hd in enumerate(heads):
+                if steps is not None:
+                    shares[(layer, hd)] = {"step_start": self.prompt_len - 1, "values": steps[:, j].float()}
+                received[(layer, hd)] = self._state[layer]["received"][:, j].float()
+        return {"visual_share": shares, "visual_received": received}
+
+    def meta(self) -> dict:
+        return {"top_k": self.top_k, "prompt_len": self.prompt_len, "image_tokens": int(self.keys.sum())}
+
+
+def _slope(steps: Tensor) -> Tensor:
+    """(H,) least-squares slope of share per step, averaged over batch rows (NaN: < 2 steps)."""
+    B, H, T = steps.shape
+    t = torch.arange(T, dtype=torch.float64).expand(B, H, T)
+    ok = torch.isfinite(steps)
+    n = ok.sum(-1).double()
+    y = torch.where(ok, steps, 0.0)
+    tm = torch.where(ok, t, 0.0).sum(-1) / n.clamp_min(1)
+    ym = y.sum(-1) / n.clamp_min(1)
+    dt = torch.where(ok, t - tm.unsqueeze(-1), 0.0)
+    var = (dt * dt).sum(-1)
+    slope = torch.where((n >= 2) & (var > 0), (dt * (y - ym.unsqueeze(-1))).sum(-1) / var.clamp_min(1e-300), float("nan"))
+    good = torch.isfinite(slope)
+    return torch.where(good.any(0), torch.where(good, slope, 0.0).sum(0) / good.sum(0).clamp_min(1), float("nan"))
+
+
+def _blind(received: Tensor, k: int) -> Tensor | None:
+    """(H,) mean over batch rows of the share of received visual mass on the k keys that
+    received most of it."""
+    total = received.sum(-1)  # (B, H)
+    top = received.topk(min(k, received.shape[-1]), dim=-1).values.sum(-1)
+    ok = total > 0
+    if not bool(ok.any()):
+        return None
+    share = torch.where(ok, top / total.clamp_min(1e-300), 0.0)
+    return torch.where(ok.any(0), share.sum(0) / ok.sum(0).clamp_min(1), float("nan"))
