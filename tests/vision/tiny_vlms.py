@@ -11,7 +11,7 @@ _TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_
 
 
 def llava():
-    vc = T.CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, image_size=16, patch_size=4)
+    vc = T.CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, image_size=12, patch_size=4)
     return T.LlavaConfig(vision_config=vc, text_config=dict(model_type="llama", **_TEXT), image_token_id=IMAGE,
                          vision_feature_layer=-1, vision_feature_select_strategy="default")
 
@@ -65,9 +65,9 @@ def batch(name: str, dtype=torch.float64, seed: int = 1):
                 [BOS, 9, 103] + [IMAGE] * sizes[2] + [104, 11]]
         extra = {"pixel_values": torch.randn(int(thw.prod(-1).sum()), 3 * 2 * 4 * 4, generator=g, dtype=dtype), "image_grid_thw": thw}
     elif name == "llava":
-        sizes = [16, 16, 16]
-        rows = [[BOS, 3] + [IMAGE] * 16 + [5] + [IMAGE] * 16 + [6, 8], [BOS, 9] + [IMAGE] * 16 + [10, 11]]
-        extra = {"pixel_values": torch.randn(3, 3, 16, 16, generator=g, dtype=dtype)}
+        sizes = [9, 9, 9]
+        rows = [[BOS, 3] + [IMAGE] * 9 + [5] + [IMAGE] * 9 + [6, 8], [BOS, 9] + [IMAGE] * 9 + [10, 11]]
+        extra = {"pixel_values": torch.randn(3, 3, 12, 12, generator=g, dtype=dtype)}
     else:
         sizes = [4, 4, 4]
         rows = [[BOS, 3] + [IMAGE] * 4 + [5] + [IMAGE] * 4 + [6, 8], [BOS, 9, 12] + [IMAGE] * 4 + [10, 11]]

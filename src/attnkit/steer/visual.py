@@ -196,7 +196,8 @@ class CalibrateVisual(_Visual):
             return []
         B, Nk = query.shape[0], key.shape[2]
         img, blind = self._factors(B, Nk, query.device)
-        on = torch.where(blind, math.log(self.beta), math.log(self.boost)).double()
+        f64 = dict(dtype=torch.float64, device=query.device)
+        on = torch.where(blind, torch.tensor(math.log(self.beta), **f64), torch.tensor(math.log(self.boost), **f64))
         table = self.bias_table(layer, query, key, on)
         return [] if table is None else [KeyBias(table)]
 

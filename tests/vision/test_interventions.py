@@ -1,0 +1,116 @@
+"""Visual interventions against their literal definitions on the dense reference
+(float64, padded batches with several images), identity settings bitwise, and the
+model restored after the block and after an error."""
+
+import math
+
+import pytest
+import torch
+import tiny_vlms as V
+from dense_reference import run_dense
+
+import attnkit.hf as akhf
+from attnkit import steer, vision
+from attnkit.hf.attention import EDITS
+
+TOL = 1e-9  # float64 logits of a 2-layer model: the two paths differ by rounding only (~1e-13)
+HEADS = {0: [1, 3], 1: [0]}
+
+
+def _close(model, inputs, intervention, change):
+    ref, _ = run_dense(model, change, **inputs)
+    with torch.no_grad(), steer.apply(model, intervention):
+        got = model(**inputs).logits
+    real = inputs["attention_mask"].bool()
+    plain, _ = run_dense(model, **inputs)
+    assert (ref.logits[real] - plain.logits[real]).abs().max() > 1e-4  # the change changes something
+    assert torch.allclose(got[real], ref.logits[real], atol=TOL, rtol=0)
+
+
+@pytest.fixture(scope="module", params=V.FAMILIES)
+def setup(request):
+    model = V.build(request.param)
+    inputs, _ = V.batch(request.param)
+    return model, inputs, vision.image_spans(model, inputs)
+
+
+def test_amplify_weights(setup):
+    model, inputs, spans = setup
+    _close(model, inputs, steer.amplify_visual(spans, HEADS, 4.0), {"image": spans.mask, "heads": HEADS, "weights": 4.0})
+
+
+def test_amplify_logits_pai(setup):
+    model, inputs, spans = setup
+    _close(model, inputs, steer.amplify_visual(spans, HEADS, 0.5, mode="logits"), {"image": spans.mask, "heads": HEADS, "pai": 0.5})
+
+
+def test_calibrate(setup):
+    model, inputs, spans = setup
+    blind = spans.mask & (torch.arange(spans.length) % 3 == 0)
+    _close(model, inputs, steer.calibrate_visual(spans, blind, HEADS, beta=0.2, boost=1.5),
+           {"image": spans.mask, "heads": HEADS, "calibrate": (blind, 0.2, 1.5)})
+
+
+def test_ablate(setup):
+    model, inputs, spans = setup
+    _close(model, inputs, steer.ablate_visual(spans, HEADS), {"image": spans.mask, "heads": HEADS, "ablate": True})
+
+
+def test_hold_offsets_each_step(setup):
+    model, inputs, spans = setup
+    # The prompt ends 3 tokens before the input does: queries at steps 1, 2, 3 get offsets.
+    n0 = spans.length - 3
+    image = spans.mask[:, :n0]
+    torch.manual_seed(3)
+    curve = torch.rand(2, 4, 3, dtype=torch.float64) * 0.8 + 0.1
+    strength = 1.5
+    logit = lambda c: math.log(c / (1 - c))  # noqa: E731
+    offsets = {l: [[strength * (logit(curve[l, h, 0]) - logit(curve[l, h, t])) for t in range(3)] for h in range(4)] for l in range(2)}
+    _close(model, inputs, steer.hold_visual(image, HEADS, curve, strength), {"image": image, "heads": HEADS, "hold": offsets})
+
+
+@pytest.mark.parametrize("family", V.FAMILIES)
+def test_identity_settings_leave_logits_bitwise(family):
+    model = V.build(family)
+    inputs, _ = V.batch(family)
+    spans = vision.image_spans(model, inputs)
+    with torch.no_grad(), akhf.use(model):
+        plain = model(**inputs).logits
+        for iv in (steer.amplify_visual(spans, "all", 1.0), steer.amplify_visual(spans, "all", 0.0, mode="logits"),
+                   steer.calibrate_visual(spans, spans.mask, "all", beta=1.0, boost=1.0),
+                   steer.hold_visual(spans, "all", torch.full((2, 4, 5), 0.3, dtype=torch.float64), strength=0.0)):
+            with steer.apply(model, iv):
+                assert torch.equal(model(**inputs).logits, plain), iv
+
+
+def test_model_restored_after_block_and_after_error():
+    model = V.build("qwen2_vl")
+    inputs, _ = V.batch("qwen2_vl")
+    spans = vision.image_spans(model, inputs)
+    impl = {k: getattr(model.config, k)._attn_implementation for k in ("text_config", "vision_config")}
+    with torch.no_grad():
+        before = model(**inputs).logits
+        with steer.apply(model, steer.amplify_visual(spans, "all", 3.0)):
+            assert not torch.equal(model(**inputs).logits, before)
+        with pytest.raises(RuntimeError, match="boom"), steer.apply(model, steer.ablate_visual(spans)):
+            raise RuntimeError("boom")
+        after = model(**inputs).logits
+    assert torch.allclose(after, before, rtol=0, atol=0, equal_nan=True)  # bitwise; eager float64 pads rows with NaN
+    assert not any(m in EDITS for m in model.modules())
+    assert {k: getattr(model.config, k)._attn_implementation for k in impl} == impl
+
+
+def test_vision_tower_is_not_steered():
+    """Layer 0 of the decoder is steered; the vision tower's first layer (also numbered 0
+    by rank) must not be: image features stay those of the plain model."""
+    model = V.build("llava")
+    inputs, _ = V.batch("llava")
+    spans = vision.image_spans(model, inputs)
+    with torch.no_grad():
+        plain = model.model.get_image_features(pixel_values=inputs["pixel_values"])
+        with steer.apply(model, steer.amplify_visual(spans, "all", 5.0)):
+            steered = model.model.get_image_features(pixel_values=inputs["pixel_values"])
+    plain = plain.pooler_output if hasattr(plain, "pooler_output") else plain
+    steered = steered.pooler_output if hasattr(steered, "pooler_output") else steered
+    for a, b in zip(plain, steered):
+        assert torch.allclose(a, b, atol=1e-12)
