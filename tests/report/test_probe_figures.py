@@ -122,6 +122,7 @@ def test_heatmap_cells_are_large_with_axis_titles_values_and_hover():
     assert all(float(e.get("width")) >= 35 and float(e.get("height")) >= 23 for e in rects)
     # axis titles default to the parameters' names
     assert texts(svg, "x-title") == ["length"] and texts(svg, "y-title") == ["depth"]
+    assert texts(svg, "scale-title") == ["colour: accuracy"]
     # every cell's value on hover, and written inside (4 columns: a small grid), the two equal
     tips = titles(svg, "rect")
     assert len(tips) == 12 and all(re.fullmatch(r"depth \S+, length \d+: accuracy = \S+", t) for t in tips)

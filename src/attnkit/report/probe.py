@@ -232,7 +232,8 @@ def _heatmap_figure(result, spec: dict, splits: list) -> list[str]:
         values = len(labels_c) <= VALUES_MAX_COLS and cw >= 30 if values is None else bool(values)
         name = _panel_title(title, split)
         out.append(_panel(name, heatmap(t.values, labels_r, labels_c, name, lo=lo, hi=hi, cell=(cw, CELL[1]),
-                                        tooltip=tip, x_title=x_title, y_title=y_title, values=values)))
+                                        tooltip=tip, x_title=x_title, y_title=y_title, values=values,
+                                        scale_title=f"colour: {metric}")))
     return out
 
 

@@ -59,11 +59,13 @@ def _ink(fill: str) -> str:
 
 def heatmap(grid: list[list[float | None]], row_labels: list[str], col_labels: list[str], title: str,
             lo: float | None = None, hi: float | None = None, cell: tuple[int, int] = (26, 18), tooltip=None, *,
-            x_title: str | None = None, y_title: str | None = None, values: bool = False) -> str:
+            x_title: str | None = None, y_title: str | None = None, values: bool = False,
+            scale_title: str | None = None) -> str:
     """An SVG heatmap of ``grid`` (rows x cols; None/NaN = not measured) with axis labels
     and a legend; ``tooltip(r, c, value)`` gives each cell's hover text. ``x_title`` and
     ``y_title`` name the axes (the columns' above them, the rows' beside them);
-    ``values`` writes each cell's value inside it (for small grids)."""
+    ``values`` writes each cell's value inside it (for small grids); ``scale_title`` names
+    the colour scale (under its bar)."""
     finite = [v for row in grid for v in row if v is not None and not math.isnan(v)]
     lo = min(finite) if lo is None and finite else (0.0 if lo is None else lo)
     hi = max(finite) if hi is None and finite else (1.0 if hi is None else hi)
@@ -78,7 +80,9 @@ def heatmap(grid: list[list[float | None]], row_labels: list[str], col_labels: l
     width = left + max(grid_w, 120) + 30  # room for the legend's end label
     if x_title:
         width = max(width, int(left + 7 * len(x_title)) + 8)
-    height = top + ch * len(row_labels) + 40
+    height = top + ch * len(row_labels) + 40 + (14 if scale_title else 0)
+    if scale_title:
+        width = max(width, int(left + 6.2 * len(scale_title)) + 8)
     if y_title:
         height = max(height, top + 7 * len(y_title) + 8)
     out = [f'<svg class="heatmap" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
@@ -116,6 +120,9 @@ def heatmap(grid: list[list[float | None]], row_labels: list[str], col_labels: l
         out.append(f'<rect x="{left + i * lw / steps}" y="{ly}" width="{lw / steps + 0.5}" height="8" fill="{colour(i / (steps - 1))}"/>')
     out.append(f'<text x="{left}" y="{ly + 22}" class="axis">{escape(fmt(lo))}</text>')
     out.append(f'<text x="{left + lw}" y="{ly + 22}" text-anchor="end" class="axis">{escape(fmt(hi))}</text>')
+    if scale_title:
+        out.append(f'<text x="{left}" y="{ly + 36}" class="axis scale-title">'
+                   f"{escape(scale_title)}</text>")
     out.append("</svg>")
     return "".join(out)
 
