@@ -1,7 +1,12 @@
 """``attnkit kv MODEL --policy NAME [--budget FRACTION | --tokens N]``: generate with a
 KV-cache policy beside the full cache, and print both continuations, where they part,
 and the bytes each cache holds. The two forms of a budget are two options, so that a
-number never means a fraction in one place and a count in another."""
+number never means a fraction in one place and a count in another.
+
+``attnkit kv curves --model M --policies ... --budgets ... [--task needle|kv-retrieval]
+[--protocol agnostic|aware] ...``: accuracy against KV budget per policy
+(``attnkit.probes.kv_curves``), written as the probes write (results.csv,
+results.json, report.html); its options are that function's keywords."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import argparse
 import json
 import math
 
-from .options import options_named, positive_int
+from .options import Parser, options_named, positive_int
 
 
 def offered_policies() -> list[str]:
@@ -22,14 +27,26 @@ def offered_policies() -> list[str]:
 
 
 def add_parser(sub) -> None:
+    p = sub.add_parser("kv", help="generate with a KV-cache policy (StreamingLLM, H2O, SnapKV, ...) beside the full cache; "
+                                  "'kv curves': accuracy against budget per policy",
+                       usage="attnkit kv MODEL --policy NAME [options] | attnkit kv curves --model M [options]",
+                       description="attnkit kv MODEL --policy NAME: greedy generation from a local causal LM with a "
+                                   "KV-cache policy and with the full cache: both continuations, the first token where "
+                                   "they differ, the entries kept and the bytes each cache holds. attnkit kv curves: a "
+                                   "retrieval task answered through every policy at every budget beside the full cache, "
+                                   "written as results.csv, results.json and report.html.",
+                       epilog="attnkit kv MODEL --help and attnkit kv curves --help list each form's options")
+    p.add_argument("model", metavar="MODEL", help="a local transformers causal LM directory or organism name, or 'curves'")
+    p.add_argument("options", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.set_defaults(func=run)
+
+
+def generate_parser() -> argparse.ArgumentParser:
+    """The options of ``attnkit kv MODEL``."""
     offered = offered_policies()
-    p = sub.add_parser("kv", help="generate with a KV-cache policy (StreamingLLM, H2O, SnapKV, ...) beside the full cache",
-                       description="Greedy generation from a local causal LM with a KV-cache policy and with the full "
-                                   "cache: both continuations, the first token where they differ, the entries kept and "
-                                   "the bytes each cache holds.",
-                       epilog=f"policies: {', '.join(offered)} (selective, for models trained with selective attention, "
-                              "runs from Python inside attnkit.hf.use(model, mechanism='selective'))")
-    p.add_argument("model", metavar="MODEL", help="a local transformers causal LM directory (arena exports included)")
+    p = Parser(prog="attnkit kv MODEL", description="Greedy generation with a KV-cache policy beside the full cache.",
+               epilog=f"policies: {', '.join(offered)} (selective, for models trained with selective attention, "
+                      "runs from Python inside attnkit.hf.use(model, mechanism='selective'))")
     p.add_argument("--policy", required=True, choices=offered, help="the policy")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--budget", type=fraction, metavar="FRACTION",
@@ -39,7 +56,7 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt", help="the prompt text (default: an arena export's example)")
     p.add_argument("--max-new-tokens", type=positive_int, default=16, help="tokens to generate (default 16)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.set_defaults(func=run)
+    return p
 
 
 def fraction(text: str) -> float:
@@ -76,6 +93,19 @@ def _params(items: list[str]) -> dict:
 
 
 def run(args) -> int:
+    if args.model == "curves":
+        from . import probe  # the kv-curves probe through the probe command: its options read off kv_curves
+
+        return probe.run(argparse.Namespace(name="kv-curves", options=list(args.options), command="kv"))
+    try:
+        options = generate_parser().parse_args(args.options)
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else 0
+    options.model = args.model
+    return generate(options)
+
+
+def generate(args) -> int:
     from ..kv import POLICIES, compare
     from ..kv.budget import check_budget
     from ..probes.model import load_probe_model

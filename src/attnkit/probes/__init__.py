@@ -26,6 +26,9 @@ PROBES = {
     "heads": "heads:heads",
     "position-bias": "position_bias:position_bias",
     "interference": "interference:interference",
+    "visual": "visual:visual",
+    "kv-curves": "kv_curves:kv_curves",
+    "head-ablation": "ablation:head_ablation",
 }
 
 

@@ -30,8 +30,8 @@ import time
 
 from .haystack import Haystack, build_context, encode
 from .result import ProbeResult
-from .retrieval import (Item, add_accuracy_rows, add_mass_rows, arena_symbols, check_fractions, check_ints,
-                        check_max_positions, check_run, check_text, examples, run_items)
+from .retrieval import (Item, add_accuracy_rows, add_mass_rows, arena_symbols, check_fractions, check_ints, check_kv,
+                        check_max_positions, check_run, check_text, examples, kv_params, run_items)
 
 DEFAULT_LENGTHS = (1024, 2048, 4096)
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -49,7 +49,8 @@ _ANIMALS = ("tiger", "otter", "falcon", "badger", "heron", "lynx", "beaver", "ra
 
 def needle(model=None, tokenizer=None, *, lengths: list[int] | None = None, depths=DEFAULT_DEPTHS, samples: int = 1,
            seed: int = 0, progress=None, batch_size: int = 8, needle: str | None = None, question: str | None = None,
-           answer: str | None = None, haystack: str | None = None, max_new_tokens: int | None = None) -> ProbeResult:
+           answer: str | None = None, haystack: str | None = None, max_new_tokens: int | None = None,
+           kv=None) -> ProbeResult:
     """The needle-in-a-haystack grid (see the module docstring).
 
     Args:
@@ -63,7 +64,10 @@ def needle(model=None, tokenizer=None, *, lengths: list[int] | None = None, dept
         question: the question, a template with {key} (and {value})
         answer: the expected answer, a template (default {value}; needed when the needle has no {value})
         haystack: a UTF-8 text file to use as the haystack (read in order); default: filler sentences
-        max_new_tokens: tokens to generate (default the answer's tokens + 4; 1 on an arena export)
+        max_new_tokens: tokens to generate (default the answer's tokens + 4; on an arena export, the value's tokens)
+        kv: a KV-cache policy to answer through (``attnkit.kv.protocol.KVSetting`` or its text,
+            ``snapkv:budget=0.25:protocol=aware``): the question is asked after the context is
+            compressed; no attention masses are measured then
 
     A custom ``needle`` gets no answer prefix ("Answer:" ends the prompt); the default
     one's prompt ends "Answer: The special code of the KEY is"."""
@@ -71,9 +75,11 @@ def needle(model=None, tokenizer=None, *, lengths: list[int] | None = None, dept
     pm, samples, seed, batch_size, say, max_new_tokens = check_run(model, tokenizer, "needle", samples, seed, batch_size,
                                                                progress, max_new_tokens)
     depths = check_fractions(depths, "--depths")
+    kv = check_kv(kv)
     params = {"lengths": lengths, "depths": depths, "samples": samples, "seed": seed, "batch_size": batch_size,
               "needle": needle, "question": question, "answer": answer,
-              "haystack": None if haystack is None else str(haystack), "max_new_tokens": max_new_tokens}
+              "haystack": None if haystack is None else str(haystack), "max_new_tokens": max_new_tokens,
+              "kv": None if kv is None else kv_params(kv)}
     if pm.task is not None:
         given = (("--needle", needle), ("--question", question), ("--answer", answer), ("--haystack", haystack))
         for option, value in given:
@@ -82,7 +88,7 @@ def needle(model=None, tokenizer=None, *, lengths: list[int] | None = None, dept
                                  "natural-language models only")
         lengths = check_ints(pm.task.get("eval_lengths") if lengths is None else lengths, "--lengths", 4)
         items = arena_items(pm, lengths, depths, samples, seed)
-        new_tokens = max_new_tokens or 1
+        new_tokens = max_new_tokens or len(items[0].answer_ids)
     else:
         default = lengths is None
         lengths = check_ints(_default_lengths(pm) if default else lengths, "--lengths")
@@ -102,10 +108,11 @@ def needle(model=None, tokenizer=None, *, lengths: list[int] | None = None, dept
     for length in lengths:
         check_max_positions(pm, length, new_tokens)
 
-    outcomes, layers = run_items(pm, items, new_tokens, batch_size, say, "needle")
+    outcomes, layers = run_items(pm, items, new_tokens, batch_size, say, "needle", kv=kv)
     result = ProbeResult("needle")
     add_accuracy_rows(result, outcomes, ("length", "depth"))
-    add_mass_rows(result, outcomes, layers, ("length", "depth"), "needle", "needle_mass")
+    if kv is None:
+        add_mass_rows(result, outcomes, layers, ("length", "depth"), "needle", "needle_mass")
     result.meta = {
         "model": pm.name, "params": params, "seconds": time.perf_counter() - start, "max_new_tokens": new_tokens,
         "examples": examples(outcomes),
@@ -116,7 +123,7 @@ def needle(model=None, tokenizer=None, *, lengths: list[int] | None = None, dept
              "title": "Attention mass on the needle, best head, by depth and context length"},
             {"kind": "heatmap", "rows": "layer", "cols": "head", "metric": "needle_mass",
              "title": "Attention mass on the needle by layer and head (mean over the grid)"},
-        ],
+        ][:1 if kv is not None else None],  # under a KV policy no masses are measured
     }
     return result
 
@@ -158,28 +165,34 @@ def text_items(pm, lengths, depths, samples, seed, needle=None, question=None, a
                 expected = answer.format(**fields)
                 needed = max(needed, len(encode(tok, " " + expected)))
                 items.append(Item(ctx.ids, expected, {"needle": [ctx.spans[0]]},
-                                  {"length": length, "depth": depth, "sample": sample}, extra={"key": key}))
+                                  {"length": length, "depth": depth, "sample": sample}, extra={"key": key},
+                                  question=len(tail), answer_ids=encode(tok, " " + expected)))
     return items, needed
 
 
 def arena_items(pm, lengths, depths, samples, seed) -> list[Item]:
     """Prompts in the needle task's tokens: (key, value) cells among filler, the task's
-    distractor pairs in other cells, ``Q key`` last (see arena/tasks/needle.py)."""
+    distractor pairs in other cells, ``Q key`` last (see arena/tasks/needle.py). With
+    ``value_len`` L > 1 a cell is a key and L value symbols, the cells start after the
+    filler that the cell size leaves over, and the answer is the L symbols."""
     sym = arena_symbols(pm, "needle")
     if sym["name"] != "needle":
         raise ValueError(f"--model: the needle probe on an arena export needs a model trained on the needle task; "
                          f"{pm.name or 'this model'} was trained on {sym['name']!r} (try the kv-retrieval probe)")
     distractors = int(sym["params"].get("distractors", 0))
+    value_len = int(sym["params"].get("value_len", 1))
+    cell_len = 1 + value_len
     pairs = distractors + 1
-    if pairs > min(len(sym["keys"]), len(sym["values"])):
+    if pairs > len(sym["keys"]) or (value_len == 1 and pairs > len(sym["values"])):
         raise ValueError(f"--model: the task has {len(sym['keys'])} keys for {pairs} pairs per prompt")
     ids = sym["ids"]
     items = []
     for length in lengths:
-        if length % 2:
+        if value_len == 1 and length % 2:
             raise ValueError(f"--lengths: the needle task cuts its context into two-token cells, so lengths must be even, "
                              f"got {length}")
-        cells = (length - 2) // 2
+        cells = (length - cell_len) // cell_len if value_len > 1 else (length - 2) // 2
+        lead = length - 2 - cells * cell_len if value_len > 1 else 0
         if cells < pairs:
             raise ValueError(f"--lengths: {length} tokens hold {cells} cells, fewer than the needle and its "
                              f"{distractors} distractors")
@@ -187,14 +200,20 @@ def arena_items(pm, lengths, depths, samples, seed) -> list[Item]:
             for depth in depths:
                 rng = _sample_rng("needle-arena", seed, length, sample)
                 keys = rng.sample(sym["keys"], pairs)
-                values = rng.sample(sym["values"], pairs)
+                if value_len == 1:
+                    values = [[v] for v in rng.sample(sym["values"], pairs)]
+                else:
+                    values = [[rng.choice(sym["values"]) for _ in range(value_len)] for _ in range(pairs)]
                 tokens = [rng.choice(sym["filler"]) for _ in range(length)]
                 cell = round(depth * (cells - 1))
                 others = rng.sample([c for c in range(cells) if c != cell], distractors)
                 for c, k, v in zip([cell, *others], keys, values):
-                    tokens[2 * c], tokens[2 * c + 1] = k, v
+                    start = lead + cell_len * c
+                    tokens[start:start + cell_len] = [k, *v]
                 tokens[-2], tokens[-1] = sym["query"][0], keys[0]
-                items.append(Item([ids[t] for t in tokens], values[0], {"needle": [(2 * cell, 2 * cell + 2)]},
+                start = lead + cell_len * cell
+                items.append(Item([ids[t] for t in tokens[:length]], " ".join(values[0]),
+                                  {"needle": [(start, start + cell_len)]},
                                   {"length": length, "depth": depth, "sample": sample}, words=True,
-                                  extra={"key": keys[0]}))
+                                  extra={"key": keys[0]}, question=2, answer_ids=[ids[t] for t in values[0]]))
     return items

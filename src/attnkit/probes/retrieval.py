@@ -111,6 +111,28 @@ def check_run(model, tokenizer, probe: str, samples, seed, batch_size, progress,
     return pm, samples, seed, batch_size, say, max_new_tokens
 
 
+def check_kv(kv):
+    """None, a ``KVSetting``, or its text (``snapkv:budget=0.25:protocol=aware``) -> a KVSetting or None."""
+    if kv is None:
+        return None
+    from ..kv.protocol import KVSetting
+
+    if isinstance(kv, KVSetting):
+        return kv
+    if isinstance(kv, str):
+        try:
+            return KVSetting.parse(kv)
+        except ValueError as e:
+            raise ValueError(f"--kv: {e}") from None
+    raise ValueError(f"--kv: expected POLICY[:budget=F][:protocol=agnostic|aware][:NAME=VALUE ...] or a KVSetting, "
+                     f"got {type(kv).__name__}")
+
+
+def kv_params(kv) -> dict:
+    """A KV setting as the probe's recorded parameters."""
+    return {"policy": kv.policy, "budget": kv.budget, "protocol": kv.protocol, "params": dict(kv.params)}
+
+
 def check_max_positions(pm, length: int, new_tokens: int, option: str = "--lengths") -> None:
     """A prompt longer than the model's positions (with the rows its answer needs) is an error naming ``option``."""
     pm.check_length(length, option)
@@ -148,7 +170,10 @@ class Item:
     """One prompt: ``ids``, the ``answer`` text, named ``spans`` (name -> list of (start,
     end) ranges, masses summed), the grid ``params`` (length, depth, sample ...), and
     ``words``: score the answer as a whole whitespace-separated word (arena symbols,
-    where "v1" must not match inside "v12")."""
+    where "v1" must not match inside "v12"). ``question``: how many of the last tokens
+    are the question (asked again through a compressed cache under a KV policy, see
+    ``attnkit.kv.protocol``); ``answer_ids``: the answer's tokens, for scoring token by
+    token (None: the answer text's own tokens)."""
 
     ids: list[int]
     answer: str
@@ -156,6 +181,8 @@ class Item:
     params: dict
     words: bool = False
     extra: dict = field(default_factory=dict)
+    question: int = 0
+    answer_ids: list[int] | None = None
 
 
 @dataclass
@@ -169,6 +196,13 @@ class Outcome:
     score: float
     mass: dict[str, torch.Tensor]
     uniform: dict[str, float]
+    #: the generated token ids (up to and including an end-of-sequence token)
+    tokens: list[int] = field(default_factory=list)
+
+    def token_accuracy(self) -> float:
+        """The share of the answer's tokens generated right, position by position."""
+        want = self.item.answer_ids or []
+        return sum(a == b for a, b in zip(self.tokens, want)) / len(want) if want else float(self.score)
 
 
 def score(output: str, answer: str, words: bool) -> float:
@@ -178,13 +212,18 @@ def score(output: str, answer: str, words: bool) -> float:
 
 
 def _layout(item: Item) -> tuple:
-    return tuple((name, len(ranges)) for name, ranges in item.spans.items())
+    return (item.question, *((name, len(ranges)) for name, ranges in item.spans.items()))
 
 
-def run_items(pm, items: list[Item], max_new_tokens: int, batch_size: int, progress, label: str):
+def run_items(pm, items: list[Item], max_new_tokens: int, batch_size: int, progress, label: str, kv=None, stats=None):
     """Generate an answer for every item and measure its span masses: items with the same
     span layout and near-equal lengths share batches, left-padded to the longest of their
-    batch (one prefill per prompt). Returns (outcomes in item order, layer labels)."""
+    batch (one prefill per prompt). Returns (outcomes in item order, layer labels).
+
+    ``kv`` (an ``attnkit.kv.protocol.KVSetting``): answer through a compressed cache
+    instead, by the setting's protocol (the question asked after the compression); no
+    span masses are measured then (a policy's cache no longer holds every position), and
+    ``stats`` (a list) receives each batch's ``Answer`` (bytes held, decoding time)."""
     groups: dict = {}
     for i, item in enumerate(items):
         groups.setdefault(_layout(item), []).append(i)
@@ -206,6 +245,21 @@ def run_items(pm, items: list[Item], max_new_tokens: int, batch_size: int, progr
         prompts = left_pad([item.ids for item in chosen], pad_id(pm.tokenizer))
         width = prompts.length
         progress(f"{label}: batch {n}/{len(batches)} ({len(chosen)} prompts of up to {width} tokens)")
+        if kv is not None:
+            from ..kv.protocol import ask
+
+            if chosen[0].question < 1:
+                raise ValueError(f"kv: the {label} probe's prompts do not mark their question, so they cannot be asked "
+                                 "through a compressed cache")
+            answer = ask(pm.model, prompts.input_ids, prompts.attention_mask, chosen[0].question, kv, max_new_tokens,
+                         pad_id(pm.tokenizer))
+            if stats is not None:
+                stats.append(answer)
+            for b, (i, item) in enumerate(zip(batch, chosen)):
+                tokens = answer.tokens[b].tolist()
+                output = _decoded(pm, tokens)
+                outcomes[i] = Outcome(item, output, score(output, item.answer, item.words), {}, {}, tokens)
+            continue
         flat = {f"{name}#{j}": [(s + pad, e + pad) for (s, e), pad in ((item.spans[name][j], p)
                                                                         for item, p in zip(chosen, prompts.pads))]
                 for name, ranges in chosen[0].spans.items() for j in range(len(ranges))}
@@ -221,13 +275,20 @@ def run_items(pm, items: list[Item], max_new_tokens: int, batch_size: int, progr
             for name, ranges in item.spans.items():
                 mass[name] = sum(per_name[f"{name}#{j}"][b] for j in range(len(ranges)))
                 uniform[name] = sum(e - s for s, e in ranges) * visible
-            output = gen.texts[b]
-            if pm.task is not None:
-                # An arena export pads with one of its own symbols (the filler), which
-                # skip_special_tokens would drop from the answer: read every symbol generated.
-                output = pm.tokenizer.decode(gen.tokens[b, :gen.steps[b]].tolist(), skip_special_tokens=False)
-            outcomes[i] = Outcome(item, output, score(output, item.answer, item.words), mass, uniform)
+            tokens = gen.tokens[b, :gen.steps[b]].tolist()
+            output = gen.texts[b] if pm.task is None else _decoded(pm, tokens)
+            outcomes[i] = Outcome(item, output, score(output, item.answer, item.words), mass, uniform, tokens)
     return outcomes, layers
+
+
+def _decoded(pm, tokens: list[int]) -> str:
+    """The answer's text. An arena export pads with one of its own symbols (the filler),
+    which skip_special_tokens would drop from the answer: every symbol generated is read."""
+    if pm.task is not None:
+        return pm.tokenizer.decode(tokens, skip_special_tokens=False)
+    from .generation import decode
+
+    return decode(pm.tokenizer, tokens, getattr(pm.tokenizer, "eos_token_id", None))
 
 
 def add_mass_rows(result, outcomes: list[Outcome], layers, keys: tuple[str, ...], name: str, prefix: str) -> None:

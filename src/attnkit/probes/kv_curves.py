@@ -1,0 +1,185 @@
+"""Quality against KV budget: a retrieval task answered through every policy at every
+budget, beside the full cache (kvpress's leaderboard view, accuracy against the kept
+fraction per policy; the protocols are ``attnkit.kv.protocol``'s).
+
+The task's prompts are the needle or kv-retrieval probe's (the task's own tokens on an
+arena export or organism, natural language otherwise), drawn once and answered once with
+the full cache and once per policy × budget, each through the same protocol. Multi-token
+answers are scored as exact match (every token, the probes' string match) and token by
+token.
+
+Rows, one per prompt (tidy; ``policy`` is ``full`` for the full cache, at budget 1.0):
+``exact_match`` and ``token_accuracy`` per (policy, budget, length, depth, sample) for
+the needle task or (policy, budget, pairs, position, sample) for kv-retrieval; per
+(policy, budget): ``kept`` (entries held over a full cache's, mean over layers, heads and
+prompts), ``kv_bytes`` (keys and values held per prompt at the end), ``decode_tokens_per_s``
+(decoding steps per second, question and answer tokens, batch rows counted) and, when a
+policy fails, one ``error`` row with the message (the run goes on).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from .result import ProbeResult
+from .retrieval import check_fractions, check_run, examples, run_items
+from .tasks import TASKS, task_items
+
+#: the policies a curve runs by default: every one that needs no trained mechanism
+DEFAULT_POLICIES = ("streaming", "h2o", "snapkv", "tova", "pyramid", "adakv", "knorm", "quest")
+DEFAULT_BUDGETS = (0.05, 0.1, 0.25, 0.5)
+
+
+def kv_curves(model=None, tokenizer=None, *, task: str = "needle", policies: list[str] = DEFAULT_POLICIES,
+              budgets: list[float] = DEFAULT_BUDGETS, protocol: str = "agnostic", lengths: list[int] | None = None,
+              depths: list[float] = (0.0, 0.25, 0.5, 0.75, 1.0), pairs: list[int] | None = None, samples: int = 20,
+              seed: int = 0, batch_size: int = 32, policy_params: dict | None = None, progress=None) -> ProbeResult:
+    """Accuracy against KV budget per policy (see the module docstring).
+
+    Args:
+        task: ``needle`` (accuracy by length and depth) or ``kv-retrieval`` (by the gold pair's position)
+        policies: KV-cache policies (attnkit.kv.POLICIES; not ``selective``, which needs a trained mechanism)
+        budgets: fractions of the context kept, each in (0, 1]
+        protocol: ``agnostic`` (the context compressed before the question arrives) or ``aware``
+            (the question prefilled and compressed with it, then asked again)
+        lengths: prompt lengths (needle; default the model's own, an organism's trained length for kv-retrieval)
+        depths: where the needle or the gold pair sits, fractions 0..1
+        pairs: key-value pairs per prompt (kv-retrieval)
+        samples: prompts per cell
+        seed: the same seed gives the same prompts
+        batch_size: prompts per forward pass
+        policy_params: per policy, its parameters: ``{"snapkv": {"window": 8}}`` or ``snapkv.window=8,pyramid.beta=2``"""
+    from ..kv.protocol import FULL, PROTOCOLS, KVSetting
+
+    start = time.perf_counter()
+    pm, samples, seed, batch_size, say, _ = check_run(model, tokenizer, "kv-curves", samples, seed, batch_size, progress,
+                                                      None)
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"--protocol: expected one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    policies = _names(policies)
+    budgets = _budgets(budgets)
+    depths = check_fractions(depths, "--depths")
+    policy_params = _policy_params(policy_params, policies)
+    settings = [KVSetting(FULL, 1.0, (), protocol)]
+    for name in policies:
+        for budget in budgets:
+            try:
+                settings.append(KVSetting(name, budget, tuple(sorted(policy_params.get(name, {}).items())), protocol))
+            except ValueError as e:
+                option = "--policies" if str(e).startswith("policy:") else "--policy-params"
+                raise ValueError(f"{option}: {name}: {e}") from None
+    items, keys, new_tokens = task_items(pm, task, lengths, depths, pairs, samples, seed)
+    shortest = min(len(it.ids) - it.question for it in items)
+    if min(budgets) * shortest < 1:
+        raise ValueError(f"--budgets: {min(budgets)} of a {shortest}-token context keeps no entry")
+
+    result = ProbeResult("kv-curves")
+    failures, full_examples = [], []
+    for n, setting in enumerate(settings, 1):
+        where = {"policy": setting.policy, "budget": setting.budget}
+        say(f"kv-curves: {n}/{len(settings)} {setting.label} ({len(items)} prompts)")
+        stats: list = []
+        began = time.perf_counter()
+        try:
+            outcomes, _ = run_items(pm, items, new_tokens, batch_size, lambda line: None, "kv-curves", kv=setting,
+                                    stats=stats)
+        except Exception as e:  # one policy's failure is recorded in its rows; the others still run
+            failures.append({**where, "error": f"{type(e).__name__}: {e}"})
+            result.add("error", f"{type(e).__name__}: {e}", **where)
+            continue
+        for o in outcomes:
+            cell = {k: o.item.params[k] for k in keys}
+            result.add("exact_match", o.score, **where, **cell, sample=o.item.params["sample"])
+            result.add("token_accuracy", o.token_accuracy(), **where, **cell, sample=o.item.params["sample"])
+        rows = sum(a.tokens.shape[0] for a in stats)
+        result.add("kept", sum(a.kept * a.tokens.shape[0] for a in stats) / rows, **where)
+        result.add("kv_bytes", sum(a.kv_bytes for a in stats) / rows, **where)
+        steps = sum(a.decode_steps * a.tokens.shape[0] for a in stats)
+        seconds = sum(a.decode_seconds for a in stats)
+        result.add("decode_tokens_per_s", steps / seconds if seconds > 0 else math.nan, **where)
+        result.add("seconds", time.perf_counter() - began, **where)
+        if setting.policy == FULL:
+            full_examples = examples(outcomes)
+    x = "depth" if task == "needle" else "position"
+    result.meta = {
+        "model": pm.name, "seconds": time.perf_counter() - start, "max_new_tokens": new_tokens,
+        "params": {"task": task, "policies": policies, "budgets": budgets, "protocol": protocol, "lengths": lengths,
+                   "depths": depths, "pairs": pairs, "samples": samples, "seed": seed, "batch_size": batch_size,
+                   "policy_params": policy_params},
+        "failures": failures, "examples": full_examples,
+        "figures": [
+            {"kind": "curve", "x": "budget", "metric": "exact_match", "series": "policy", "spread": "sample",
+             "reference": {"policy": FULL}, "x_title": "budget (fraction of the context kept)",
+             "y_title": "accuracy (exact match)",
+             "title": f"Accuracy against KV budget per policy ({protocol} protocol; dashed: the full cache)"},
+            {"kind": "curve", "x": x, "metric": "exact_match", "series": "policy", "split": "budget", "spread": "sample",
+             "reference": {"policy": FULL}, "x_title": x, "y_title": "accuracy (exact match)",
+             "title": f"Accuracy by {x} per policy at each budget"},
+            {"kind": "curve", "x": "budget", "metric": "kv_bytes", "series": "policy", "x_title": "budget",
+             "y_title": "bytes of keys and values per prompt", "title": "Bytes held per prompt"},
+            {"kind": "curve", "x": "budget", "metric": "decode_tokens_per_s", "series": "policy", "x_title": "budget",
+             "y_title": "decoding steps per second", "title": "Decoding speed (question and answer tokens)"},
+        ],
+    }
+    return result
+
+
+def _names(policies) -> list[str]:
+    from ..kv import POLICIES
+
+    if isinstance(policies, str):
+        policies = [p for p in policies.split(",") if p]
+    policies = list(policies or ())
+    if not policies:
+        raise ValueError("--policies: expected at least one policy")
+    for name in policies:
+        if name not in POLICIES or POLICIES[name].needs_mechanism is not None:
+            offered = [n for n, p in POLICIES.items() if p.needs_mechanism is None]
+            raise ValueError(f"--policies: unknown policy {name!r}; expected some of {', '.join(offered)}")
+    if len(set(policies)) != len(policies):
+        raise ValueError(f"--policies: policies repeat in {policies}")
+    return policies
+
+
+def _budgets(budgets) -> list[float]:
+    try:
+        out = check_fractions(budgets, "--budgets")
+    except ValueError:
+        out = [-1.0]
+    if any(b <= 0 for b in out):
+        raise ValueError(f"--budgets: expected fractions of the context in (0, 1], e.g. 0.1,0.25, got {budgets!r}")
+    return sorted(out)
+
+
+def _policy_params(params, policies) -> dict:
+    """``{policy: {name: value}}``, or its text ``snapkv.window=8,pyramid.beta=2``."""
+    if params is None:
+        return {}
+    if isinstance(params, str):
+        parsed: dict = {}
+        for part in filter(None, params.split(",")):
+            key, sep, value = part.partition("=")
+            policy, dot, name = key.partition(".")
+            if not sep or not dot or not policy or not name:
+                raise ValueError(f"--policy-params: expected POLICY.NAME=VALUE[,...], got {part!r}")
+            parsed.setdefault(policy, {})[name] = _value(value)
+        params = parsed
+    if not isinstance(params, dict) or not all(isinstance(v, dict) for v in params.values()):
+        raise ValueError("--policy-params: expected {policy: {name: value}}, e.g. {'snapkv': {'window': 8}}")
+    stray = sorted(set(params) - set(policies))
+    if stray:
+        raise ValueError(f"--policy-params: {stray[0]!r} is not among --policies")
+    return {k: dict(v) for k, v in params.items()}
+
+
+def _value(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+__all__ = ["DEFAULT_BUDGETS", "DEFAULT_POLICIES", "kv_curves"]
