@@ -67,7 +67,7 @@ def test_plain_transformers_loaders_are_refused_and_warm_starts_accepted(data):
 
 
 def test_shipped_non_softmax_organisms_record_their_mechanism():
-    for name in organisms.shipped():
+    for name in organisms.shipped("text"):
         mechanism = organisms.card(name)["model"]["mechanism"]
         model, _ = load_export(organisms.path(name))
         recorded = {entry["mechanism"] for entry in export_mechanisms(model.model.config)}

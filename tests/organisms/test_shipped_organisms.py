@@ -10,7 +10,7 @@ import pytest
 from attnkit import organisms
 from attnkit.organisms.evaluate import accuracy_at, load_export
 
-SHIPPED = organisms.shipped()
+SHIPPED = organisms.shipped("text")  # the arena's language models (visual ones: tests/vision)
 #: prompts per length in the re-check (the card has ``examples_per_length``, 500)
 RECHECK = 60
 

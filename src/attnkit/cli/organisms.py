@@ -42,9 +42,9 @@ def run(args) -> int:
     if args.action == "list":
         return _list(args)
     if not args.name:
-        raise ValueError(f"NAME: 'attnkit organisms {args.action}' needs an organism; known: {', '.join(organisms.names())}")
+        raise ValueError(f"NAME: 'attnkit organisms {args.action}' needs an organism; known: {', '.join(organisms.names() + organisms.visual.names())}")
     with options_named(NAME):
-        organisms.recipe(args.name)
+        organisms.known(args.name)
     if args.action == "path":
         with options_named(NAME):
             print(organisms.path(args.name))
@@ -54,6 +54,10 @@ def run(args) -> int:
             card = organisms.card(args.name)
         if args.json:
             print(json.dumps(card, indent=1))
+        elif organisms.visual.is_visual(card):
+            print(organisms.visual.format_card(card))
+            if args.commands:
+                print("\nrecipe:\n" + "\n".join(card["commands"]))
         else:
             from ..organisms.cards import format_card
 
@@ -69,11 +73,12 @@ def _list(args) -> int:
     from ..organisms.cards import summary_row
 
     rows = []
-    for name in organisms.names():
-        r = organisms.recipe(name)
+    for name in organisms.names() + organisms.visual.names():
+        r = organisms.known(name)
         row = {"name": name, "summary": r.summary, "shipped": name in organisms.shipped()}
         if row["shipped"]:
-            row.update(summary_row(organisms.card(name)))
+            card = organisms.card(name)
+            row.update(organisms.visual.summary_row(card) if organisms.visual.is_visual(card) else summary_row(card))
         rows.append(row)
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -81,7 +86,9 @@ def _list(args) -> int:
     if args.markdown:
         from ..organisms.cards import markdown_table
 
-        print(markdown_table([organisms.card(r["name"]) for r in rows if r["shipped"]]))
+        cards = [organisms.card(r["name"]) for r in rows if r["shipped"]]
+        print("\n".join([markdown_table([c for c in cards if not organisms.visual.is_visual(c)])]
+                        + [organisms.visual.markdown_row(c) for c in cards if organisms.visual.is_visual(c)]))
         return 0
     print(f"{'organism':<16} {'task':<10} {'mechanism':<10} {'trained':>7}  {'accuracy by length':<44} {'worst cell':<24} {'build':>6}")
     for row in rows:
@@ -90,7 +97,8 @@ def _list(args) -> int:
             continue
         accuracy = " ".join(f"{n}:{a:.2f}" for n, a in row["accuracy"].items())
         w = row["worst"]
-        worst = f"{w['accuracy']:.2f} @{w['length']} {w['group']}" if w else ""
+        where = w and (w["kind"] if row.get("kind") == "visual" else w["length"])
+        worst = f"{w['accuracy']:.2f} @{where} {w['group']}" if w else ""
         print(f"{row['name']:<16} {row['task']:<10} {row['mechanism']:<10} {row['trained_up_to']:>7}  {accuracy:<44} {worst:<24} "
               f"{row['seconds'] / 60:>5.1f}m")
     return 0
@@ -100,6 +108,8 @@ def _build(args) -> int:
     from .. import organisms
     from ..organisms.builder import compare
 
+    if args.name in organisms.visual.VISUAL:
+        return _build_visual(args)
     recipe = organisms.recipe(args.name)
     out = args.out or os.path.join("attnkit-organisms", args.name)
     output_dir(os.path.dirname(os.path.abspath(out)))
@@ -133,4 +143,41 @@ def _build(args) -> int:
     if distance is not None:
         print(f"against the shipped card: largest difference {distance['largest']:.3f} "
               f"(per length: " + ", ".join(f"{n} {d['all']:+.3f}" for n, d in distance["differences"].items()) + ")")
+    return 0
+
+
+def _build_visual(args) -> int:
+    from .. import organisms
+
+    out = args.out or os.path.join("attnkit-organisms", args.name)
+    output_dir(os.path.dirname(os.path.abspath(out)))
+    if args.work:
+        output_dir(args.work)
+    shipped = organisms.card(args.name) if args.name in organisms.shipped() else None
+    progress = Progress(0, f"organisms build {args.name}", enabled=not args.quiet)
+
+    def on_eval(record):
+        progress.total = progress.done + 1
+        progress.step(f"step {record['step']} loss {record['loss']:.3f} "
+                      + " ".join(f"{k} {a:.3f}" for k, a in record["accuracy"].items()))
+
+    def on_measure(spec):
+        progress.total = progress.done + 1
+        progress.step("measuring the card on held-out images")
+
+    with options_named({"out_dir": "--out"}):
+        card = organisms.build(args.name, out, work_dir=args.work, on_eval=on_eval, on_measure=on_measure)
+    distance = None
+    if shipped:
+        diffs = {k: round(e["accuracy"] - shipped["accuracy"][k]["accuracy"], 4) for k, e in card["accuracy"].items()
+                 if k in shipped["accuracy"]}
+        distance = {"differences": diffs, "largest": max((abs(v) for v in diffs.values()), default=0.0)}
+    if args.json:
+        print(json.dumps({"card": card, "path": out, "against_shipped": distance}, indent=1))
+        return 0
+    print(organisms.visual.format_card(card))
+    print(f"\nwritten to {out}")
+    if distance is not None:
+        print(f"against the shipped card: largest difference {distance['largest']:.3f} (per question kind: "
+              + ", ".join(f"{k} {d:+.3f}" for k, d in distance["differences"].items()) + ")")
     return 0

@@ -23,12 +23,25 @@ def data_dir() -> str:
     return str(resources.files(__package__).joinpath("data"))
 
 
-def shipped() -> list[str]:
-    """Names of the organisms whose weights ship with this install."""
+def shipped(kind: str | None = None) -> list[str]:
+    """Names of the organisms whose weights ship with this install; ``kind`` "text" (the
+    arena's language models) or "visual" (``organisms/visual.py``) keeps those only."""
+    if kind not in (None, "text", "visual"):
+        raise ValueError(f"kind: expected None, 'text' or 'visual', got {kind!r}")
     root = data_dir()
     if not os.path.isdir(root):
         return []
-    return sorted(d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, CARD_FILE)))
+    found = sorted(d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, CARD_FILE)))
+    return found if kind is None else [d for d in found if card_kind(os.path.join(root, d)) == kind]
+
+
+def card_kind(directory: str) -> str:
+    """"visual" when the card in ``directory`` says so, else "text" (the cards before visual organisms name no kind)."""
+    try:
+        with open(os.path.join(directory, CARD_FILE), encoding="utf-8") as f:
+            return "visual" if json.load(f).get("kind") == "visual" else "text"
+    except (OSError, ValueError, AttributeError):
+        return "text"
 
 
 def file_hash(path: str) -> str:
@@ -128,5 +141,5 @@ def resolve_model_path(text: str, option: str = "--model") -> str:
     raise FileNotFoundError(f"{option}: no such directory or organism: {text!r}; organisms: {', '.join(known) or 'none shipped'}")
 
 
-__all__ = ["CARD_FILE", "CARD_FORMAT", "data_dir", "file_hash", "organism_path", "other_mechanisms", "read_card", "resolve_model_path",
+__all__ = ["CARD_FILE", "CARD_FORMAT", "card_kind", "data_dir", "file_hash", "organism_path", "other_mechanisms", "read_card", "resolve_model_path",
            "shipped", "verify"]
