@@ -23,9 +23,10 @@ TASK_FILE = "task.json"
 
 @dataclass
 class ProbeModel:
-    """``model`` (eval mode, float32), its ``tokenizer``, ``kind`` ("causal" or
-    "encoder"), ``max_positions`` (None when the config has no limit), ``task`` (the
-    arena's task.json as a dict, or None for a natural-language model) and ``name``."""
+    """``model`` (eval mode, float32), its ``tokenizer`` (for a vision-language model, its
+    processor), ``kind`` ("causal", "encoder" or "vision"), ``max_positions`` (None when
+    the config has no limit), ``task`` (the task.json of an arena export or a visual
+    organism, or None for a natural-language model) and ``name``."""
 
     model: torch.nn.Module
     tokenizer: object
@@ -45,8 +46,9 @@ class ProbeModel:
     def require(self, kind: str, probe: str) -> None:
         """An error naming ``--model`` when this model is not of ``kind``."""
         if self.kind != kind:
-            what = "a causal language model that can generate" if kind == "causal" else "an encoder (embedding model)"
-            kind_text = "a causal language model" if self.kind == "causal" else "an encoder"
+            what = {"causal": "a causal language model that can generate", "vision": "a vision-language model (LLaVA ...)"
+                    }.get(kind, "an encoder (embedding model)")
+            kind_text = {"causal": "a causal language model", "vision": "a vision-language model"}.get(self.kind, "an encoder")
             raise ValueError(f"--model: the {probe} probe needs {what}; {self.name or 'the model'} is {kind_text}")
 
     def check_length(self, n_tokens: int, option: str = "--lengths") -> None:
@@ -105,7 +107,9 @@ def read_task(path: str) -> dict | None:
 def load_probe_model(path: str | None = None, *, kind: str | None = None) -> ProbeModel:
     """Load a local transformers model directory (or a model organism by name, see
     ``attnkit.organisms``) offline (float32, eval mode), as a causal LM when it is one,
-    else as the bare encoder; ``path=None`` loads the bundled all-MiniLM-L6-v2. ``kind`` ("causal" or "encoder") forces the class."""
+    else as the bare encoder; a vision-language model (a config with vision_config and
+    text_config) for image-text-to-text, its processor as the tokenizer (kind "vision");
+    ``path=None`` loads the bundled all-MiniLM-L6-v2. ``kind`` ("causal" or "encoder") forces the class."""
     if kind not in (None, "causal", "encoder"):
         raise ValueError(f"kind: expected None, 'causal' or 'encoder', got {kind!r}")
     if path is None:
@@ -130,6 +134,8 @@ def load_probe_model(path: str | None = None, *, kind: str | None = None) -> Pro
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"--model: could not read {path}/config.json: {e}") from e
+    if kind is None and getattr(config, "vision_config", None) is not None and hasattr(config, "text_config"):
+        return _load_vision_model(path)
     architectures = getattr(config, "architectures", None) or []
     causal = kind == "causal" or (kind is None and any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures))
     verbosity = hf_logging.get_verbosity()
@@ -150,6 +156,26 @@ def load_probe_model(path: str | None = None, *, kind: str | None = None) -> Pro
                       os.path.basename(os.path.normpath(path)))
 
 
+def _load_vision_model(path: str) -> ProbeModel:
+    """A vision-language model directory (a config with vision_config and text_config:
+    LLaVA, Qwen2-VL, ...): the model for image-text-to-text and its processor as the
+    ProbeModel's ``tokenizer``, kind "vision"."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--model: could not load a vision-language model and its processor from {path}: {e}") from e
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    model.eval()
+    return ProbeModel(model, processor, "vision", max_positions(model), read_task(path), os.path.basename(os.path.normpath(path)))
+
+
 def as_probe_model(model, tokenizer=None) -> ProbeModel:
     """A ProbeModel from what a probe function was given: a ProbeModel, a path, or a
     loaded (model, tokenizer) pair."""
@@ -163,5 +189,6 @@ def as_probe_model(model, tokenizer=None) -> ProbeModel:
         raise ValueError("tokenizer: a probe needs the model's tokenizer to build its prompts")
     path = getattr(model.config, "_name_or_path", "") or ""
     task = read_task(path) if path and os.path.isdir(path) else None
-    return ProbeModel(model.eval(), tokenizer, "causal" if is_causal_lm(model) else "encoder", max_positions(model), task,
+    kind = "vision" if getattr(model.config, "vision_config", None) is not None else "causal" if is_causal_lm(model) else "encoder"
+    return ProbeModel(model.eval(), tokenizer, kind, max_positions(model), task,
                       os.path.basename(os.path.normpath(path)) if path else type(model).__name__)
