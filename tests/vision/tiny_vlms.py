@@ -81,3 +81,32 @@ def batch(name: str, dtype=torch.float64, seed: int = 1):
     if name == "qwen2_vl":
         inputs["mm_token_type_ids"] = (ids == IMAGE).int()
     return inputs, sizes
+
+
+WORDS = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(96)] + ["<image>"] + ["is", "there", "a", "red", "circle", "?", "what",
+                                                                               "color", "yes", "no"]
+
+
+def save_llava(directory: str) -> None:
+    """A float32 tiny LLaVA with its processor (a word-level tokenizer, a CLIP image
+    processor resizing to 12 x 12: 9 image tokens) saved as a model directory."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import LlavaProcessor, PreTrainedTokenizerFast
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    assert WORDS.index("<image>") == IMAGE and len(WORDS) <= VOCAB
+    model = build("llava", dtype=torch.float32, attn_implementation="sdpa")
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.add_special_tokens([AddedToken("<pad>", special=True, normalized=False), AddedToken("<image>", special=True, normalized=False)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", unk_token="<unk>", padding_side="left", clean_up_tokenization_spaces=False,
+                                        model_input_names=["input_ids", "attention_mask"])
+    size = {"height": 12, "width": 12}
+    images = CLIPImageProcessorPil(size=size, crop_size=size, do_resize=True, do_center_crop=False, do_rescale=True, rescale_factor=1 / 255,
+                                   do_normalize=True, image_mean=[0.5] * 3, image_std=[0.5] * 3, do_convert_rgb=True)
+    processor = LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=4, vision_feature_select_strategy="default",
+                               num_additional_image_tokens=1, image_token="<image>")
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = PAD
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)

@@ -33,6 +33,9 @@ def add_parser(sub) -> None:
     p.add_argument("--layers", metavar="LIST", help="layers to measure, e.g. 0,2,4-5 (default: all)")
     p.add_argument("--heads", metavar="LIST", help="heads to measure, e.g. 0-3 (default: all)")
     p.add_argument("--queries", metavar="LO:HI", help="query positions to measure, e.g. --queries=-8: for the last 8 tokens (default: all)")
+    p.add_argument("--image", metavar="FILE", help="an image (PNG/JPEG) for a vision-language --model: the report overlays each head's "
+                                                 "attention on its patch grid and plots the visual share per generated token")
+    p.add_argument("--max-new-tokens", type=positive_int, metavar="N", help="with --image: tokens to generate (default: 16)")
     p.add_argument("--span", action="append", metavar="NAME=START:END", help="a named span of token positions for the spans meter (repeatable)")
     p.add_argument("--token-heads", metavar="L.H,...", help="heads shown in the token view, e.g. 0.3,2.7 (default: the clearest of each class)")
     p.add_argument("--mechanism", default="softmax", help="attention mechanism to run the model with (default: softmax)")
@@ -125,10 +128,28 @@ def read_text(args) -> str:
     return read_utf8(args.text, "--text")
 
 
+def _image_prompt(args) -> str:
+    if args.prompt is None and args.text is None:
+        raise ValueError("--prompt: --image needs a question or instruction about the image (--prompt TEXT or --text FILE)")
+    text = read_text(args)
+    if not text.strip():
+        raise ValueError(f"{'--prompt' if args.prompt is not None else '--text'}: the text is empty")
+    return text
+
+
 def run(args) -> int:
     if inspect_pipeline.is_pipeline_dir(args.model):  # a diffusers pipeline: per-token maps report
+        for name in ("image", "max_new_tokens"):
+            if getattr(args, name, None) is not None:
+                raise ValueError(f"--{name.replace('_', '-')}: only for a vision-language model directory, not a diffusers pipeline")
         return inspect_pipeline.run(args)
     inspect_pipeline.reject_pipeline_options(args)
+    if args.image is not None:
+        from . import inspect_image
+
+        return inspect_image.run(args, _image_prompt(args))
+    if args.max_new_tokens is not None:
+        raise ValueError("--max-new-tokens: only with --image")
     layers, heads = parse_indices(args.layers, "--layers"), parse_indices(args.heads, "--heads")
     queries, spans, token_heads = parse_queries(args.queries), parse_spans(args.span), parse_heads(args.token_heads)
     if args.meters and "spans" in args.meters and not spans:
