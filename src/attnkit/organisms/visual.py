@@ -118,6 +118,7 @@ def build(name: str, out_dir: str, work_dir: str | None = None, on_eval=None, on
         "evaluation": measured["evaluation"],
         "accuracy": measured["accuracy"],
         "presence": measured["presence"],
+        "worst": measured["worst"],
         "training": {"steps": record["steps"], "seconds": record["seconds"], "wall_seconds": record["wall_seconds"],
                      "history": record["history"], "settings": settings.to_dict()},
         "machine": {**machine_info(), "cpu": cpu_name(), "threads_used": 1},

@@ -366,7 +366,8 @@ def measure(directory: str, n: int, stream: str = "card") -> dict:
     return {"evaluation": {"examples": n, "per_kind": n // len(shapes.KINDS), "stream": stream,
                            "images": "fresh scenes of 1-3 objects (distinct shapes, distinct cells), shape offsets and "
                                      "pixel noise drawn per image; presence questions half about present objects, "
-                                     "absent ones 3 in 4 near misses (colour or shape in the scene, not the pair)",
+                                     "the absent ones drawn 3 times in 4 from the near misses (colour or "
+                                     "shape in the scene, not the pair), else from every absent pair",
                            "loaded_as": "transformers AutoProcessor + AutoModelForImageTextToText, float32"},
             **scored, "worst": {"kind": worst[1], "group": worst[2], "accuracy": worst[0]}}
 
