@@ -133,3 +133,68 @@ def test_answers_of_a_natural_language_vlm_are_read_from_its_words():
     assert probe._read_answer("RED", "colour") == "red"
     e = shapes.examples(3, 4)
     assert probe._english(e[0]).startswith("Is there a ") and probe._english(e[1]).startswith("What color is the ")
+
+
+@pytest.fixture(scope="module")
+def english_vlm(tmp_path_factory):
+    """A random tiny LLaVA directory with a hub-free processor whose tokenizer reads English
+    (word-level, punctuation split off, unknown words to <unk>): a VLM that is not the organism."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor,
+                              PreTrainedTokenizerFast)
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    words = sorted({w for e in shapes.examples(30, 0) for w in probe._english(e).replace("?", " ? ").replace(".", " . ")
+                    .replace(",", " , ").replace(":", " : ").split()} | {"yes", "no", *shapes.COLOURS, *shapes.POSITIONS})
+    vocab = {t: i for i, t in enumerate(["<pad>", "<unk>", "<image>", *words])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    core.add_special_tokens([AddedToken("<pad>", special=True), AddedToken("<image>", special=True, normalized=False)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", unk_token="<unk>", padding_side="left")
+    size = {"height": 24, "width": 24}
+    images = CLIPImageProcessorPil(size=size, crop_size=size, do_resize=False, do_center_crop=False, image_mean=[0.5] * 3,
+                                   image_std=[0.5] * 3)
+    processor = LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
+                               num_additional_image_tokens=1, image_token="<image>")
+    config = LlavaConfig(vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                        num_attention_heads=2, image_size=24, patch_size=8),
+                         text_config=LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                 num_attention_heads=2, num_key_value_heads=2, pad_token_id=0, bos_token_id=None,
+                                                 eos_token_id=None),
+                         image_token_index=vocab["<image>"], image_seq_length=9, vision_feature_layer=-1)
+    torch.manual_seed(0)
+    directory = tmp_path_factory.mktemp("english-vlm")
+    LlavaForConditionalGeneration(config).save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return str(directory)
+
+
+def test_another_vlm_is_asked_in_english_and_its_share_is_its_eager_attention(english_vlm):
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    result = run("visual", english_vlm, samples=4, max_new_tokens=2, batch_size=12)
+    assert result.meta["prompts"] == "english"
+    processor = AutoProcessor.from_pretrained(english_vlm)
+    model = LlavaForConditionalGeneration.from_pretrained(english_vlm, dtype=torch.float64, attn_implementation="eager").eval()
+    examples = shapes.examples(12, [shapes.stream("probe"), 0])
+    inputs = processor(images=[e.image for e in examples], text=[f"<image>\n{probe._english(e)}" for e in examples],
+                       return_tensors="pt", padding=True)
+    plain = LlavaForConditionalGeneration.from_pretrained(english_vlm, dtype=torch.float32).eval()  # as the probe loads it
+    image_id = processor.tokenizer.convert_tokens_to_ids("<image>")
+    shares = []
+    with torch.no_grad():
+        generated = plain.generate(**inputs, max_new_tokens=2, do_sample=False)
+        for e in examples:  # one prompt at a time: the reference sees no padding (the probe's batch is left-padded)
+            one = processor(images=[e.image], text=[f"<image>\n{probe._english(e)}"], return_tensors="pt")
+            out = model(**one, output_attentions=True)
+            image = one["input_ids"][0] == image_id
+            shares.append(torch.stack([a[0, :, -1, image].sum(-1) for a in out.attentions]))
+    share = torch.stack(shares)  # (n, L, H)
+    texts = processor.batch_decode(generated[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert result.meta["answers"]["1"] == [probe._read_answer(t, e.kind) for t, e in zip(texts, examples)]
+    for kind in shapes.KINDS:
+        rows = share[[i for i, e in enumerate(examples) if e.kind == kind]].mean(0)
+        for layer in range(rows.shape[0]):
+            for head in range(rows.shape[1]):
+                got = result.value("visual_share", kind=kind, group="all", alpha=1.0, layer=layer, head=head)
+                assert got == pytest.approx(float(rows[layer, head]), abs=1e-5)
