@@ -8,7 +8,7 @@ import importlib
 
 from .harness import Row, format_table, machine_info, peak_rss_growth, time_pair, write_json
 
-SUITES = ("kernels", "hf", "inspect", "linear", "sparse", "mechanisms", "probes", "steer", "kv", "distributed", "diffusion", "sweeps")
+SUITES = ("kernels", "hf", "inspect", "linear", "sparse", "mechanisms", "probes", "steer", "kv", "distributed", "diffusion", "sweeps", "vision")
 
 
 def suite_module(name: str):

@@ -99,23 +99,27 @@ class VisualAttention(Meter):
             raise ValueError(f"layer {call.layer}: calls with batch {self._state[call.layer]['received'].shape[0]} then {call.batch} cannot share one meter")
 
     def update_view(self, call: CallInfo, view: TileView) -> None:
+        # Sums in the weights' dtype per tile (as the other meters), accumulated in float64.
         at = (view.batch, slice(None), view.rows)
         k0, span = view.k0, view.w.shape[3]
-        w = view.w.double()
-        img = self._call_img[view.batch, k0 : k0 + span].view(w.shape[0], 1, 1, span)
+        w = view.w
+        img = self._call_img[view.batch, k0 : k0 + span]  # (Bt, span) bool
+        imgw = img.to(w.dtype).view(w.shape[0], 1, 1, span)
         vis = view.visible()
+        wi = w * imgw
         self._s_all[at] += w.sum(-1)
-        self._n_vis[at] += view.visible_per_row()
-        if not bool(img.any()):
-            return
-        wi = w * img
         self._s_img[at] += wi.sum(-1)
         self._s2[at] -= torch.special.entr(wi).sum(-1)
-        img_vis = (img if vis is None else img & vis).expand(w.shape)
-        self._n_img[at] += img_vis.sum(-1, dtype=torch.float64)
-        k = min(self.top_k, span)
-        both = torch.cat([self._top[at], wi.topk(k, dim=-1).values], -1)
-        self._top[at] = both.topk(self.top_k, dim=-1).values
+        self._n_vis[at] += view.visible_per_row()
+        if vis is None:
+            self._n_img[at] += imgw.sum(-1, dtype=torch.float64)
+        else:
+            self._n_img[at] += (vis & img.view(imgw.shape)).sum(-1, dtype=torch.float64)
+        top = wi.topk(min(self.top_k, span), dim=-1).values.double()
+        if k0 == 0 and top.shape[-1] == self.top_k:  # the row block's first key tile: nothing to merge yet
+            self._top[at] = top
+        else:
+            self._top[at] = torch.cat([self._top[at], top], -1).topk(self.top_k, dim=-1).values
         end = min(k0 + span, self.prompt_len)
         if end > k0:
             self._state[call.layer]["received"][view.batch, :, k0:end] += wi[..., : end - k0].sum(2)
