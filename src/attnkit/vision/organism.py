@@ -279,7 +279,13 @@ def load_trained(directory: str):
 def export(model, directory: str) -> None:
     """The organism as users load it: config.json, model.safetensors, generation_config.json,
     the processor's JSON files and task.json (no directory may exist there yet)."""
+    import torch
+
     os.makedirs(directory)
+    # a freshly trained model and one reloaded from a training run write the same config.json (a reload records
+    # the sub-configs' dtype, a fresh model only the top one's)
+    for config in (model.config, model.config.text_config, model.config.vision_config):
+        config.dtype = torch.float32
     model.save_pretrained(directory)
     build_processor().save_pretrained(directory)
     with open(os.path.join(directory, "task.json"), "w", encoding="utf-8") as f:
