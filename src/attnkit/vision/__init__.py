@@ -29,20 +29,29 @@ API summary (everything below takes a transformers >= 5 model; nothing is downlo
     with steer.apply(model, steer.ablate_visual(spans)):                                      # image hidden from the decoder
     out = vision.contrastive_generate(model, inputs, spans, lam=1.0, max_new_tokens=8)     # VCD-style against the ablated run
 
+    # vision towers (CLIP, SigLIP, ViT, DINOv2; a VLM's model.model.vision_tower):
+    hn = vision.high_norm(tower, pixel_values, factor=3.0)   # hn.outliers[l] (B, N) bool, hn.norms[l]; rows highnorm.count/mass/uniform
+    neurons = vision.register_neurons(tower, pixel_values, top=2)   # {layer: [MLP units]} writing the outliers
+    with vision.test_time_registers(tower, neurons, count=1):      # an extra token takes their activations
+        tower(pixel_values=pixel_values)
+
 Supported families: LLaVA, Qwen2-VL / Qwen2.5-VL, Idefics3 / SmolVLM (others with
 ``tokens_per_image=``). Errors are one-line ValueErrors naming the argument: ``model``
 (no image placeholder: a text-only model), ``inputs`` (placeholder count that does not
 match the images, an image not on consecutive placeholders), ``keys``.
 
-Papers: PAI (arXiv 2407.21771), AVC (arXiv 2405.17820), VAR (arXiv 2503.03321), VCD
+Papers: registers (arXiv 2309.16588), test-time registers (arXiv 2506.08010), PAI (arXiv 2407.21771), AVC (arXiv 2405.17820), VAR (arXiv 2503.03321), VCD
 (arXiv 2311.16922); the reading lists' abstracts on text inertia (CG-VLM), visual
 attention score (AVAR), one-token-at-a-time attention shifts (OTaT).
 """
 
+from .highnorm import HighNorm, high_norm, register_neurons, vit_parts
 from .measure import blind_tokens, share_curve
+from .registers import test_time_registers
 from .spans import ImageSpan, ImageSpans, family, image_spans, image_token_id
 
-__all__ = ["ImageSpan", "ImageSpans", "blind_tokens", "contrastive_generate", "family", "image_spans", "image_token_id", "share_curve"]
+__all__ = ["HighNorm", "ImageSpan", "ImageSpans", "blind_tokens", "contrastive_generate", "family", "high_norm", "image_spans",
+           "image_token_id", "register_neurons", "share_curve", "test_time_registers", "vit_parts"]
 
 
 def __getattr__(name):
