@@ -236,9 +236,10 @@ def retrieval_scores(pm, prompts, spans, answers, batch_size: int, progress) -> 
     """(L, H) retrieval scores, mean over prompts: Wu et al.'s rule at every generated
     token (the head's top key lies in the needle span and holds the token just
     generated: + 1 / tokens to copy); also the fraction of answer tokens copied right
-    and what was generated."""
+    and what was generated, with ``standard_error`` (L, H): the scores' standard error
+    over the prompts (sample standard deviation / sqrt(prompts))."""
     steps = len(answers[0])
-    total, correct, generated = None, 0, []
+    total, squares, correct, generated = None, None, 0, []
     batches = range(0, len(prompts), batch_size)
     for i, lo in enumerate(batches):
         chunk, chunk_spans = prompts[lo:lo + batch_size], spans[lo:lo + batch_size]
@@ -254,20 +255,25 @@ def retrieval_scores(pm, prompts, spans, answers, batch_size: int, progress) -> 
             at = full.gather(1, keys.clamp_min(0).flatten(1)).view_as(keys)
             copied = (keys >= start) & (keys < end) & (at == gen.tokens.unsqueeze(1))
             hits.append(copied.double().sum(-1) / steps)  # (B, H)
-        part = torch.stack(hits, dim=1).sum(0)  # (L, H) summed over the batch
+        per_prompt = torch.stack(hits, dim=1)  # (B, L, H)
+        part, square = per_prompt.sum(0), per_prompt.square().sum(0)
         total = part if total is None else total + part
+        squares = square if squares is None else squares + square
         expected = torch.tensor([a for a in answers[lo:lo + batch_size]])
         correct += int((gen.tokens == expected).sum())
         generated += gen.tokens.tolist()
         if progress is not None:
             progress(f"heads: retrieval, batch {i + 1}/{len(batches)}")
-    return total / len(prompts), correct / (len(prompts) * steps), {"generated": generated}
+    n = len(prompts)
+    mean = total / n
+    variance = ((squares - n * mean.square()) / (n - 1)).clamp_min(0) if n > 1 else torch.full_like(mean, float("nan"))
+    return mean, correct / (n * steps), {"generated": generated, "standard_error": (variance / n).sqrt()}
 
 
 # -- the probe ----------------------------------------------------------------------------------
 
 
-def heads(model=None, tokenizer=None, *, length: int | None = None, repeats: int | None = None, samples: int = 8,
+def heads(model=None, tokenizer=None, *, length: int | None = None, repeats: int | None = None, samples: int = 64,
           needle: int | None = None, context: int | None = None, scores: list[str] | None = None, top: int | None = None, seed: int = 0,
           progress=None, batch_size: int = 8) -> ProbeResult:
     """Score every (layer, head) of a causal LM as previous-token, duplicate-token,
@@ -277,7 +283,9 @@ def heads(model=None, tokenizer=None, *, length: int | None = None, repeats: int
         length: tokens per random segment (``--length``; default 32, or the arena
             induction task's segment).
         repeats: copies of each segment (``--repeats``; default 2, or the task's).
-        samples: prompts per kind (``--samples``).
+        samples: prompts per kind (``--samples``; default 64: a retrieval score, a mean of per-prompt
+            fractions in [0, 1], then has a standard error of at most 0.5 / sqrt(64) = 0.0625, and
+            ``retrieval_se`` rows give each head's own).
         needle: needle tokens for the retrieval prompts (``--needle``, default 8;
             an arena needle export has a one-token answer and takes no ``needle``).
         context: tokens per retrieval prompt (``--context``; default: 128, the task's
@@ -286,7 +294,8 @@ def heads(model=None, tokenizer=None, *, length: int | None = None, repeats: int
         top: how many heads ``meta["top"]`` lists per score (``--top``; default 5, or every
             head of a model with fewer).
 
-    Rows: metric = score name, at (layer, head). ``meta["copy_accuracy"]``: fraction of
+    Rows: metric = score name, at (layer, head), and ``retrieval_se``, the retrieval score's standard
+    error over the prompts. ``meta["copy_accuracy"]``: fraction of
     needle tokens the model copied right during the retrieval prompts."""
     started = time.perf_counter()
     pm = as_probe_model(model, tokenizer)
@@ -359,10 +368,11 @@ def heads(model=None, tokenizer=None, *, length: int | None = None, repeats: int
     if "retrieval" in names:
         prompts, spans, answers = needles
         values["retrieval"], copy_accuracy, generated = retrieval_scores(pm, prompts, spans, answers, batch_size, progress)
+        values["retrieval_se"] = generated.pop("standard_error")
         record["needle"] = {"prompts": prompts, "spans": [list(s) for s in spans], "answers": answers, **generated}
 
     result = ProbeResult("heads")
-    for name in names:
+    for name in [*names, *(["retrieval_se"] if "retrieval" in names else [])]:
         grid = values[name]
         for layer in range(grid.shape[0]):
             for head in range(grid.shape[1]):
