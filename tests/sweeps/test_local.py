@@ -37,22 +37,19 @@ def test_a_sweep_runs_every_cell_once_through_a_killed_worker_and_a_failure(tmp_
     assert lines[-1].startswith("4/5 done, 0 running, 1 failed")
 
 
-def test_rows_depend_on_the_config_only(tmp_path):
-    grid = toy_cells(3, rows=3)
-    run_sweep(grid, str(tmp_path / "a"), LocalEngine(workers=1))
-    run_sweep(list(reversed(grid)), str(tmp_path / "b"), LocalEngine(workers=2))
-    key = lambda r: (r["cell"], r["i"])  # noqa: E731
-    assert sorted(load(str(tmp_path / "a")), key=key) == sorted(load(str(tmp_path / "b")), key=key)
-
-
-def test_max_failures_stops_the_sweep_and_the_next_run_goes_on(tmp_path):
-    log = tmp_path / "log"
-    grid = [Cell("toy", {"id": i, "log": str(log), **({"fail": "bad"} if i < 2 else {})}) for i in range(6)]
-    result = run_sweep(grid, str(tmp_path / "out"), LocalEngine(workers=1), max_failures=1)
+def test_max_failures_stops_the_sweep_the_next_run_goes_on_and_rerun_recomputes(tmp_path):
+    out, log = str(tmp_path / "out"), tmp_path / "log"
+    grid = [Cell("toy", {"id": i, "log": str(log), **({"fail": "bad"} if i < 2 else {})}) for i in range(5)]
+    result = run_sweep(grid, out, LocalEngine(workers=1), max_failures=1)
     assert result.stopped and len(result.failed) == 2 and ran(log) == [0, 1]
     # The next run retries the failed cells and computes the rest.
-    again = run_sweep(grid, str(tmp_path / "out"), LocalEngine(workers=1))
-    assert ran(log) == [0, 1, 0, 1, 2, 3, 4, 5] and len(again.computed) == 4 and len(again.failed) == 2
+    again = run_sweep(grid, out, LocalEngine(workers=1))
+    assert ran(log) == [0, 1, 0, 1, 2, 3, 4] and len(again.computed) == 3 and len(again.failed) == 2
+    first = sorted(load(out), key=lambda r: (r["cell"], r["i"]))
+    # --rerun computes every cell again (here in another order, on 2 workers): the same rows, once each.
+    rerun = run_sweep(grid[::-1], out, LocalEngine(workers=2), rerun=True)
+    assert len(rerun.computed) == 3 and sorted(ran(log)[7:]) == [0, 1, 2, 3, 4]
+    assert sorted(load(out), key=lambda r: (r["cell"], r["i"])) == first and len(first) == 6
 
 
 SWEEP_SCRIPT = """
@@ -91,15 +88,6 @@ def test_resume_after_the_sweep_is_killed_computes_only_what_was_missing(tmp_pat
     assert sorted(ran(log)[first:]) == sorted(int(c.config["id"]) for c in grid if c.hash in missing)
     rows = load(str(out))
     assert len(rows) == 16 and len({(r["cell"], r["i"]) for r in rows}) == 16  # each cell once
-
-
-def test_rerun_recomputes_and_replaces(tmp_path):
-    log = tmp_path / "log"
-    grid = toy_cells(2, log=str(log))
-    run_sweep(grid, str(tmp_path / "out"), LocalEngine(workers=1))
-    assert run_sweep(grid, str(tmp_path / "out"), LocalEngine(workers=1)).computed == []
-    assert len(run_sweep(grid, str(tmp_path / "out"), LocalEngine(workers=1), rerun=True).computed) == 2
-    assert ran(log) == [0, 1, 0, 1] and len(load(str(tmp_path / "out"))) == 4
 
 
 @pytest.mark.parametrize("bad,message", [

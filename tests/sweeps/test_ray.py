@@ -38,7 +38,7 @@ def test_arena_sweep_gives_the_same_table_on_ray_and_locally(local_ray, tmp_path
 
     common = ["arena", "sweep", "mqar", "--mechanisms", "softmax,linear_elu", "--d-model", "8", "--layers", "1",
               "--heads", "2", "--steps", "3", "--batch-size", "4", "--eval-examples", "8", "--param", "seq_len=16",
-              "--param", "num_kv_pairs=2", "--no-plots", "--quiet"]
+              "--param", "num_kv_pairs=2", "--seeds", "1", "--no-plots", "--quiet"]
     assert main([*common, "--engine", "ray", "--out", str(tmp_path / "ray")]) == 0
     assert main([*common, "--engine", "local", "--workers", "2", "--out", str(tmp_path / "local")]) == 0
     ray_rows, local_rows = load(str(tmp_path / "ray")), load(str(tmp_path / "local"))

@@ -79,8 +79,8 @@ class SweepResult:
 class _Events:
     """What the engines report to; writes the store and keeps the status."""
 
-    def __init__(self, store: Store, status: SweepStatus, rerun: bool, max_failures: int | None, on_status):
-        self.store, self.status, self.rerun, self.max_failures = store, status, rerun, max_failures
+    def __init__(self, store: Store, status: SweepStatus, engine, rerun: bool, max_failures: int | None, on_status):
+        self.store, self.status, self.engine, self.rerun, self.max_failures = store, status, engine, rerun, max_failures
         self.on_status = on_status or (lambda status: None)
         self.computed: list[str] = []
         self.failed_hashes: list[str] = []
@@ -107,6 +107,7 @@ class _Events:
 
     def started(self, cell: Cell) -> None:
         self.status.running += 1
+        self.status.parallelism = getattr(self.engine, "parallelism", 1)  # Ray knows its CPUs once connected
         self.status.last = f"{cell.label}: started"
         self.on_status(self.status)
 
@@ -120,8 +121,13 @@ class _Events:
         self.line(cell, why)
 
     def done(self, cell: Cell, rows: list, seconds: float, attempts: int, node: str | None) -> None:
+        try:
+            stored = self.store.record_done(cell, rows, seconds, attempts, node, replace=self.rerun)
+        except ValueError as e:  # rows the store cannot hold: the cell failed, the sweep goes on
+            self.failed(cell, str(e), None, seconds, attempts, node)
+            return
         self.status.running -= 1
-        if self.store.record_done(cell, rows, seconds, attempts, node, replace=self.rerun):
+        if stored:
             self.computed.append(cell.hash)
         else:  # another sweep on the same store finished it first; its rows stand
             self.taken_by_other.append(cell.hash)
@@ -158,10 +164,9 @@ def run_sweep(cells, out: str, engine=None, rerun: bool = False, max_failures: i
         todo = cells if rerun else [c for c in cells if c.hash not in done_before]
         skipped = [c.hash for c in cells if c.hash in done_before and not rerun]
         status = SweepStatus(total=len(cells), skipped=len(skipped), parallelism=getattr(engine, "parallelism", 1))
-        events = _Events(store, status, rerun, max_failures, on_status)
+        events = _Events(store, status, engine, rerun, max_failures, on_status)
         if todo:
             engine.run(todo, events)
-        status.parallelism = getattr(engine, "parallelism", 1)
         return SweepResult(out, grid, events.computed, skipped + events.taken_by_other, events.failed_hashes,
                            events.stopping(), time.perf_counter() - start)
 

@@ -10,7 +10,9 @@ re-imports the caller's ``__main__``: a script or notebook cell without the
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -18,9 +20,18 @@ from multiprocessing.connection import Connection
 from .kinds import set_reporter
 
 
+def _exit_with(parent: int) -> None:
+    """End this worker when the parent is gone (killed outright, it cannot say so): a
+    cell nobody will store should not hold a core."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
 def serve(conn: Connection, threads: int) -> None:
     import torch
 
+    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True).start()
     torch.set_num_threads(threads)
     set_reporter(lambda text: conn.send(("line", text)))
     while True:
