@@ -20,7 +20,6 @@ or an image that does not sit on consecutive placeholders, is a ``ValueError``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -219,13 +218,3 @@ def _assign(placeholder: Tensor, sizes: list[tuple[int, tuple | None]]) -> tuple
         raise ValueError(f"inputs: {len(sizes)} image(s) given, but input_ids hold placeholders for {i}")
     return tuple(images)
 
-
-def grid_of(span: ImageSpan) -> tuple[int, int]:
-    """The token grid of ``span``; a square one when the family gave none but the count
-    is a square (a LLaVA ``full`` strategy's CLS token is dropped by the caller)."""
-    if span.grid is not None:
-        return span.grid
-    side = math.isqrt(span.length)
-    if side * side != span.length:
-        raise ValueError(f"span: image {span.index} has {span.length} tokens, not a grid")
-    return side, side
