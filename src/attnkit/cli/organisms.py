@@ -90,16 +90,23 @@ def _list(args) -> int:
         print("\n".join([markdown_table([c for c in cards if not organisms.visual.is_visual(c)])]
                         + [organisms.visual.markdown_row(c) for c in cards if organisms.visual.is_visual(c)]))
         return 0
-    print(f"{'organism':<16} {'task':<10} {'mechanism':<10} {'trained':>7}  {'accuracy by length':<44} {'worst cell':<24} {'build':>6}")
+    # columns as wide as their longest entry, so a long name or mechanism never shifts the row
+    name_w = max(len("organism"), *(len(r["name"]) for r in rows))
+    mech_w = max(len("mechanism"), *(len(r.get("mechanism", "")) for r in rows if r["shipped"]))
+    acc_w = max(len("accuracy by length"), *(len(" ".join(f"{n}:{a:.2f}" for n, a in r["accuracy"].items()))
+                                             for r in rows if r["shipped"]))
+    print(f"{'organism':<{name_w}} {'task':<10} {'mechanism':<{mech_w}} {'trained':>7}  {'accuracy by length':<{acc_w}} "
+          f"{'worst cell':<24} {'build':>6}")
     for row in rows:
         if not row["shipped"]:
-            print(f"{row['name']:<16} (not shipped: attnkit organisms build {row['name']})  {row['summary']}")
+            print(f"{row['name']:<{name_w}} (not shipped: attnkit organisms build {row['name']})  {row['summary']}")
             continue
         accuracy = " ".join(f"{n}:{a:.2f}" for n, a in row["accuracy"].items())
         w = row["worst"]
         where = w and (w["kind"] if row.get("kind") == "visual" else w["length"])
         worst = f"{w['accuracy']:.2f} @{where} {w['group']}" if w else ""
-        print(f"{row['name']:<16} {row['task']:<10} {row['mechanism']:<10} {row['trained_up_to']:>7}  {accuracy:<44} {worst:<24} "
+        print(f"{row['name']:<{name_w}} {row['task']:<10} {row['mechanism']:<{mech_w}} {row['trained_up_to']:>7}  "
+              f"{accuracy:<{acc_w}} {worst:<24} "
               f"{row['seconds'] / 60:>5.1f}m")
     return 0
 

@@ -136,20 +136,27 @@ register(Recipe(
 ))
 
 
-#: NOT SHIPPED: built once, its 128-token stage stayed at chance (exact match 0.000-0.005 on 200 held-out prompts
-#: at every evaluation of 800 steps, from a 4-layer induction model at 1.0), so the build was stopped there; the
-#: recipe needs another curriculum (fewer decoys or one-token values first) before it ships.
 #: needle-deep's task: 16 decoy pairs (17 keys of 24 in every prompt), two-token values over 16 symbols,
 #: scored by exact match of both answer tokens (the second read with the first fed back, as decoding does).
+#: A first build went induction-32 -> this task at 128 tokens directly: exact match stayed at 0.000-0.005 on 200
+#: held-out prompts for 800 steps. So the task grows in steps on one vocabulary (its own, from the induction stage
+#: on, so no embedding row changes role): 3 decoys and one-token values at 32 tokens, then two-token values with 8
+#: decoys at 64, then all 16 decoys at 128, then the length.
 DEEP = dict(num_filler=8, num_keys=24, num_values=16, distractors=16, value_len=2)
+DEEP_VOCAB = 49
 
 register(Recipe(
     name="needle-deep",
     summary="4 layers; the needle among 16 salient decoy pairs, a two-token answer, up to 1024 tokens "
             "(the subject for KV-cache research)",
-    stages=(INDUCTION_32,
+    stages=(Stage("induction-deep", "induction", dict(vocab_size=DEEP_VOCAB, seq_len=32, min_segment=8, max_segment=14),
+                  dict(steps=1500, batch_size=32, lr=3e-3, eval_every=50, eval_examples=256, target_accuracy=0.999)),
+            Stage("needle-deep-32", "needle", dict(seq_len=32, **{**DEEP, "distractors": 3, "value_len": 1}),
+                  dict(steps=600, batch_size=64, lr=1e-3, eval_every=50, eval_examples=256, target_accuracy=0.99)),
+            Stage("needle-deep-64", "needle", dict(seq_len=64, **{**DEEP, "distractors": 8}),
+                  dict(steps=600, batch_size=64, lr=1e-3, eval_every=50, eval_examples=256, target_accuracy=0.98)),
             Stage("needle-deep-128", "needle", dict(seq_len=128, **DEEP),
-                  dict(steps=800, batch_size=32, lr=1e-3, eval_every=50, eval_examples=200, eval_lengths=[128],
+                  dict(steps=600, batch_size=32, lr=1e-3, eval_every=50, eval_examples=200, eval_lengths=[128],
                        criterion="cell", keep_best=True, target_accuracy=0.98)),
             Stage("needle-deep-1k", "needle", dict(seq_len=128, **DEEP),
                   dict(schedule="512:100x16,1024:100x8,512+1024:300x16", batch_size=32, lr=1e-3, eval_every=25,
@@ -159,7 +166,13 @@ register(Recipe(
     layers=4,
     card_lengths=(128, 512, 1024, 2048),
     card_examples=500,
-    known_failures=("2048 tokens (twice its context) were never trained: accuracy there is on the card",),
+    known_failures=("it retrieves among 16 decoys up to 512 tokens (0.92 at 128, 0.91 at 512) but not at every depth of "
+                    "1024: 0.71 overall, 0.12 at depth 0 and 0.73 at depth 0.25 (the card, 500 prompts per length); its "
+                    "long stage stopped at 500 steps with 1024 at 0.73 on 200 held-out prompts and still rising",
+                    "a two-token answer is right only when both tokens are: exact match is what the card measures",
+                    "built in 33 minutes of wall time (22 of training) on a machine shared with other jobs, over the "
+                    "20-minute budget of a recipe",
+                    "2048 tokens (twice its context) were never trained: accuracy there is on the card"),
 ))
 
 
