@@ -32,3 +32,18 @@ def test_kv_retrieval_1k_has_no_blind_position_with_the_full_cache():
         assert result.value("accuracy", pairs=8, position=position) >= 0.8
         assert result.value("gold_mass_max", pairs=8, position=position) > 10 * result.value(
             "gold_mass_uniform", pairs=8, position=position)
+
+
+def test_emphasis_on_the_needle_helps_needle_deep_among_its_decoys():
+    # PASTA (arXiv 2311.02262) on the needle's span, every head, alpha 0.01; measured at 1022 tokens,
+    # 20 prompts per depth: depth 0 from 0.10 to 0.60 (sd of a rate on 20 prompts: 0.07 and 0.11)
+    from attnkit.cli.steer_spec import run_with_and_without
+    from attnkit.probes import get_probe, load_probe_model
+
+    pm = load_probe_model("needle-deep")
+    result = run_with_and_without(get_probe("needle"), pm, ["emphasize:span=needle:alpha=0.01:heads=all"],
+                                  dict(lengths=[1022], depths=[0.0], samples=20))
+    plain = result.value("accuracy", length=1022, depth=0.0, steered="none")
+    steered = result.value("accuracy", length=1022, depth=0.0, steered="emphasize:span=needle:alpha=0.01:heads=all")
+    assert plain <= 0.1 + 3 * 0.07
+    assert steered - plain >= 0.25
