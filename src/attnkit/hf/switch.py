@@ -184,6 +184,10 @@ def use(
             shard of the single-process logits (training too).
         context_layout: "zigzag" (default) or "contiguous", as in ``attnkit.distributed``.
 
+    In a vision-language model (a composite config with a text sub-config) the switch,
+    its observers, ``layers`` and ``heads`` act on the text decoder only; the vision tower
+    runs on attnkit unchanged (``switched_modules``).
+
     The model's own behaviour — its scaling, sliding-window layers, logit soft-capping,
     sinks and position biases — is carried over from what it passes, not dropped.
     Padded slots (of a padding mask) are zeroed before any mechanism sees them, so
