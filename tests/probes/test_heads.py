@@ -3,6 +3,7 @@ quantity computed from eager output_attentions on a tiny random Llama (GQA), an
 induction-trained arena export against a random model of the same shape, bad input."""
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -113,7 +114,7 @@ def _check_retrieval(model, result):
 
 def test_rows_top_and_head_set(llama_run, tmp_path):
     _, _, result = llama_run
-    assert set(result.metrics) == set(SCORES)
+    assert set(result.metrics) == set(SCORES) | {"retrieval_se"}
     for score in SCORES:
         values = {(r["layer"], r["head"]): r["value"] for r in result.select(score)}
         assert len(values) == 12
@@ -225,3 +226,15 @@ def test_too_long_and_wrong_model():
         run("heads", model, tok, length=90, repeats=3, scores=["induction"])
     with pytest.raises(ValueError, match="--model"):
         run("heads", build("bert"), tok)
+
+
+def test_retrieval_standard_error_of_one_token_answers(needle_export):
+    # A needle export answers one token, so a head's per-prompt retrieval hit is 0 or 1 and
+    # the sample standard deviation of n such hits at mean p is sqrt(n p (1 - p) / (n - 1)):
+    # the standard error is sqrt(p (1 - p) / (n - 1)), a formula of the mean alone.
+    n = 24
+    result = run("heads", needle_export, samples=n, scores=["retrieval"])
+    for row in result.select("retrieval"):
+        p = row["value"]
+        se = result.value("retrieval_se", layer=row["layer"], head=row["head"])
+        assert se == pytest.approx(math.sqrt(p * (1 - p) / (n - 1)), abs=1e-12)

@@ -27,6 +27,7 @@ def offered_policies() -> list[str]:
 
 
 def add_parser(sub) -> None:
+    offered = offered_policies()  # without the [hf] extra this fails, and the CLI lists kv as unavailable
     p = sub.add_parser("kv", help="generate with a KV-cache policy (StreamingLLM, H2O, SnapKV, ...) beside the full cache; "
                                   "'kv curves': accuracy against budget per policy",
                        usage="attnkit kv MODEL --policy NAME [options] | attnkit kv curves --model M [options]",
@@ -35,7 +36,8 @@ def add_parser(sub) -> None:
                                    "they differ, the entries kept and the bytes each cache holds. attnkit kv curves: a "
                                    "retrieval task answered through every policy at every budget beside the full cache, "
                                    "written as results.csv, results.json and report.html.",
-                       epilog="attnkit kv MODEL --help and attnkit kv curves --help list each form's options")
+                       epilog=f"policies: {', '.join(offered)}. attnkit kv MODEL --help and attnkit kv curves --help "
+                              "list each form's options")
     p.add_argument("model", metavar="MODEL", help="a local transformers causal LM directory or organism name, or 'curves'")
     p.add_argument("options", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.set_defaults(func=run)

@@ -31,6 +31,16 @@ def register(recipe: Recipe) -> Recipe:
 
 
 register(Recipe(
+    name="induction-32",
+    summary="an induction circuit at 32 tokens: a repeated segment of 8-14 distinct tokens among filler, copied by "
+            "content (the start of every needle organism)",
+    stages=(INDUCTION_32,),
+    card_lengths=(32, 64, 128),
+    card_examples=500,
+    known_failures=("positions past 32 were never trained: accuracy at 64 and 128 tokens is on the card",),
+))
+
+register(Recipe(
     name="needle-32",
     summary="needle retrieval (3 distractors) at 32 tokens; an induction model taught the needle task",
     stages=(INDUCTION_32, NEEDLE_32),
@@ -86,6 +96,25 @@ register(Recipe(
     card_examples=540,
     known_failures=("accuracy by the gold pair's depth is on the card, whatever its shape (the curve it is a subject for)",
                     "2048 tokens (twice its context) were never trained: accuracy there is on the card"),
+))
+
+
+#: Induction with the copy up to a thousand tokens after the segment it repeats: induction-32's model, then the
+#: spread task (a random gap of filler between the copies) grown from 128 to 1024 tokens.
+INDUCTION_SPREAD = dict(vocab_size=32, min_segment=8, max_segment=14, spread=True)
+
+register(Recipe(
+    name="induction-1k",
+    summary="induction heads that copy a repeated segment up to ~1000 tokens after it, at every gap up to 1024 tokens",
+    stages=(INDUCTION_32,
+            Stage("induction-1k", "induction", dict(seq_len=128, **INDUCTION_SPREAD),
+                  dict(schedule="128:200x32,512:100x16,1024:100x8,512+1024:200x16", batch_size=32, lr=1e-3,
+                       eval_every=25, eval_examples=200, eval_lengths=[512, 1024], criterion="cell", keep_best=True,
+                       target_accuracy=0.995),
+                  max_len=1024)),
+    card_lengths=(128, 512, 1024, 2048),
+    card_examples=500,
+    known_failures=("2048 tokens (twice its context) were never trained: accuracy there is on the card",),
 ))
 
 
