@@ -53,6 +53,10 @@ def key_mask(keys, name: str = "keys") -> Tensor:
     raise ValueError(f"{name}: expected a (batch, tokens) bool mask or one list of (start, end) spans per batch row, got {type(keys).__name__}")
 
 
+#: what ``end_call`` adds up per head, in order
+_SUMS = ("rows", "share", "uniform", "visual_rows", "entropy", "entropy_norm", "norm_rows", "topk")
+
+
 class VisualAttention(Meter):
     """Per head: ``visual.share``, ``visual.share.uniform``, ``visual.entropy``,
     ``visual.entropy.norm``, ``visual.topk`` (k = ``top_k``), ``visual.blind`` (share of
@@ -73,78 +77,71 @@ class VisualAttention(Meter):
         self.prompt_len = self.keys.shape[1]
         self._state: dict = {}
         self._steps: dict = {}  # layer -> (B, H, T) share per step, NaN where not seen
+        self._img_full: Tensor | None = None
 
     def _img(self, call: CallInfo) -> Tensor:
+        """(B, Nk) image keys of a call: the prompt's mask, then text (a zero tail grown
+        by doubling, so a decoding step slices instead of concatenating)."""
         if self.keys.shape[0] not in (1, call.batch):
             raise ValueError(f"keys: a mask for {self.keys.shape[0]} batch rows, but layer {call.layer}'s call has {call.batch}")
-        img = self.keys.expand(call.batch, -1)
-        if call.k_len >= self.prompt_len:
-            return torch.cat([img, img.new_zeros(call.batch, call.k_len - self.prompt_len)], 1)
-        return img[:, : call.k_len]
+        full = self._img_full
+        if full is None or full.shape[0] != call.batch or full.shape[1] < call.k_len:
+            n = max(call.k_len, 2 * (full.shape[1] if full is not None else 0), self.prompt_len)
+            full = torch.zeros(call.batch, n, dtype=torch.bool)
+            full[:, : self.prompt_len] = self.keys
+            self._img_full = full
+        return full[:, : call.k_len]
 
     def begin_call(self, call: CallInfo, n_heads: int, row_lo: int, row_hi: int) -> None:
         self._call_img = self._img(call)
         shape = (call.batch, n_heads, row_hi - row_lo)
-        self._s_all, self._s_img, self._s2, self._n_vis, self._n_img = (torch.zeros(shape, dtype=torch.float64) for _ in range(5))
+        self._acc = torch.zeros((5,) + shape, dtype=torch.float64)  # S_all, S_img, S2, visible keys, visible image keys
         self._top = torch.zeros(shape + (self.top_k,), dtype=torch.float64)
         self._q0 = call.q_start + row_lo
         if call.layer not in self._state:
-            z = lambda: torch.zeros(n_heads, dtype=torch.float64)  # noqa: E731
-            self._state[call.layer] = {
-                "rows": z(), "share": z(), "uniform": z(), "entropy": z(), "entropy_norm": z(), "norm_rows": z(),
-                "topk": z(), "visual_rows": z(),
-                "received": torch.zeros(call.batch, n_heads, self.prompt_len, dtype=torch.float64),
-            }
+            self._state[call.layer] = {"sums": torch.zeros(len(_SUMS), n_heads, dtype=torch.float64),
+                                       "received": torch.zeros(call.batch, n_heads, self.prompt_len, dtype=torch.float64)}
         elif self._state[call.layer]["received"].shape[0] != call.batch:
             raise ValueError(f"layer {call.layer}: calls with batch {self._state[call.layer]['received'].shape[0]} then {call.batch} cannot share one meter")
 
     def update_view(self, call: CallInfo, view: TileView) -> None:
         # Sums in the weights' dtype per tile (as the other meters), accumulated in float64.
-        at = (view.batch, slice(None), view.rows)
+        at = (slice(None), view.batch, slice(None), view.rows)
         k0, span = view.k0, view.w.shape[3]
         w = view.w
         img = self._call_img[view.batch, k0 : k0 + span]  # (Bt, span) bool
         imgw = img.to(w.dtype).view(w.shape[0], 1, 1, span)
         vis = view.visible()
         wi = w * imgw
-        self._s_all[at] += w.sum(-1)
-        self._s_img[at] += wi.sum(-1)
-        self._s2[at] -= torch.special.entr(wi).sum(-1)
-        self._n_vis[at] += view.visible_per_row()
-        if vis is None:
-            self._n_img[at] += imgw.sum(-1, dtype=torch.float64)
-        else:
-            self._n_img[at] += (vis & img.view(imgw.shape)).sum(-1, dtype=torch.float64)
+        n_img = imgw.sum(-1) if vis is None else (vis & img.view(imgw.shape)).sum(-1)
+        parts = (w.sum(-1), wi.sum(-1), -torch.special.entr(wi).sum(-1), torch.as_tensor(view.visible_per_row()), n_img)
+        self._acc[at] += torch.stack(torch.broadcast_tensors(*(x.double() for x in parts)))
         top = wi.topk(min(self.top_k, span), dim=-1).values.double()
+        rows = at[1:]
         if k0 == 0 and top.shape[-1] == self.top_k:  # the row block's first key tile: nothing to merge yet
-            self._top[at] = top
+            self._top[rows] = top
         else:
-            self._top[at] = torch.cat([self._top[at], top], -1).topk(self.top_k, dim=-1).values
+            self._top[rows] = torch.cat([self._top[rows], top], -1).topk(self.top_k, dim=-1).values
         end = min(k0 + span, self.prompt_len)
         if end > k0:
             self._state[call.layer]["received"][view.batch, :, k0:end] += wi[..., : end - k0].sum(2)
 
     def end_call(self, call: CallInfo) -> None:
-        st = self._state[call.layer]
-        live = self._s_all > 0
-        share = torch.where(live, self._s_img / self._s_all.clamp_min(1e-300), 0.0)
-        uniform = torch.where(self._n_vis > 0, self._n_img / self._n_vis.clamp_min(1), 0.0)
-        seen = self._s_img > 0
-        s1 = torch.where(seen, self._s_img, 1.0)
-        h = torch.where(seen, torch.log(s1) - self._s2 / s1, 0.0).clamp_min(0.0)
-        multi = seen & (self._n_img >= 2)
-        norm = torch.where(multi, h / torch.log(torch.where(multi, self._n_img, 2.0)), 0.0)
+        s_all, s_img, s2, n_vis, n_img = self._acc
+        live = s_all > 0
+        share = torch.where(live, s_img / s_all.clamp_min(1e-300), 0.0)
+        uniform = torch.where(n_vis > 0, n_img / n_vis.clamp_min(1), 0.0)
+        seen = s_img > 0
+        s1 = torch.where(seen, s_img, 1.0)
+        h = torch.where(seen, torch.log(s1) - s2 / s1, 0.0).clamp_min(0.0)
+        multi = seen & (n_img >= 2)
+        norm = torch.where(multi, h / torch.log(torch.where(multi, n_img, 2.0)), 0.0)
         top = torch.where(seen, self._top.sum(-1) / s1, 0.0)
-        st["rows"] += live.sum((0, 2))
-        st["share"] += share.sum((0, 2))
-        st["uniform"] += (uniform * live).sum((0, 2))
-        st["visual_rows"] += seen.sum((0, 2))
-        st["entropy"] += h.sum((0, 2))
-        st["entropy_norm"] += norm.sum((0, 2))
-        st["norm_rows"] += multi.sum((0, 2))
-        st["topk"] += top.sum((0, 2))
+        # one stack, one reduction: the per-head sums of _SUMS, in that order
+        stats = torch.stack([live.double(), share, uniform * live, seen.double(), h, norm, multi.double(), top])
+        self._state[call.layer]["sums"] += stats.sum((1, 3))
         self._record_steps(call, torch.where(live, share, float("nan")))
-        del self._s_all, self._s_img, self._s2, self._n_vis, self._n_img, self._top, self._call_img
+        del self._acc, self._top, self._call_img
 
     def _record_steps(self, call: CallInfo, share: Tensor) -> None:
         first = self.prompt_len - 1  # query position of step 0
@@ -165,7 +162,8 @@ class VisualAttention(Meter):
     def rows(self):
         out = []
         for layer, heads, _ in self.measured():
-            st = {k: v for k, v in self._state[layer].items()}
+            st = dict(zip(_SUMS, self._state[layer]["sums"]))
+            st["received"] = self._state[layer]["received"]
             steps = self._steps.get(layer)
             drift = _slope(steps) if steps is not None else None
             blind = _blind(st["received"], self.top_k)
