@@ -315,7 +315,7 @@ def test_the_model_is_restored_after_reranking(subject):
 
 
 def test_icr_ranks_the_queried_pair_first_more_often_than_uncalibrated_on_the_trained_needle_model(needle_export):
-    """The arena's needle export (tests/trained_models.py) matches keys: it finds the
+    """The needle-32 organism (the needle_export fixture) matches keys: it finds the
     queried key's value among 3 distractor pairs. Documents here are key-value pairs in
     the task's format ("k v" among filler tokens); the relevant one holds the queried key
     and is short ("k v" alone), the three others hold other pairs among 6 filler tokens.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .recipes import Recipe, Stage
 
-#: Induction with copies at random distances (the tests' recipe, tests/trained_models.py).
+#: Induction with copies at random distances (shipped as induction-32, the tests' induction_export).
 INDUCTION_32 = Stage("induction-32", "induction", dict(vocab_size=32, seq_len=32, min_segment=8, max_segment=14),
                      dict(steps=1500, batch_size=32, lr=3e-3, eval_every=50, eval_examples=256, target_accuracy=0.999))
 

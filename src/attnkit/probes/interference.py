@@ -29,7 +29,7 @@ import time
 from .haystack import encode
 from .result import ProbeResult
 from .retrieval import (Item, add_accuracy_rows, add_mass_rows, arena_symbols, check_int, check_ints,
-                        check_max_positions, check_run, examples, run_items, score)
+                        check_kv, check_max_positions, check_run, examples, kv_params, run_items, score)
 
 DEFAULT_UPDATES = (1, 2, 4, 8)
 INTRO = "Below is a stream of updates, one per line: each sets a key to a new value. Only the latest value of a key counts."
@@ -40,7 +40,7 @@ _KEYS = ("red", "blue", "green", "amber", "violet", "silver", "tiger", "otter", 
 
 
 def interference(model=None, tokenizer=None, *, updates=DEFAULT_UPDATES, keys: int = 4, samples: int = 4, seed: int = 0,
-                 progress=None, batch_size: int = 8, max_new_tokens: int | None = None) -> ProbeResult:
+                 progress=None, batch_size: int = 8, max_new_tokens: int | None = None, kv=None) -> ProbeResult:
     """Accuracy of recalling a key's last value against the number of updates ``n``.
 
     Args:
@@ -49,14 +49,18 @@ def interference(model=None, tokenizer=None, *, updates=DEFAULT_UPDATES, keys: i
         samples: prompts per n
         seed: the same seed gives the same prompts
         batch_size: prompts per forward pass
-        max_new_tokens: default the answer's tokens + 4 (1 on an arena export)"""
+        max_new_tokens: default the answer's tokens + 4 (1 on an arena export)
+        kv: a KV-cache policy to answer through (``attnkit.kv.protocol.KVSetting`` or its text,
+            ``h2o:budget=0.25``): the question is asked after the stream is compressed; no
+            attention masses are measured then"""
     start = time.perf_counter()
     pm, samples, seed, batch_size, say, max_new_tokens = check_run(model, tokenizer, "interference", samples, seed, batch_size,
                                                                progress, max_new_tokens)
     updates = check_ints(updates, "--updates", 1)
     keys = check_int(keys, "--keys")
+    kv = check_kv(kv)
     params = {"updates": updates, "keys": keys, "samples": samples, "seed": seed, "batch_size": batch_size,
-              "max_new_tokens": max_new_tokens}
+              "max_new_tokens": max_new_tokens, "kv": None if kv is None else kv_params(kv)}
     if pm.task is not None:
         sym = arena_symbols(pm, "interference")
         if keys > len(sym["keys"]):
@@ -74,7 +78,7 @@ def interference(model=None, tokenizer=None, *, updates=DEFAULT_UPDATES, keys: i
     for length in sorted({len(it.ids) for it in items}):
         check_max_positions(pm, length, new_tokens, "--updates")
 
-    outcomes, layers = run_items(pm, items, new_tokens, batch_size, say, "interference")
+    outcomes, layers = run_items(pm, items, new_tokens, batch_size, say, "interference", kv=kv)
     result = ProbeResult("interference")
     add_accuracy_rows(result, outcomes, ("n",))
     for n in updates:
@@ -82,10 +86,11 @@ def interference(model=None, tokenizer=None, *, updates=DEFAULT_UPDATES, keys: i
         stale = [float(o.score < 1 and any(score(o.output, v, o.item.words) for v in o.item.extra["stale"]))
                  for o in group]
         result.add("stale_answer", sum(stale) / len(stale), n=n)
-    add_mass_rows(result, outcomes, layers, ("n",), "last", "last_mass")
     stale_outcomes = [o for o in outcomes if o.item.params["n"] > 1]
-    if stale_outcomes:
-        add_mass_rows(result, stale_outcomes, layers, ("n",), "stale", "stale_mass")
+    if kv is None:  # under a KV policy no masses are measured
+        add_mass_rows(result, outcomes, layers, ("n",), "last", "last_mass")
+        if stale_outcomes:
+            add_mass_rows(result, stale_outcomes, layers, ("n",), "stale", "stale_mass")
     result.meta = {
         "model": pm.name, "params": params, "seconds": time.perf_counter() - start, "max_new_tokens": new_tokens,
         "examples": examples(outcomes),
@@ -94,7 +99,7 @@ def interference(model=None, tokenizer=None, *, updates=DEFAULT_UPDATES, keys: i
              "title": "Recall of a key's last value against the number of updates (proactive interference)"},
             {"kind": "curve", "x": "n", "metric": ["last_mass_max", "stale_mass_max"], "series": None,
              "title": "Attention mass on the last value and on stale values (best head)"},
-        ],
+        ][:1 if kv is not None else None],
     }
     return result
 
@@ -137,9 +142,11 @@ def text_items(pm, updates, keys, samples, seed) -> list[Item]:
                     stale += [last] if last is not None else []
                     last = (len(ids), len(ids) + len(value))
                 ids += value
-            ids += encode(tok, f"\nQuestion: What is the last value of {asked}? Answer: The last value of {asked} is")
+            question = encode(tok, f"\nQuestion: What is the last value of {asked}? Answer: The last value of {asked} is")
+            ids += question
             history = [v for k, v in stream if k == asked]
-            items.append(_item(ids, history, last, stale, n, sample, asked, words=False))
+            items.append(_item(ids, history, last, stale, n, sample, asked, words=False, question=len(question),
+                               answer_ids=encode(tok, f" {history[-1]}")))
     return items
 
 
@@ -158,13 +165,14 @@ def arena_items(sym, updates, keys, samples, seed) -> list[Item]:
                 tokens += [k, v]
             tokens += sym["query"] + [asked]
             history = [v for k, v in stream if k == asked]
-            items.append(_item([ids_of[t] for t in tokens], history, last, stale, n, sample, asked, words=True))
+            items.append(_item([ids_of[t] for t in tokens], history, last, stale, n, sample, asked, words=True,
+                               question=len(sym["query"]) + 1, answer_ids=[ids_of[history[-1]]]))
     return items
 
 
-def _item(ids, history, last, stale, n, sample, asked, words) -> Item:
+def _item(ids, history, last, stale, n, sample, asked, words, question, answer_ids) -> Item:
     spans = {"last": [last]}
     if stale:
         spans["stale"] = stale
     return Item(ids, history[-1], spans, {"n": n, "sample": sample}, words=words,
-                extra={"key": asked, "stale": history[:-1]})
+                extra={"key": asked, "stale": history[:-1]}, question=question, answer_ids=answer_ids)
