@@ -62,7 +62,7 @@ class RowScale(ScoreMod):
     kind = "row_scale"
     per_head = True
 
-    def factor(self, b: Tensor, h: Tensor, q_idx: Tensor) -> Tensor:
+    def factor(self, b: Tensor | None, h: Tensor, q_idx: Tensor) -> Tensor:
         raise NotImplementedError
 
     def __call__(self, s, b, h, q_idx, kv_idx):
@@ -429,6 +429,8 @@ class AffineForm:
                 r, c = r * f, c * f
             row = r if row is None else row + r
             col = c if col is None else col + c
+        if row is None or col is None:  # no terms: nothing to separate
+            return None
         return row, col
 
 
@@ -439,8 +441,9 @@ def affine_form(score: ScoreMod | None) -> AffineForm | None:
     atoms = score.atoms()
     if any(a.kind not in ("row_scale", "bias") for a in atoms):
         return None
-    scales = [a for a in atoms if a.kind == "row_scale"]
-    terms = [(a, [s for s in atoms[i + 1 :] if s.kind == "row_scale"]) for i, a in enumerate(atoms) if a.kind == "bias"]
+    # the kinds say which class each atom is: row scales are RowScale, biases are Bias
+    scales = [a for a in atoms if isinstance(a, RowScale)]
+    terms = [(a, [s for s in atoms[i + 1 :] if isinstance(s, RowScale)]) for i, a in enumerate(atoms) if isinstance(a, Bias)]
     return AffineForm(scales, terms)
 
 

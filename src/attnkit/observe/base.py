@@ -77,7 +77,7 @@ class AttentionTile:
             if int(pos[-1]) - first + 1 != len(pos):
                 raise ValueError(f"tile: {name} positions must be an ascending contiguous range, got {pos.tolist()[:8]}...")
             out.append(first)
-        return tuple(out)
+        return out[0], out[1], out[2]
 
 
 @dataclass(frozen=True)

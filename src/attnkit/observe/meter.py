@@ -114,12 +114,16 @@ class Meter(Observer, ABC):
         return Selection(self.heads, (lo, hi))
 
     def begin(self, call: CallInfo) -> None:
-        self._sel = self.wants(call)
-        heads = self._sel.heads if self._sel.heads is not None else tuple(range(call.heads))
+        sel = self.wants(call)
+        if sel is None:
+            raise RuntimeError(f"meter: begin() for layer {call.layer}, a call it does not want (wants() gave None)")
+        self._sel = sel
+        heads = sel.heads if sel.heads is not None else tuple(range(call.heads))
         known = self._head_ids.setdefault(call.layer, heads)
         if known != heads:
             raise ValueError(f"layer {call.layer}: calls with different head counts ({len(known)} then {len(heads)}) cannot share one meter")
-        lo, hi = self._sel.q_range
+        assert sel.q_range is not None  # wants() always gives a meter's calls a query range
+        lo, hi = sel.q_range
         self._rows_seen[call.layer] = self._rows_seen.get(call.layer, 0) + call.batch * (hi - lo)
         self.begin_call(call, len(heads), lo - call.q_start, hi - call.q_start)
 
@@ -174,6 +178,8 @@ class Meter(Observer, ABC):
 
     def view(self, tile: AttentionTile) -> TileView | None:
         sel = self._sel
+        if sel is None:
+            raise RuntimeError("meter: view() before begin()")
         parts = {"w": tile.weights, "s": tile.scores, "mask": tile.visible, "log_norm": tile.log_norm}
         # heads: take ours out of the tile's (a tile may hold a superset of them)
         if sel.heads is not None:
@@ -184,6 +190,7 @@ class Meter(Observer, ABC):
         elif tile.heads is not None and len(tile.heads) != tile.call.heads:
             raise ValueError("tile: holds a subset of the heads but the meter measures all of them")
         # query rows: keep those in our range
+        assert sel.q_range is not None  # set by wants()
         lo, hi = sel.q_range
         q_pos = tile.q_pos
         first, _, b0 = tile.starts
@@ -194,5 +201,7 @@ class Meter(Observer, ABC):
             q_pos = q_pos[a:b]
             parts = {k: t if t is None or t.shape[2] == 1 else t[:, :, a:b] for k, t in parts.items()}
         r0 = first + a - lo
+        if parts["w"] is None:
+            raise RuntimeError("tile: a meter's tile carries no weights")
         return TileView(parts["w"], parts["s"], q_pos, tile.k_pos, slice(b0, b0 + len(tile.batch)), slice(r0, r0 + len(q_pos)),
                         tile.all_visible, parts["mask"], parts["log_norm"], tile.starts[1])

@@ -57,7 +57,9 @@ class SinkMass(Meter):
             if view.all_visible:
                 st["key0_seen"] += view.w.shape[0] * view.w.shape[2]
             else:
-                vis = view.visible()[..., 0]
+                visible = view.visible()
+                assert visible is not None  # not all visible, so visible() says which
+                vis = visible[..., 0]
                 st["key0_seen"] += vis.expand(view.w.shape[:3]).sum((0, 2)).double()
 
     def rows(self):
