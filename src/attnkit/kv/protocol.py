@@ -105,13 +105,15 @@ class Answer:
     """What ``ask`` produced: the greedy ``tokens`` (B, T), the bytes of keys and values
     held at the end (``kv_bytes``), the entries held per KV head after the question as a
     fraction of those a full cache holds (``kept``, mean over layers, heads and rows), and
-    the decoding steps' wall time (``decode_seconds`` over ``decode_steps`` calls)."""
+    the decoding steps' wall time (``decode_seconds`` over ``decode_steps`` calls), and the
+    ``cache`` itself (what it kept: ``cache.kept_positions(layer)`` for a policy's)."""
 
     tokens: torch.Tensor
     kv_bytes: int
     kept: float
     decode_seconds: float
     decode_steps: int
+    cache: object = None
 
 
 @torch.no_grad()
@@ -157,7 +159,7 @@ def ask(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, question: 
         out = model(**kwargs)
         seconds += time.perf_counter() - start
     return Answer(torch.stack(produced, dim=1), _kv_bytes(cache), _kept(cache, mask), seconds,
-                  question + max_new_tokens - 1)
+                  question + max_new_tokens - 1, cache)
 
 
 def _kv_bytes(cache) -> int:

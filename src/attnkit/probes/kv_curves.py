@@ -34,7 +34,9 @@ DEFAULT_BUDGETS = (0.05, 0.1, 0.25, 0.5)
 def kv_curves(model=None, tokenizer=None, *, task: str = "needle", policies: list[str] = DEFAULT_POLICIES,
               budgets: list[float] = DEFAULT_BUDGETS, protocol: str = "agnostic", lengths: list[int] | None = None,
               depths: list[float] = (0.0, 0.25, 0.5, 0.75, 1.0), pairs: list[int] | None = None, samples: int = 20,
-              seed: int = 0, batch_size: int = 32, policy_params: dict | None = None, progress=None) -> ProbeResult:
+              seed: int = 0, batch_size: int = 32, policy_params: dict | None = None, engine: str | None = None,
+              workers: int | None = None, address: str | None = None, store: str | None = None,
+              progress=None) -> ProbeResult:
     """Accuracy against KV budget per policy (see the module docstring).
 
     Args:
@@ -49,7 +51,13 @@ def kv_curves(model=None, tokenizer=None, *, task: str = "needle", policies: lis
         samples: prompts per cell
         seed: the same seed gives the same prompts
         batch_size: prompts per forward pass
-        policy_params: per policy, its parameters: ``{"snapkv": {"window": 8}}`` or ``snapkv.window=8,pyramid.beta=2``"""
+        policy_params: per policy, its parameters: ``{"snapkv": {"window": 8}}`` or ``snapkv.window=8,pyramid.beta=2``
+        engine: ``local`` or ``ray``: each policy × budget (and the full cache) becomes a sweep cell
+            (``attnkit.sweeps``) run by that engine into ``store``, which a second run resumes; default:
+            every setting in this process
+        workers: the local engine's worker processes (default 2), or the CPUs a local Ray instance gets
+        address: a Ray cluster to join (``auto``, ``host:port``; default: a local instance)
+        store: the sweep's results directory (needed with ``engine``)"""
     from ..kv.protocol import FULL, PROTOCOLS, KVSetting
 
     start = time.perf_counter()
@@ -75,39 +83,30 @@ def kv_curves(model=None, tokenizer=None, *, task: str = "needle", policies: lis
         raise ValueError(f"--budgets: {min(budgets)} of a {shortest}-token context keeps no entry")
 
     result = ProbeResult("kv-curves")
-    failures, full_examples = [], []
-    for n, setting in enumerate(settings, 1):
-        where = {"policy": setting.policy, "budget": setting.budget}
-        say(f"kv-curves: {n}/{len(settings)} {setting.label} ({len(items)} prompts)")
-        stats: list = []
-        began = time.perf_counter()
-        try:
-            outcomes, _ = run_items(pm, items, new_tokens, batch_size, lambda line: None, "kv-curves", kv=setting,
-                                    stats=stats)
-        except Exception as e:  # one policy's failure is recorded in its rows; the others still run
-            failures.append({**where, "error": f"{type(e).__name__}: {e}"})
-            result.add("error", f"{type(e).__name__}: {e}", **where)
-            continue
-        for o in outcomes:
-            cell = {k: o.item.params[k] for k in keys}
-            result.add("exact_match", o.score, **where, **cell, sample=o.item.params["sample"])
-            result.add("token_accuracy", o.token_accuracy(), **where, **cell, sample=o.item.params["sample"])
-        rows = sum(a.tokens.shape[0] for a in stats)
-        result.add("kept", sum(a.kept * a.tokens.shape[0] for a in stats) / rows, **where)
-        result.add("kv_bytes", sum(a.kv_bytes for a in stats) / rows, **where)
-        steps = sum(a.decode_steps * a.tokens.shape[0] for a in stats)
-        seconds = sum(a.decode_seconds for a in stats)
-        result.add("decode_tokens_per_s", steps / seconds if seconds > 0 else math.nan, **where)
-        result.add("seconds", time.perf_counter() - began, **where)
-        if setting.policy == FULL:
-            full_examples = examples(outcomes)
+    if engine is None:
+        if workers is not None or address is not None or store is not None:
+            raise ValueError(f"--{'workers' if workers is not None else 'address' if address is not None else 'store'}: "
+                             "only with --engine local or ray")
+        full_examples = None
+        for n, setting in enumerate(settings, 1):
+            say(f"kv-curves: {n}/{len(settings)} {setting.label} ({len(items)} prompts)")
+            rows, found = setting_rows(pm, items, keys, setting, new_tokens, batch_size)
+            result.rows += rows
+            full_examples = full_examples if found is None else found
+    else:
+        full_examples = None
+        result.rows += _swept(model, tokenizer, engine, workers, address, store, settings, say,
+                              dict(task=task, lengths=lengths, depths=depths, pairs=pairs, samples=samples, seed=seed,
+                                   batch_size=batch_size))
+    failures = [{k: r[k] for k in ("policy", "budget")} | {"error": r["value"]} for r in result.rows
+                if r["metric"] == "error"]
     x = "depth" if task == "needle" else "position"
     result.meta = {
         "model": pm.name, "seconds": time.perf_counter() - start, "max_new_tokens": new_tokens,
         "params": {"task": task, "policies": policies, "budgets": budgets, "protocol": protocol, "lengths": lengths,
                    "depths": depths, "pairs": pairs, "samples": samples, "seed": seed, "batch_size": batch_size,
                    "policy_params": policy_params},
-        "failures": failures, "examples": full_examples,
+        "failures": failures, "examples": full_examples or [], "engine": engine,
         "figures": [
             {"kind": "curve", "x": "budget", "metric": "exact_match", "series": "policy", "spread": "sample",
              "reference": {"policy": FULL}, "x_title": "budget (fraction of the context kept)",
@@ -123,6 +122,81 @@ def kv_curves(model=None, tokenizer=None, *, task: str = "needle", policies: lis
         ],
     }
     return result
+
+
+def setting_rows(pm, items, keys, setting, new_tokens: int, batch_size: int) -> tuple[list[dict], list | None]:
+    """The rows of one setting (every prompt, then the setting's summary), and the full
+    cache's examples (None for a policy). A policy that fails gives one ``error`` row."""
+    from ..kv.protocol import FULL
+
+    part = ProbeResult("kv-curves")
+    where = {"policy": setting.policy, "budget": setting.budget}
+    stats: list = []
+    began = time.perf_counter()
+    try:
+        outcomes, _ = run_items(pm, items, new_tokens, batch_size, lambda line: None, "kv-curves", kv=setting,
+                                stats=stats)
+    except Exception as e:  # one policy's failure is recorded in its rows; the others still run
+        part.add("error", f"{type(e).__name__}: {e}", **where)
+        return part.rows, None
+    for o in outcomes:
+        cell = {k: o.item.params[k] for k in keys}
+        part.add("exact_match", o.score, **where, **cell, sample=o.item.params["sample"])
+        part.add("token_accuracy", o.token_accuracy(), **where, **cell, sample=o.item.params["sample"])
+    rows = sum(a.tokens.shape[0] for a in stats)
+    part.add("kept", sum(a.kept * a.tokens.shape[0] for a in stats) / rows, **where)
+    part.add("kv_bytes", sum(a.kv_bytes for a in stats) / rows, **where)
+    steps = sum(a.decode_steps * a.tokens.shape[0] for a in stats)
+    seconds = sum(a.decode_seconds for a in stats)
+    part.add("decode_tokens_per_s", steps / seconds if seconds > 0 else math.nan, **where)
+    part.add("seconds", time.perf_counter() - began, **where)
+    return part.rows, examples(outcomes) if setting.policy == FULL else None
+
+
+def kv_curve_cell(config: dict) -> list[dict]:
+    """The sweep cell kind ``kv_curve``: one setting of a curve, its prompts rebuilt from
+    the config (the same seed, the same prompts on any node)."""
+    from ..kv.protocol import KVSetting
+    from ..sweeps import report_line
+    from .model import load_probe_model
+
+    pm = load_probe_model(config["model"])
+    items, keys, new_tokens = task_items(pm, config["task"], config["lengths"], config["depths"], config["pairs"],
+                                         config["samples"], config["seed"])
+    s = config["setting"]
+    setting = KVSetting(s["policy"], s["budget"], tuple((k, v) for k, v in s["params"]), s["protocol"])
+    report_line(f"{setting.label} ({len(items)} prompts)")
+    rows, _ = setting_rows(pm, items, keys, setting, new_tokens, config["batch_size"])
+    return rows
+
+
+def _swept(model, tokenizer, engine, workers, address, store, settings, say, grid) -> list[dict]:
+    """The settings as sweep cells (one per setting) through ``engine`` into ``store``."""
+    import os
+
+    from ..sweeps import Cell, LocalEngine, RayEngine, load, run_sweep
+
+    if engine not in ("local", "ray"):
+        raise ValueError(f"--engine: expected local or ray, got {engine!r}")
+    if not isinstance(model, (str, os.PathLike)) or tokenizer is not None:
+        raise ValueError("--model: a sweep's workers load the model themselves: give a directory or an organism name")
+    if store is None:
+        raise ValueError("--store: a sweep writes its cells into a results directory; give one")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ValueError(f"--workers: expected an int >= 1, got {workers!r}")
+    if engine == "local":
+        if address is not None:
+            raise ValueError("--address: only with --engine ray")
+        runner = LocalEngine(workers=workers or 2)
+    else:
+        runner = RayEngine(address, num_cpus=workers)
+    cells = [Cell("kv_curve", {"model": os.fspath(model), **grid,
+                               "setting": {"policy": s.policy, "budget": s.budget, "params": [list(p) for p in s.params],
+                                           "protocol": s.protocol}}, label=s.label) for s in settings]
+    say(f"kv-curves: {len(cells)} cells on the {engine} engine into {store}")
+    run_sweep(cells, os.fspath(store), runner, on_status=lambda status: say(f"kv-curves: {status.line()}"))
+    wanted = {c.hash for c in cells}
+    return [{k: v for k, v in row.items() if k != "cell"} for row in load(os.fspath(store)) if row.get("cell") in wanted]
 
 
 def _names(policies) -> list[str]:

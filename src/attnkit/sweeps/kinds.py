@@ -22,6 +22,7 @@ CellFn = Callable[[dict], list]
 
 _KINDS: dict[str, CellFn | str] = {
     "arena": "attnkit.sweeps.arena:run_cell",
+    "kv_curve": "attnkit.probes.kv_curves:kv_curve_cell",
     "toy": "attnkit.sweeps.toy:run_cell",
 }
 
