@@ -58,8 +58,34 @@ def target_arch() -> str:
     return arch
 
 
+#: the sanitizers ``ATTNKIT_SANITIZE`` may name (comma-separated), for scripts/asan.sh
+SANITIZERS = ("address", "undefined")
+
+
+def sanitizers() -> list[str]:
+    """The ``-fsanitize`` values of the build (``ATTNKIT_SANITIZE``, e.g. ``address``), none
+    by default. A sanitized build is an extension of its own name; it loads only in a
+    process that preloads the sanitizer's runtime (``LD_PRELOAD=$(c++ -print-file-name=libasan.so)``)."""
+    given = os.environ.get("ATTNKIT_SANITIZE", "")
+    names = sorted({n.strip() for n in given.split(",") if n.strip()})
+    unknown = [n for n in names if n not in SANITIZERS]
+    if unknown:
+        raise ValueError(f"ATTNKIT_SANITIZE: expected a comma-separated subset of {', '.join(SANITIZERS)}, got {given!r}")
+    return names
+
+
+def _sanitize_flags() -> list[str]:
+    names = sanitizers()
+    return [f"-fsanitize={','.join(names)}", "-fno-omit-frame-pointer", "-g"] if names else []
+
+
 def flags() -> list[str]:
-    return ["-O3", f"-march={target_arch()}", "-std=c++17", *OPENMP]
+    opt = "-O1" if sanitizers() else "-O3"  # a sanitized build keeps its frames readable
+    return [opt, f"-march={target_arch()}", "-std=c++17", *OPENMP, *_sanitize_flags()]
+
+
+def ldflags() -> list[str]:
+    return [*LDFLAGS, *_sanitize_flags()]
 
 
 @dataclass(frozen=True)
@@ -92,7 +118,8 @@ def extension_name() -> str:
     """The extension's name, keyed by the CPU (so a shared cache never serves one CPU's
     -march=native build to another), the target architecture and torch's version."""
     digest = hashlib.sha256(_cpu_signature() + target_arch().encode() + torch.__version__.encode()).hexdigest()[:12]
-    return f"attnkit_cpu_{digest}"
+    suffix = "".join(f"_{n}" for n in sanitizers())
+    return f"attnkit_cpu_{digest}{suffix}"
 
 
 _lock = threading.Lock()
@@ -110,7 +137,7 @@ def _load(verbose: bool = False) -> Status:
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(name=extension_name(), sources=[str(HERE / s) for s in SOURCES], extra_cflags=flags(), extra_ldflags=LDFLAGS,
+        cpp_extension.load(name=extension_name(), sources=[str(HERE / s) for s in SOURCES], extra_cflags=flags(), extra_ldflags=ldflags(),
                            extra_include_paths=[str(HERE)], is_python_module=False, verbose=verbose)
         torch.ops.attnkit._gemm_mode  # the library registered its operators  # noqa: B018
         from . import fused, kv, mixed, pointwise, sparse
@@ -122,7 +149,8 @@ def _load(verbose: bool = False) -> Status:
         first = str(err).strip().splitlines()
         detail = first[-1] if first else type(err).__name__
         return Status(False, f"build or load failed: {type(err).__name__}: {detail[:300]}", time.perf_counter() - start)
-    return Status(True, f"torch extension {extension_name()}, -march={target_arch()}", time.perf_counter() - start)
+    sanitized = f", -fsanitize={','.join(sanitizers())}" if sanitizers() else ""
+    return Status(True, f"torch extension {extension_name()}, -march={target_arch()}{sanitized}", time.perf_counter() - start)
 
 
 def _single_thread_child() -> None:

@@ -9,6 +9,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include <memory>
+#include <new>
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define AK_AVX2 1
@@ -57,6 +60,15 @@ static inline float hsum_avx2(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 #endif
+
+/* ------------------------------------------------------------------ buffers */
+
+/* A scratch buffer of n (at least 1) uninitialised T, freed when it goes out of scope
+ * (also when a tile product throws); empty (get() == nullptr) when out of memory. */
+template <class T>
+static inline std::unique_ptr<T[]> ak_buffer(int64_t n) {
+    return std::unique_ptr<T[]>(new (std::nothrow) T[n > 0 ? (size_t)n : 1]);
+}
 
 /* ------------------------------------------------------------------ matrix products */
 
@@ -166,41 +178,90 @@ int ak_stick_breaking(float *s, int64_t rows, int64_t cols, float *carry);
 int ak_stick_breaking_backward(float *s, float *dw, int64_t rows, int64_t cols, float *carry, float *carry_w,
                                const float *delta);
 int ak_topk_rows(const float *s, int64_t rows, int64_t cols, int64_t k, float *values, int64_t *columns);
-int ak_sigmoid_attention(const float *q, const float *k, const float *v, float *out, int64_t bh0, int64_t bh1,
-                         int64_t H, int64_t Hkv, int64_t Nq, int64_t Nk, int64_t D, int64_t Dv, float scale, float bias,
-                         int64_t q_start, int has_lo, int64_t lo, int has_hi, int64_t hi, int64_t BQ, int64_t BK);
-int ak_sigmoid_attention_backward(const float *q, const float *k, const float *v, const float *dout, float *dq,
-                                  float *dk, float *dv, int64_t bh0, int64_t bh1, int64_t H, int64_t Hkv, int64_t Nq,
-                                  int64_t Nk, int64_t D, int64_t Dv, float scale, float bias, int64_t q_start,
-                                  int has_lo, int64_t lo, int has_hi, int64_t hi, int64_t BQ, int64_t BK);
-int ak_softmax_attention(const float *q, const float *k, const float *v, float *out, float *lse, int64_t bh0,
-                         int64_t bh1, int64_t H, int64_t Hk, int64_t Hv, const int64_t *kidx, const int64_t *vidx,
-                         int64_t Nq, int64_t Nk, int64_t D, int64_t Dv, float scale, float softcap, int64_t q_start,
-                         int has_lo, int64_t lo, int has_hi, int64_t hi, int64_t BQ, int64_t BK);
-int ak_topk_attention(const float *q, const float *k, const float *v, float *out, float *lse, int64_t *chosen,
-                      float *weights, float *kept, float *visible, int64_t bh0, int64_t bh1, int64_t H, int64_t Hkv,
-                      int64_t Nq, int64_t Nk, int64_t D, int64_t Dv, int64_t q_start, int has_lo, int64_t lo, int has_hi,
-                      int64_t hi, int64_t width, int64_t BQ);
-int ak_mixed_softmax_attention(const float *q, const float *k, const float *v, const float *w, const float *pre,
-                               const float *post, float *out, float *lse, int64_t u0, int64_t u1, int64_t chunks, int64_t H,
-                               int64_t Hkv, int64_t Nq, int64_t Nk, int64_t D, int64_t Dv, int64_t cq, int64_t ck, int64_t ch,
-                               int64_t q_start, int has_lo, int64_t lo, int has_hi, int64_t hi, int64_t BQ, int64_t BK);
-int ak_mixed_softmax_attention_backward(const float *q, const float *k, const float *v, const float *dout, const float *lse,
-                                        const float *dlse, const float *w, const float *wf, const float *pre, const float *post, float *dq,
-                                        float *dk, float *dv, float *dw, float *dpre, float *dpost, int64_t u0, int64_t u1,
-                                        int64_t chunks, int64_t H, int64_t Hkv, int64_t Nq, int64_t Nk, int64_t D, int64_t Dv,
-                                        int64_t cq, int64_t ck, int64_t ch, int64_t q_start, int has_lo, int64_t lo,
-                                        int has_hi, int64_t hi, int64_t BQ, int64_t BK);
-int ak_nsa_select(const float *q, const float *kc, const float *vc, const float *gates, int64_t *chosen, float *out,
-                  float *lse_cmp, int64_t u0, int64_t u1, int64_t Hq, int64_t Hkv, int64_t Nq, int64_t Nk, int64_t Ncmp,
-                  int64_t D, int64_t Dv, float scale, int64_t cblock, int64_t stride, int64_t sblock, int64_t width,
-                  int64_t initial, int64_t local, int64_t chunk);
-int ak_nsa_selected(const float *q, const float *k, const float *v, const int64_t *chosen, const float *gates,
-                    float *out, float *lse, int64_t u0, int64_t u1, int64_t Hq, int64_t Hkv, int64_t Nq, int64_t Nk,
-                    int64_t D, int64_t Dv, int64_t width, int64_t block, float scale, float above, int64_t tile_rows,
-                    int64_t span_rows);
-int ak_nsa_window(const float *q, const float *k, const float *v, const float *gates, float *out, float *lse,
-                  int64_t bh0, int64_t bh1, int64_t H, int64_t Hkv, int64_t Nq, int64_t Nk, int64_t D, int64_t Dv,
-                  float scale, int64_t window, int64_t BQ);
+
+/* The parameters of the whole-call loops, one struct per family instead of 20-38 positional
+ * arguments. Shapes: q (B, H, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv), contiguous;
+ * keys lie in the band lo <= key - (q_start + query) <= hi (has_lo / has_hi = 0: unbounded). */
+struct ak_dims {
+    int64_t H, Hkv, Nq, Nk, D, Dv;
+};
+
+struct ak_band {
+    int64_t q_start;
+    int has_lo, has_hi;
+    int64_t lo, hi;
+};
+
+/* Sigmoid attention (loops_fused.cpp), forward and backward. */
+struct ak_sigmoid_call {
+    const float *q, *k, *v;
+    ak_dims dims;
+    ak_band band;
+    float scale, bias;
+    int64_t BQ, BK;  /* tile rows and keys */
+};
+
+/* Softmax attention with head maps (loops_fused.cpp): query head j reads key head kidx[j]
+ * of dims.Hkv and value head vidx[j] of Hv. */
+struct ak_softmax_call {
+    const float *q, *k, *v;
+    const int64_t *kidx, *vidx;
+    ak_dims dims;
+    int64_t Hv;
+    ak_band band;
+    float scale, softcap;
+    int64_t BQ, BK;
+};
+
+/* Top-k attention (loops_fused.cpp): its inputs, and the outputs it writes. */
+struct ak_topk_call {
+    const float *q, *k, *v;
+    ak_dims dims;
+    ak_band band;
+    int64_t width, BQ;
+};
+
+struct ak_topk_outputs {
+    float *out, *lse;
+    int64_t *chosen;
+    float *weights, *kept, *visible;
+};
+
+/* Softmax attention with a logit transform and head mixing (loops_mixed.cpp): w (H, cq,
+ * ck) or pre (H, H) or neither (NULL), post (H, H) or NULL, in groups of ch heads. */
+struct ak_mixed_call {
+    const float *q, *k, *v, *w, *pre, *post;
+    ak_dims dims;
+    int64_t cq, ck, ch;
+    ak_band band;
+    int64_t BQ, BK, chunks;  /* query blocks, key tiles; query chunks per (batch, group) row */
+};
+
+/* What the mixed backward reads besides the forward's inputs, and the gradients it adds into. */
+struct ak_mixed_grads {
+    const float *dout, *lse, *dlse, *wf;  /* wf: w flipped in both taps */
+    float *dq, *dk, *dv, *dw, *dpre, *dpost;
+};
+
+/* Native Sparse Attention (loops_sparse.cpp): q (B, Hq, Nq, D) the last Nq of Nk positions,
+ * the compressed kc (B, Hkv, Ncmp, D) and vc (B, Hkv, Ncmp, Dv), gates (B, Hq, Nq, 3). */
+struct ak_nsa_call {
+    const float *q, *k, *v, *kc, *vc, *gates;
+    int64_t Hq, Hkv, Nq, Nk, Ncmp, D, Dv;
+    float scale, above;  /* above: rescale_above of the selection branch */
+    int64_t cblock, stride, sblock, width, initial, local;
+    int64_t chunk, tile_rows, span_rows, window, window_block;
+};
+
+int ak_sigmoid_attention(const ak_sigmoid_call &c, float *out, int64_t bh0, int64_t bh1);
+int ak_sigmoid_attention_backward(const ak_sigmoid_call &c, const float *dout, float *dq, float *dk, float *dv,
+                                  int64_t bh0, int64_t bh1);
+int ak_softmax_attention(const ak_softmax_call &c, float *out, float *lse, int64_t bh0, int64_t bh1);
+int ak_topk_attention(const ak_topk_call &c, const ak_topk_outputs &o, int64_t bh0, int64_t bh1);
+int ak_mixed_softmax_attention(const ak_mixed_call &c, float *out, float *lse, int64_t u0, int64_t u1);
+int ak_mixed_softmax_attention_backward(const ak_mixed_call &c, const ak_mixed_grads &g, int64_t u0, int64_t u1);
+int ak_nsa_select(const ak_nsa_call &c, int64_t *chosen, float *out, float *lse_cmp, int64_t u0, int64_t u1);
+int ak_nsa_selected(const ak_nsa_call &c, const int64_t *chosen, float *out, float *lse, int64_t u0, int64_t u1);
+int ak_nsa_window(const ak_nsa_call &c, float *out, float *lse, int64_t bh0, int64_t bh1);
 
 #endif

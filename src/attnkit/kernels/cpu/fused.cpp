@@ -18,6 +18,12 @@ namespace {
 using at::Tensor;
 using attnkit::Band;
 
+
+ak_band band_call(int64_t q_start, std::optional<int64_t> lo, std::optional<int64_t> hi) {
+    const Band bd = attnkit::band_of(lo, hi);
+    return {q_start, bd.has_lo, bd.has_hi, bd.lo, bd.hi};
+}
+
 //: (query rows, keys) of a tile: one head's logits stay in L2
 constexpr int64_t TILE_Q = 256, TILE_K = 256;
 //: query rows per block of the top-k loop: their logits, rows x keys, stay in L2/L3
@@ -26,17 +32,14 @@ constexpr int64_t TOPK_BLOCK = 32;
 Tensor sigmoid_attention(const Tensor &q_, const Tensor &k_, const Tensor &v_, double scale, double bias, int64_t q_start,
                          std::optional<int64_t> lo, std::optional<int64_t> hi) {
     attnkit::check_attention(q_, k_, v_);
-    TORCH_CHECK(k_.size(1) == v_.size(1), "attnkit: k and v must have the same heads");
+    attnkit::check_band(q_start, lo, hi);
     const Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
     const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3), Hkv = k.size(1), Nk = k.size(2), Dv = v.size(3);
     Tensor out = at::empty({B, H, Nq, Dv}, q.options());
-    const Band bd = attnkit::band_of(lo, hi);
-    const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+    const ak_sigmoid_call call = {q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), {H, Hkv, Nq, Nk, D, Dv},
+                                  band_call(q_start, lo, hi), (float)scale, (float)bias, TILE_Q, TILE_K};
     float *op = out.data_ptr<float>();
-    attnkit::over_units(B * H, 1, [&](int64_t u0, int64_t u1) {
-        return ak_sigmoid_attention(qp, kp, vp, op, u0, u1, H, Hkv, Nq, Nk, D, Dv, (float)scale, (float)bias, q_start,
-                                    bd.has_lo, bd.lo, bd.has_hi, bd.hi, TILE_Q, TILE_K);
-    });
+    attnkit::over_units(B * H, 1, [&](int64_t u0, int64_t u1) { return ak_sigmoid_attention(call, op, u0, u1); });
     return out;
 }
 
@@ -44,18 +47,17 @@ std::tuple<Tensor, Tensor, Tensor> sigmoid_attention_backward(const Tensor &grad
                                                               const Tensor &v_, double scale, double bias, int64_t q_start,
                                                               std::optional<int64_t> lo, std::optional<int64_t> hi) {
     attnkit::check_attention(q_, k_, v_);
-    attnkit::check_float(grad_out_, "grad_out", 4);
+    attnkit::check_band(q_start, lo, hi);
+    attnkit::check_float_shape(grad_out_, "grad_out", {q_.size(0), q_.size(1), q_.size(2), v_.size(3)});
     const Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous(), go = grad_out_.contiguous();
     const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3), Hkv = k.size(1), Nk = k.size(2), Dv = v.size(3);
-    TORCH_CHECK(go.sizes() == at::IntArrayRef({B, H, Nq, Dv}), "attnkit: grad_out must have the output's shape");
     Tensor dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
-    const Band bd = attnkit::band_of(lo, hi);
+    const ak_sigmoid_call call = {q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), {H, Hkv, Nq, Nk, D, Dv},
+                                  band_call(q_start, lo, hi), (float)scale, (float)bias, TILE_Q, TILE_K};
     // Parts take whole GQA groups: the query heads of a group add into the same dk, dv.
     attnkit::over_units(B * H, H / Hkv, [&](int64_t u0, int64_t u1) {
-        return ak_sigmoid_attention_backward(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
-                                             go.data_ptr<float>(), dq.data_ptr<float>(), dk.data_ptr<float>(),
-                                             dv.data_ptr<float>(), u0, u1, H, Hkv, Nq, Nk, D, Dv, (float)scale, (float)bias,
-                                             q_start, bd.has_lo, bd.lo, bd.has_hi, bd.hi, TILE_Q, TILE_K);
+        return ak_sigmoid_attention_backward(call, go.data_ptr<float>(), dq.data_ptr<float>(), dk.data_ptr<float>(),
+                                             dv.data_ptr<float>(), u0, u1);
     });
     return {dq, dk, dv};
 }
@@ -64,11 +66,16 @@ std::tuple<Tensor, Tensor, Tensor> sigmoid_attention_backward(const Tensor &grad
  * grouped-query attention). */
 Tensor head_map(const std::optional<Tensor> &given, int64_t H, int64_t heads, const char *name) {
     if (!given.has_value()) {
+        TORCH_CHECK(heads >= 1 && H % heads == 0, "attnkit: without ", name, " the query heads (", H,
+                    ") must be a multiple of the heads they read (", heads, ")");
         Tensor map = at::empty({H}, at::TensorOptions().dtype(at::kLong));
         int64_t *p = map.data_ptr<int64_t>();
         for (int64_t j = 0; j < H; j++) p[j] = j / (H / heads);
         return map;
     }
+    TORCH_CHECK(given->device().is_cpu() && (given->scalar_type() == at::kLong || given->scalar_type() == at::kInt),
+                "attnkit: ", name, " must be an int64 or int32 CPU tensor, got ", given->scalar_type(), " on ",
+                given->device());
     const Tensor map = given->to(at::kLong).contiguous();
     TORCH_CHECK(map.dim() == 1 && map.size(0) == H, "attnkit: ", name, " must hold one head per query head (", H,
                 "), got shape ", map.sizes());
@@ -82,23 +89,27 @@ std::tuple<Tensor, Tensor> softmax_attention(const Tensor &q_, const Tensor &k_,
                                              int64_t q_start, std::optional<int64_t> lo, std::optional<int64_t> hi,
                                              double softcap, const std::optional<Tensor> &k_heads,
                                              const std::optional<Tensor> &v_heads) {
+    // Free head maps: k and v may have any number of heads >= 1 (the maps say which each
+    // query head reads), k q's head size, v k's length.
     attnkit::check_float(q_, "q", 4);
     attnkit::check_float(k_, "k", 4);
     attnkit::check_float(v_, "v", 4);
+    attnkit::check_shape(k_, "k", {q_.size(0), -1, -1, q_.size(3)});
+    attnkit::check_shape(v_, "v", {q_.size(0), -1, k_.size(2), -1});
+    attnkit::check_at_least(k_.size(1), "k's heads", 1);
+    attnkit::check_at_least(v_.size(1), "v's heads", 1);
+    attnkit::check_band(q_start, lo, hi);
+    TORCH_CHECK(softcap >= 0.0 && softcap < INFINITY, "attnkit: softcap must be finite and >= 0 (0: none), got ", softcap);
     const Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
     const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3), Hk = k.size(1), Nk = k.size(2);
     const int64_t Hv = v.size(1), Dv = v.size(3);
-    TORCH_CHECK(k.size(0) == B && v.size(0) == B && k.size(3) == D && v.size(2) == Nk,
-                "attnkit: softmax_attention got mismatched shapes ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
     const Tensor kidx = head_map(k_heads, H, Hk, "k_heads"), vidx = head_map(v_heads, H, Hv, "v_heads");
     Tensor out = at::empty({B, H, Nq, Dv}, q.options()), lse = at::empty({B, H, Nq}, q.options());
-    const Band bd = attnkit::band_of(lo, hi);
-    attnkit::over_units(B * H, 1, [&](int64_t u0, int64_t u1) {
-        return ak_softmax_attention(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
-                                    lse.data_ptr<float>(), u0, u1, H, Hk, Hv, kidx.data_ptr<int64_t>(),
-                                    vidx.data_ptr<int64_t>(), Nq, Nk, D, Dv, (float)scale, (float)softcap, q_start,
-                                    bd.has_lo, bd.lo, bd.has_hi, bd.hi, TILE_Q, TILE_K);
-    });
+    const ak_softmax_call call = {q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), kidx.data_ptr<int64_t>(),
+                                  vidx.data_ptr<int64_t>(), {H, Hk, Nq, Nk, D, Dv}, Hv, band_call(q_start, lo, hi),
+                                  (float)scale, (float)softcap, TILE_Q, TILE_K};
+    float *op = out.data_ptr<float>(), *lp = lse.data_ptr<float>();
+    attnkit::over_units(B * H, 1, [&](int64_t u0, int64_t u1) { return ak_softmax_attention(call, op, lp, u0, u1); });
     return {out, lse};
 }
 
@@ -107,20 +118,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> topk_attention(const 
                                                                           std::optional<int64_t> lo,
                                                                           std::optional<int64_t> hi, int64_t width) {
     attnkit::check_attention(q_, k_, v_);
-    TORCH_CHECK(width >= 1, "attnkit: width must be at least 1, got ", width);
+    attnkit::check_band(q_start, lo, hi);
+    attnkit::check_range(width, "width", 1, int64_t(1) << 31);
     const Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
     const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3), Hkv = k.size(1), Nk = k.size(2), Dv = v.size(3);
     const auto f = q.options();
     Tensor out = at::empty({B, H, Nq, Dv}, f), lse = at::empty({B, H, Nq}, f);
     Tensor chosen = at::empty({B, H, Nq, width}, f.dtype(at::kLong)), weights = at::empty({B, H, Nq, width}, f);
     Tensor kept = at::empty({B, H, Nq}, f), visible = at::empty({B, H, Nq}, f);
-    const Band bd = attnkit::band_of(lo, hi);
-    attnkit::over_units(B * H, 1, [&](int64_t u0, int64_t u1) {
-        return ak_topk_attention(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
-                                 lse.data_ptr<float>(), chosen.data_ptr<int64_t>(), weights.data_ptr<float>(),
-                                 kept.data_ptr<float>(), visible.data_ptr<float>(), u0, u1, H, Hkv, Nq, Nk, D, Dv, q_start,
-                                 bd.has_lo, bd.lo, bd.has_hi, bd.hi, width, TOPK_BLOCK);
-    });
+    const ak_topk_call call = {q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), {H, Hkv, Nq, Nk, D, Dv},
+                               band_call(q_start, lo, hi), width, TOPK_BLOCK};
+    const ak_topk_outputs outs = {out.data_ptr<float>(), lse.data_ptr<float>(), chosen.data_ptr<int64_t>(),
+                                  weights.data_ptr<float>(), kept.data_ptr<float>(), visible.data_ptr<float>()};
+    attnkit::over_units(B * H, 1, [&](int64_t u0, int64_t u1) { return ak_topk_attention(call, outs, u0, u1); });
     return {out, lse, chosen, weights, kept, visible};
 }
 

@@ -91,6 +91,7 @@ void gemm_atb_acc(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda, 
 }
 
 int64_t set_gemm_mode(int64_t next) {
+    TORCH_CHECK(next >= -1 && next <= 1, "attnkit: mode must be -1 (read only), 0 (brgemm) or 1 (ATen), got ", next);
     const int64_t previous = mode.load();
     if (next >= 0) mode.store(next);
     return previous;
@@ -100,6 +101,7 @@ int64_t set_gemm_mode(int64_t next) {
  * that no thread can take them all): 1 means the operators' work splitting is serial,
  * as it was when this library was compiled without -fopenmp. For tests. */
 int64_t threads_used(int64_t parts) {
+    TORCH_CHECK(parts >= 1 && parts <= 1024, "attnkit: parts must be in [1, 1024], got ", parts);
     std::mutex lock;
     std::set<std::thread::id> seen;
     attnkit::run_parts(parts, [&](int64_t) {

@@ -18,6 +18,8 @@
 #include <tuple>
 #include <vector>
 
+#include "binding.h"
+
 namespace {
 
 using at::Tensor;
@@ -113,6 +115,8 @@ std::tuple<Tensor, int64_t, int64_t> evict_lowest(const Tensor &mass, const Tens
                     if (evicted < 0 || rank[j] < rank[evicted] || (rank[j] == rank[evicted] && p[j] > p[evicted]))
                         evicted = j;
                 }
+                TORCH_CHECK(evicted >= 0, "attnkit: pos must hold distinct positions for the held entries (row ", b,
+                            ", head ", h, " has none to evict below its recent window)");
                 v[evicted] = false;
                 kept = n - 1;
             }
@@ -135,6 +139,7 @@ std::tuple<Tensor, int64_t, int64_t> kv_evict_lowest(const Tensor &mass, const T
                                                      const Tensor &capacity, const std::optional<Tensor> &score,
                                                      int64_t mode, double recent) {
     TORCH_CHECK(mode == TOVA || mode == H2O, "attnkit: mode must be 0 (TOVA) or 1 (H2O), got ", mode);
+    TORCH_CHECK(recent >= 0.0 && recent <= 1.0, "attnkit: recent must be a share in [0, 1], got ", recent);
     TORCH_CHECK(valid.dim() == 3, "attnkit: valid must be (B, H, L), got ", valid.sizes());
     const int64_t B = valid.size(0), H = valid.size(1), L = valid.size(2);
     check_slots(valid, "valid", at::kBool, B, H, L);
@@ -142,8 +147,15 @@ std::tuple<Tensor, int64_t, int64_t> kv_evict_lowest(const Tensor &mass, const T
     TORCH_CHECK(mass.dim() == 3 && mass.size(0) == B && mass.size(2) == L && H > 0 && mass.size(1) % H == 0,
                 "attnkit: mass must be (", B, ", a multiple of ", H, ", ", L, "), got ", mass.sizes());
     TORCH_CHECK(L <= 1 || mass.stride(2) == 1, "attnkit: mass must have a unit stride along its last dimension");
-    TORCH_CHECK(capacity.scalar_type() == at::kLong && capacity.numel() == B * H && capacity.dim() == 2,
-                "attnkit: capacity must be (B, H) int64, got ", capacity.sizes());
+    TORCH_CHECK(mass.device().is_cpu(), "attnkit: mass must be on the CPU, got ", mass.device());
+    attnkit::check_tensor(capacity, "capacity", at::kLong, 2);
+    attnkit::check_shape(capacity, "capacity", {B, H});
+    {
+        const Tensor cap = capacity.contiguous();
+        const int64_t *cp = cap.data_ptr<int64_t>();
+        for (int64_t i = 0; i < cap.numel(); ++i)
+            TORCH_CHECK(cp[i] >= 0, "attnkit: capacity must be >= 0 everywhere, got ", cp[i], " at ", i);
+    }
     if (mode == H2O) {
         TORCH_CHECK(score.has_value(), "attnkit: H2O needs the accumulated score");
         check_slots(*score, "score", at::kDouble, B, H, L);
@@ -165,7 +177,10 @@ void kv_fill_hole(const Tensor &keys, const Tensor &values, const Tensor &valid,
     check_slots(pos, "pos", at::kLong, B, H, L);
     if (rope) check_slots(*rope, "rope", at::kLong, B, H, L);
     if (score) check_slots(*score, "score", at::kDouble, B, H, L);
-    TORCH_CHECK(rope_new.scalar_type() == at::kLong && rope_new.numel() == B, "attnkit: rope_new must be (B,) int64");
+    attnkit::check_tensor(rope_new, "rope_new", at::kLong, -1);
+    TORCH_CHECK(rope_new.numel() == B, "attnkit: rope_new must be (B,) int64, got shape ", rope_new.sizes());
+    for (const auto &[t, name] : {std::pair{&keys, "keys"}, {&values, "values"}, {&key_new, "key_new"}, {&value_new, "value_new"}})
+        TORCH_CHECK(t->device().is_cpu(), "attnkit: ", name, " must be on the CPU, got ", t->device());
     const Tensor rn = rope_new.contiguous();
     const Tensor *pairs[2][2] = {{&keys, &key_new}, {&values, &value_new}};
     for (auto &pair : pairs) {

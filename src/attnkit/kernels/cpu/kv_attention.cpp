@@ -19,6 +19,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
+#include <utility>
 #include <limits>
 #include <tuple>
 #include <vector>
@@ -104,6 +106,13 @@ void attend(const T *q, int64_t q_stride, int64_t g, int64_t D, int64_t Dv, doub
             for (int64_t j = 0; j < n; ++j) probs[i * probs_stride + j] = logits[i * n + j] / sums[i];
 }
 
+/* Every tensor of a call on the CPU (the schema does not say so; a tensor elsewhere would
+ * be read through a host pointer). */
+void check_cpu(std::initializer_list<std::pair<const Tensor *, const char *>> tensors) {
+    for (const auto &[t, name] : tensors)
+        TORCH_CHECK(t->device().is_cpu(), "attnkit: ", name, " must be on the CPU, got ", t->device());
+}
+
 void check_query(const Tensor &q, const Tensor &k, const char *k_name) {
     TORCH_CHECK(q.device().is_cpu() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble),
                 "attnkit: query must be a float32 or float64 CPU tensor, got ", q.scalar_type());
@@ -160,6 +169,8 @@ std::tuple<Tensor, Tensor> step_attention_impl(const Tensor &q_, const Tensor &k
 std::tuple<Tensor, Tensor> kv_step_attention(const Tensor &q, const Tensor &keys, const Tensor &values,
                                              const std::optional<Tensor> &hide, double scale) {
     check_query(q, keys, "keys");
+    check_cpu({{&keys, "keys"}, {&values, "values"}});
+    if (hide) check_cpu({{&*hide, "hide"}});
     TORCH_CHECK(values.scalar_type() == q.scalar_type(), "attnkit: values must have the query's dtype");
     const int64_t B = q.size(0);
     TORCH_CHECK(keys.dim() == 4 && values.dim() == 4 && keys.size(0) == B && values.size(0) == B && keys.size(1) > 0 &&
@@ -282,6 +293,7 @@ std::tuple<Tensor, Tensor> kv_prefill_attention(const Tensor &q, const Tensor &k
                     k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
                 "attnkit: q, k and v must be float32 or float64 CPU tensors of one dtype, got ", q.scalar_type(), ", ",
                 k.scalar_type(), ", ", v.scalar_type());
+    check_cpu({{&k, "k"}, {&v, "v"}, {&start, "start"}});
     TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(1) > 0 &&
                     v.size(1) == k.size(1) && q.size(1) % k.size(1) == 0 && k.size(2) == q.size(2) &&
                     v.size(2) == q.size(2) && k.size(3) == q.size(3),
@@ -334,6 +346,7 @@ Tensor packed_attention_impl(const Tensor &q_, const Tensor &k_rows, const Tenso
 Tensor kv_packed_attention(const Tensor &q, const Tensor &k_rows, const Tensor &v_rows, const Tensor &source,
                            int64_t empty_row, double scale) {
     check_query(q, k_rows, "k_rows");
+    check_cpu({{&k_rows, "k_rows"}, {&v_rows, "v_rows"}, {&source, "source"}});
     TORCH_CHECK(v_rows.scalar_type() == q.scalar_type(), "attnkit: v_rows must have the query's dtype");
     TORCH_CHECK(k_rows.dim() == 2 && v_rows.dim() == 2 && k_rows.size(1) == q.size(3) && k_rows.stride(1) == 1 &&
                     v_rows.stride(1) == 1 && v_rows.size(0) == k_rows.size(0),
@@ -462,6 +475,7 @@ std::tuple<Tensor, Tensor> kv_quest_attention(const Tensor &q, const Tensor &key
                                               const Tensor &budget, int64_t page_size, int64_t cached, bool per_group,
                                               double scale, bool fold) {
     check_query(q, keys, "keys");
+    check_cpu({{&keys, "keys"}, {&values, "values"}, {&kmin, "kmin"}, {&kmax, "kmax"}, {&has, "has"}, {&budget, "budget"}});
     TORCH_CHECK(values.scalar_type() == q.scalar_type(), "attnkit: values must have the query's dtype");
     TORCH_CHECK(page_size > 0 && cached >= 0, "attnkit: page_size must be positive and cached >= 0");
     const int64_t B = q.size(0), H = keys.size(1), P = (cached + page_size - 1) / page_size;

@@ -59,10 +59,15 @@ static void sigmoid_tile(float *w, const float *qb, const float *kt, int64_t m, 
  * k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) and out (B, H, Nq, Dv) contiguous. Tiles of
  * BQ x BK logits of one head stay in L2 between the two matmuls. Returns 0, or 1 when
  * out of memory. */
-int ak_sigmoid_attention(const float *q, const float *k, const float *v, float *out, int64_t bh0, int64_t bh1,
-                         int64_t H, int64_t Hkv, int64_t Nq, int64_t Nk, int64_t D, int64_t Dv, float scale, float bias,
-                         int64_t q_start, int has_lo, int64_t lo, int has_hi, int64_t hi, int64_t BQ, int64_t BK) {
-    float *s = (float *)malloc(sizeof(float) * BQ * BK);
+int ak_sigmoid_attention(const ak_sigmoid_call &call, float *out, int64_t bh0, int64_t bh1) {
+    const float *q = call.q, *k = call.k, *v = call.v;
+    const float scale = call.scale, bias = call.bias;
+    const int64_t H = call.dims.H, Hkv = call.dims.Hkv, Nq = call.dims.Nq, Nk = call.dims.Nk, D = call.dims.D, Dv = call.dims.Dv;
+    const int64_t q_start = call.band.q_start, lo = call.band.lo, hi = call.band.hi;
+    const int has_lo = call.band.has_lo, has_hi = call.band.has_hi;
+    const int64_t BQ = call.BQ, BK = call.BK;
+    const auto s_buf = ak_buffer<float>(BQ * BK);
+    float *s = s_buf.get();
     if (!s) return 1;
     const int64_t group = H / Hkv;
     for (int64_t bh = bh0; bh < bh1; bh++) {
@@ -81,7 +86,6 @@ int ak_sigmoid_attention(const float *q, const float *k, const float *v, float *
             }
         }
     }
-    free(s);
     return 0;
 }
 
@@ -89,11 +93,16 @@ int ak_sigmoid_attention(const float *q, const float *k, const float *v, float *
  * dS = dW * W * (1 - W);  dV += W^T dO,  dQ += scale * dS K,  dK += dS^T Q (Q as given,
  * times ``scale`` inside S). dq, dk, dv are accumulated into (callers zero them); query
  * heads of one GQA group add into the same dk, dv, so [bh0, bh1) ranges run one at a time. */
-int ak_sigmoid_attention_backward(const float *q, const float *k, const float *v, const float *dout, float *dq,
-                                  float *dk, float *dv, int64_t bh0, int64_t bh1, int64_t H, int64_t Hkv, int64_t Nq,
-                                  int64_t Nk, int64_t D, int64_t Dv, float scale, float bias, int64_t q_start,
-                                  int has_lo, int64_t lo, int has_hi, int64_t hi, int64_t BQ, int64_t BK) {
-    float *w = (float *)malloc(sizeof(float) * 2 * BQ * BK);
+int ak_sigmoid_attention_backward(const ak_sigmoid_call &call, const float *dout, float *dq, float *dk, float *dv,
+                                  int64_t bh0, int64_t bh1) {
+    const float *q = call.q, *k = call.k, *v = call.v;
+    const float scale = call.scale, bias = call.bias;
+    const int64_t H = call.dims.H, Hkv = call.dims.Hkv, Nq = call.dims.Nq, Nk = call.dims.Nk, D = call.dims.D, Dv = call.dims.Dv;
+    const int64_t q_start = call.band.q_start, lo = call.band.lo, hi = call.band.hi;
+    const int has_lo = call.band.has_lo, has_hi = call.band.has_hi;
+    const int64_t BQ = call.BQ, BK = call.BK;
+    const auto w_buf = ak_buffer<float>(2 * BQ * BK);
+    float *w = w_buf.get();
     if (!w) return 1;
     float *ds = w + BQ * BK;
     const int64_t group = H / Hkv;
@@ -119,7 +128,6 @@ int ak_sigmoid_attention_backward(const float *q, const float *k, const float *v
             for (int64_t i = 0; i < m * D; i++) dqb[i] *= scale;  /* dS K was accumulated unscaled */
         }
     }
-    free(w);
     return 0;
 }
 
@@ -132,11 +140,16 @@ int ak_sigmoid_attention_backward(const float *q, const float *k, const float *v
  * optional softcap (cap * tanh(s / cap), Gemma 2) on s = scale * q.k. Keys outside the
  * diagonal band lo <= key - (q_start + query) <= hi are hidden. Writes out (B, H, Nq, Dv)
  * and lse (B, H, Nq); a query that sees no key gets zeros and lse = -inf. */
-int ak_softmax_attention(const float *q, const float *k, const float *v, float *out, float *lse, int64_t bh0,
-                         int64_t bh1, int64_t H, int64_t Hk, int64_t Hv, const int64_t *kidx, const int64_t *vidx,
-                         int64_t Nq, int64_t Nk, int64_t D, int64_t Dv, float scale, float softcap, int64_t q_start,
-                         int has_lo, int64_t lo, int has_hi, int64_t hi, int64_t BQ, int64_t BK) {
-    float *s = (float *)malloc(sizeof(float) * (BQ * BK + 3 * BQ));
+int ak_softmax_attention(const ak_softmax_call &call, float *out, float *lse, int64_t bh0, int64_t bh1) {
+    const float *q = call.q, *k = call.k, *v = call.v;
+    const float scale = call.scale, softcap = call.softcap;
+    const int64_t *kidx = call.kidx, *vidx = call.vidx;
+    const int64_t H = call.dims.H, Hk = call.dims.Hkv, Hv = call.Hv, Nq = call.dims.Nq, Nk = call.dims.Nk, D = call.dims.D, Dv = call.dims.Dv;
+    const int64_t q_start = call.band.q_start, lo = call.band.lo, hi = call.band.hi;
+    const int has_lo = call.band.has_lo, has_hi = call.band.has_hi;
+    const int64_t BQ = call.BQ, BK = call.BK;
+    const auto s_buf = ak_buffer<float>(BQ * BK + 3 * BQ);
+    float *s = s_buf.get();
     if (!s) return 1;
     float *m = s + BQ * BK, *l = m + BQ, *alpha = l + BQ;
     for (int64_t bh = bh0; bh < bh1; bh++) {
@@ -168,7 +181,6 @@ int ak_softmax_attention(const float *q, const float *k, const float *v, float *
             }
         }
     }
-    free(s);
     return 0;
 }
 
@@ -181,17 +193,19 @@ int ak_softmax_attention(const float *q, const float *k, const float *v, float *
  * that reaches fewer than k keys pads with column 0, weight 0), kept (finite logits among
  * the chosen) and visible (keys in the row's band). q holds the scale already. Returns 1
  * when out of memory. */
-int ak_topk_attention(const float *q, const float *k, const float *v, float *out, float *lse, int64_t *chosen,
-                      float *weights, float *kept, float *visible, int64_t bh0, int64_t bh1, int64_t H, int64_t Hkv,
-                      int64_t Nq, int64_t Nk, int64_t D, int64_t Dv, int64_t q_start, int has_lo, int64_t lo, int has_hi,
-                      int64_t hi, int64_t width, int64_t BQ) {
-    float *s = (float *)malloc(sizeof(float) * BQ * (Nk > 0 ? Nk : 1));
-    float *bv = (float *)malloc(sizeof(float) * 6 * width);
-    int64_t *bi = (int64_t *)malloc(sizeof(int64_t) * 6 * width);
-    if (!s || !bv || !bi) {
-        free(s), free(bv), free(bi);
-        return 1;
-    }
+int ak_topk_attention(const ak_topk_call &call, const ak_topk_outputs &o, int64_t bh0, int64_t bh1) {
+    const float *q = call.q, *k = call.k, *v = call.v;
+    float *out = o.out, *lse = o.lse, *weights = o.weights, *kept = o.kept, *visible = o.visible;
+    int64_t *chosen = o.chosen;
+    const int64_t H = call.dims.H, Hkv = call.dims.Hkv, Nq = call.dims.Nq, Nk = call.dims.Nk, D = call.dims.D, Dv = call.dims.Dv;
+    const int64_t q_start = call.band.q_start, lo = call.band.lo, hi = call.band.hi;
+    const int has_lo = call.band.has_lo, has_hi = call.band.has_hi;
+    const int64_t width = call.width, BQ = call.BQ;
+    const auto s_buf = ak_buffer<float>(BQ * (Nk > 0 ? Nk : 1)), bv_buf = ak_buffer<float>(6 * width);
+    const auto bi_buf = ak_buffer<int64_t>(6 * width);
+    float *s = s_buf.get(), *bv = bv_buf.get();
+    int64_t *bi = bi_buf.get();
+    if (!s || !bv || !bi) return 1;
     const int64_t group = H / Hkv;
     for (int64_t bh = bh0; bh < bh1; bh++) {
         const int64_t b = bh / H, kvh = b * Hkv + (bh % H) / group;
@@ -241,6 +255,5 @@ int ak_topk_attention(const float *q, const float *k, const float *v, float *out
             }
         }
     }
-    free(s), free(bv), free(bi);
     return 0;
 }

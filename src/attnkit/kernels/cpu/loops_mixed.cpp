@@ -125,15 +125,18 @@ static void group_logits(const mixed_call *c, float *S, float *z, const float *q
  * (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv); the transform is w (H, cq, ck) or pre (H, H) or
  * neither (NULL; never both; cq = ck = 1 without w), post (H, H) or NULL (ch = 1).
  * Returns 0, or 1 when out of memory. */
-int ak_mixed_softmax_attention(const float *q, const float *k, const float *v, const float *w, const float *pre,
-                               const float *post, float *out, float *lse, int64_t u0, int64_t u1, int64_t chunks, int64_t H, int64_t Hkv,
-                               int64_t Nq, int64_t Nk, int64_t D, int64_t Dv, int64_t cq, int64_t ck, int64_t ch,
-                               int64_t q_start, int has_lo, int64_t lo, int has_hi, int64_t hi, int64_t BQ, int64_t BK) {
+int ak_mixed_softmax_attention(const ak_mixed_call &call, float *out, float *lse, int64_t u0, int64_t u1) {
+    const float *q = call.q, *k = call.k, *v = call.v, *w = call.w, *pre = call.pre, *post = call.post;
+    const int64_t H = call.dims.H, Hkv = call.dims.Hkv, Nq = call.dims.Nq, Nk = call.dims.Nk, D = call.dims.D;
+    const int64_t Dv = call.dims.Dv, cq = call.cq, ck = call.ck, ch = call.ch, chunks = call.chunks;
+    const int64_t q_start = call.band.q_start, lo = call.band.lo, hi = call.band.hi, BQ = call.BQ, BK = call.BK;
+    const int has_lo = call.band.has_lo, has_hi = call.band.has_hi;
     const mixed_call c = {H, Hkv, Nq, Nk, D, Dv, cq, ck, ch, q_start, has_lo, has_hi, lo, hi, BQ, BK};
     const int64_t groups = H / ch, G = H / Hkv, max_tiles = (Nk + BK - 1) / BK + 1, tile = BQ * BK;
     const int64_t sx = (BQ + cq - 1) * (BK + ck - 1);
     const size_t floats = (size_t)ch * sx + (size_t)max_tiles * ch * (tile + BQ) + ch * tile + 3 * ch * BQ + BQ + 2 * ch * ch;
-    float *S = (float *)malloc(sizeof(float) * floats);
+    const auto S_buf = ak_buffer<float>((int64_t)floats);
+    float *S = S_buf.get();
     if (!S) return 1;
     float *E = S + ch * sx;                  /* per tile and head: e^(Z - running max) */
     float *mt = E + max_tiles * ch * tile;   /* per tile and head: that running max */
@@ -186,7 +189,6 @@ int ak_mixed_softmax_attention(const float *q, const float *k, const float *v, c
             }
         }
     }
-    free(S);
     return 0;
 }
 
@@ -201,18 +203,21 @@ int ak_mixed_softmax_attention(const float *q, const float *k, const float *v, c
  * dw (B, H, cq, ck), dpre and dpost (B, H / ch, ch, ch); pointers for an absent transform
  * or mixing are not touched. Threads need gradient buffers of their own: they may share
  * key heads and groups. Returns 0, or 1 when out of memory. */
-int ak_mixed_softmax_attention_backward(const float *q, const float *k, const float *v, const float *dout, const float *lse,
-                                        const float *dlse, const float *w, const float *wf, const float *pre, const float *post, float *dq,
-                                        float *dk, float *dv, float *dw, float *dpre, float *dpost, int64_t u0, int64_t u1, int64_t chunks,
-                                        int64_t H, int64_t Hkv, int64_t Nq, int64_t Nk, int64_t D, int64_t Dv, int64_t cq,
-                                        int64_t ck, int64_t ch, int64_t q_start, int has_lo, int64_t lo, int has_hi, int64_t hi,
-                                        int64_t BQ, int64_t BK) {
+int ak_mixed_softmax_attention_backward(const ak_mixed_call &call, const ak_mixed_grads &grads, int64_t u0, int64_t u1) {
+    const float *q = call.q, *k = call.k, *v = call.v, *w = call.w, *pre = call.pre, *post = call.post;
+    const int64_t H = call.dims.H, Hkv = call.dims.Hkv, Nq = call.dims.Nq, Nk = call.dims.Nk, D = call.dims.D;
+    const int64_t Dv = call.dims.Dv, cq = call.cq, ck = call.ck, ch = call.ch, chunks = call.chunks;
+    const int64_t q_start = call.band.q_start, lo = call.band.lo, hi = call.band.hi, BQ = call.BQ, BK = call.BK;
+    const int has_lo = call.band.has_lo, has_hi = call.band.has_hi;
+    const float *dout = grads.dout, *lse = grads.lse, *dlse = grads.dlse, *wf = grads.wf;
+    float *dq = grads.dq, *dk = grads.dk, *dv = grads.dv, *dw = grads.dw, *dpre = grads.dpre, *dpost = grads.dpost;
     const mixed_call c = {H, Hkv, Nq, Nk, D, Dv, cq, ck, ch, q_start, has_lo, has_hi, lo, hi, BQ, BK};
     const int64_t groups = H / ch, G = H / Hkv, max_tiles = (Nk + BK - 1) / BK + 1, tile = BQ * BK;
     const int64_t sx = (BQ + cq - 1) * (BK + ck - 1), padded = w ? (BQ + 2 * (cq - 1)) * (BK + 2 * (ck - 1)) : 0;
     const size_t floats = (size_t)max_tiles * ch * (sx + 2 * tile) + 2 * ch * tile + padded + ch * sx + ch * BQ + cq * ck
                           + 4 * ch * ch;
-    float *Sx = (float *)malloc(sizeof(float) * floats);
+    const auto Sx_buf = ak_buffer<float>((int64_t)floats);
+    float *Sx = Sx_buf.get();
     if (!Sx) return 1;
     float *Pt = Sx + max_tiles * ch * sx;   /* per tile: the heads' logits S, then P, then dP (later dZ) */
     float *dPt = Pt + max_tiles * ch * tile;
@@ -308,6 +313,5 @@ int ak_mixed_softmax_attention_backward(const float *q, const float *k, const fl
             }
         }
     }
-    free(Sx);
     return 0;
 }

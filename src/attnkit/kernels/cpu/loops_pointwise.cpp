@@ -45,7 +45,8 @@ void ak_sigmoid(float *x, int64_t n, float bias) { ak_sigmoid_into(x, x, n, 1.0f
  * chains, so the multiplier latency overlaps. */
 int ak_stick_breaking(float *s, int64_t rows, int64_t cols, float *carry) {
     enum { R = 4 };
-    float *buf = (float *)malloc(sizeof(float) * 2 * R * (cols > 0 ? cols : 1));
+    const auto buf_owner = ak_buffer<float>(2 * R * (cols > 0 ? cols : 1));
+    float *buf = buf_owner.get();
     if (!buf) return 1;
     for (int64_t r0 = 0; r0 < rows; r0 += R) {
         int64_t nr = rows - r0 < R ? rows - r0 : R;
@@ -62,7 +63,6 @@ int ak_stick_breaking(float *s, int64_t rows, int64_t cols, float *carry) {
             }
         for (int64_t t = 0; t < nr; t++) carry[r0 + t] = c[t];
     }
-    free(buf);
     return 0;
 }
 
@@ -280,17 +280,15 @@ void ak_topk_row(const float *x, int64_t cols, int64_t k, float *bv, int64_t *bi
 
 /* topk_row for every row of s (rows, cols), k <= cols. Returns 1 when out of memory. */
 int ak_topk_rows(const float *s, int64_t rows, int64_t cols, int64_t k, float *values, int64_t *columns) {
-    float *bv = (float *)malloc(sizeof(float) * 6 * k);
-    int64_t *bi = (int64_t *)malloc(sizeof(int64_t) * 6 * k);
-    if (!bv || !bi) {
-        free(bv), free(bi);
-        return 1;
-    }
+    const auto bv_buf = ak_buffer<float>(6 * k);
+    const auto bi_buf = ak_buffer<int64_t>(6 * k);
+    float *bv = bv_buf.get();
+    int64_t *bi = bi_buf.get();
+    if (!bv || !bi) return 1;
     for (int64_t r = 0; r < rows; r++) {
         ak_topk_row(s + r * cols, cols, k, bv, bi);
         for (int64_t u = 0; u < k; u++) values[r * k + u] = bv[u], columns[r * k + u] = bi[u];
     }
-    free(bv), free(bi);
     return 0;
 }
 
@@ -303,7 +301,8 @@ int ak_topk_rows(const float *s, int64_t rows, int64_t cols, int64_t k, float *v
 int ak_stick_breaking_backward(float *s, float *dw, int64_t rows, int64_t cols, float *carry, float *carry_w,
                                const float *delta) {
     enum { R = 4 };
-    float *buf = (float *)malloc(sizeof(float) * 2 * R * (cols > 0 ? cols : 1));
+    const auto buf_owner = ak_buffer<float>(2 * R * (cols > 0 ? cols : 1));
+    float *buf = buf_owner.get();
     if (!buf) return 1;
     for (int64_t r0 = 0; r0 < rows; r0 += R) {
         int64_t nr = rows - r0 < R ? rows - r0 : R;
@@ -325,7 +324,6 @@ int ak_stick_breaking_backward(float *s, float *dw, int64_t rows, int64_t cols, 
             }
         for (int64_t t = 0; t < nr; t++) carry[r0 + t] = c[t], carry_w[r0 + t] = sw[t];
     }
-    free(buf);
     return 0;
 }
 

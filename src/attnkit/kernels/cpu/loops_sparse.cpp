@@ -182,24 +182,24 @@ static void choose_row(const float *imp, int64_t own, int64_t lo, int64_t hi, in
  * summed over the group's heads. From that sum, per query, the importance of the
  * selection blocks of ``sblock`` tokens that compete for its slots, and its ``width``
  * chosen blocks (chosen, B Hkv Nq width). Returns 1 when out of memory. */
-int ak_nsa_select(const float *q, const float *kc, const float *vc, const float *gates, int64_t *chosen, float *out,
-                  float *lse_cmp,
-                  int64_t u0, int64_t u1, int64_t Hq, int64_t Hkv, int64_t Nq, int64_t Nk, int64_t Ncmp, int64_t D,
-                  int64_t Dv, float scale, int64_t cblock, int64_t stride, int64_t sblock, int64_t width,
-                  int64_t initial, int64_t local, int64_t chunk) {
+int ak_nsa_select(const ak_nsa_call &call, int64_t *chosen, float *out, float *lse_cmp, int64_t u0, int64_t u1) {
+    const float *q = call.q, *kc = call.kc, *vc = call.vc, *gates = call.gates;
+    const int64_t Hq = call.Hq, Hkv = call.Hkv, Nq = call.Nq, Nk = call.Nk, Ncmp = call.Ncmp, D = call.D, Dv = call.Dv;
+    const int64_t cblock = call.cblock, stride = call.stride, sblock = call.sblock, width = call.width;
+    const int64_t initial = call.initial, local = call.local, chunk = call.chunk;
+    const float scale = call.scale;
     const int64_t G = Hq / Hkv, q_start = Nk - Nq, a = sblock / stride, c = cblock / stride;
     const int64_t n_blocks = (Nk + sblock - 1) / sblock, span = Ncmp > 0 ? Ncmp : 1;
-    float *s = (float *)malloc(sizeof(float) * chunk * span), *qb = (float *)malloc(sizeof(float) * chunk * D);
-    float *pv = (float *)malloc(sizeof(float) * chunk * Dv);
-    float *psum = G > 1 ? (float *)malloc(sizeof(float) * chunk * span) : s;  /* one head: its weights are the sum */
-    float *inv = (float *)malloc(sizeof(float) * chunk), *imp = (float *)malloc(sizeof(float) * n_blocks);
-    float *cv = (float *)malloc(sizeof(float) * n_blocks);
-    int32_t *ci = (int32_t *)malloc(sizeof(int32_t) * n_blocks);
-    if (!s || !qb || !pv || !psum || !inv || !imp || !cv || !ci) {
-        free(s), free(qb), free(pv), free(inv), free(imp), free(cv), free(ci);
-        if (G > 1) free(psum);
-        return 1;
-    }
+    const auto s_buf = ak_buffer<float>(chunk * span), qb_buf = ak_buffer<float>(chunk * D);
+    const auto pv_buf = ak_buffer<float>(chunk * Dv), inv_buf = ak_buffer<float>(chunk);
+    const auto psum_buf = ak_buffer<float>(G > 1 ? chunk * span : 1);
+    const auto imp_buf = ak_buffer<float>(n_blocks), cv_buf = ak_buffer<float>(n_blocks);
+    const auto ci_buf = ak_buffer<int32_t>(n_blocks);
+    float *s = s_buf.get(), *qb = qb_buf.get(), *pv = pv_buf.get(), *inv = inv_buf.get();
+    float *psum = G > 1 ? psum_buf.get() : s;  /* one head: its weights are the sum */
+    float *imp = imp_buf.get(), *cv = cv_buf.get();
+    int32_t *ci = ci_buf.get();
+    if (!s || !qb || !pv || !psum || !inv || !imp || !cv || !ci) return 1;
     for (int64_t u = u0; u < u1; u++) {
         const int64_t b = u / Hkv, kvh = u % Hkv;
         const float *kh = kc + u * Ncmp * D, *vh = vc + u * Ncmp * Dv;
@@ -235,8 +235,6 @@ int ak_nsa_select(const float *q, const float *kc, const float *vc, const float 
             }
         }
     }
-    free(s), free(qb), free(pv), free(inv), free(imp), free(cv), free(ci);
-    if (G > 1) free(psum);
     return 0;
 }
 
@@ -365,24 +363,25 @@ static void add_span(const rows_state *st, const float *gates, int64_t branch, f
  * terms share one reference (first its own block's max), so partial results add without
  * a running max (see selected_tile). Writes lse (B, Hq, Nq). Returns 1 when out of
  * memory. */
-int ak_nsa_selected(const float *q, const float *k, const float *v, const int64_t *chosen, const float *gates,
-                    float *out, float *lse, int64_t u0, int64_t u1, int64_t Hq, int64_t Hkv, int64_t Nq, int64_t Nk,
-                    int64_t D, int64_t Dv, int64_t width, int64_t block, float scale, float above, int64_t tile_rows,
-                    int64_t span_rows) {
+int ak_nsa_selected(const ak_nsa_call &call, const int64_t *chosen, float *out, float *lse, int64_t u0, int64_t u1) {
+    const float *q = call.q, *k = call.k, *v = call.v, *gates = call.gates;
+    const int64_t Hq = call.Hq, Hkv = call.Hkv, Nq = call.Nq, Nk = call.Nk, D = call.D, Dv = call.Dv;
+    const int64_t width = call.width, block = call.sblock, tile_rows = call.tile_rows, span_rows = call.span_rows;
+    const float scale = call.scale, above = call.above;
     const int64_t G = Hq / Hkv, q_start = Nk - Nq, n_blocks = (Nk + block - 1) / block;
     const int64_t per_tile = tile_rows / G > 0 ? tile_rows / G : 1, rows = per_tile * G;
     const int64_t span = span_rows / (G * block) > 0 ? span_rows / (G * block) : 1;  /* position blocks per span */
     const int64_t s_rows = rows > block ? rows : block, span_len = span * block;
-    float *s = (float *)malloc(sizeof(float) * s_rows * block);
-    float *qb = (float *)malloc(sizeof(float) * rows * D), *ob = (float *)malloc(sizeof(float) * rows * Dv);
-    float *acc = (float *)malloc(sizeof(float) * G * span_len * Dv);
-    float *ref = (float *)malloc(sizeof(float) * G * span_len), *den = (float *)malloc(sizeof(float) * G * span_len);
-    int64_t *start = (int64_t *)malloc(sizeof(int64_t) * (n_blocks + 1));
-    int32_t *list = (int32_t *)malloc(sizeof(int32_t) * span_len * width);
-    if (!s || !qb || !ob || !acc || !ref || !den || !start || !list) {
-        free(s), free(qb), free(ob), free(acc), free(ref), free(den), free(start), free(list);
-        return 1;
-    }
+    const auto s_buf = ak_buffer<float>(s_rows * block), qb_buf = ak_buffer<float>(rows * D);
+    const auto ob_buf = ak_buffer<float>(rows * Dv), acc_buf = ak_buffer<float>(G * span_len * Dv);
+    const auto ref_buf = ak_buffer<float>(G * span_len), den_buf = ak_buffer<float>(G * span_len);
+    const auto start_buf = ak_buffer<int64_t>(n_blocks + 1);
+    const auto list_buf = ak_buffer<int32_t>(span_len * width);
+    float *s = s_buf.get(), *qb = qb_buf.get(), *ob = ob_buf.get(), *acc = acc_buf.get();
+    float *ref = ref_buf.get(), *den = den_buf.get();
+    int64_t *start = start_buf.get();
+    int32_t *list = list_buf.get();
+    if (!s || !qb || !ob || !acc || !ref || !den || !start || !list) return 1;
     for (int64_t u = u0; u < u1; u++) {
         const int64_t b = u / Hkv, kvh = u % Hkv, h0 = b * Hq + kvh * G;
         const float *qh = q + h0 * Nq * D, *kh = k + u * Nk * D, *vh = v + u * Nk * Dv;
@@ -402,7 +401,6 @@ int ak_nsa_selected(const float *q, const float *k, const float *v, const int64_
             add_span(&st, gates, 1, out, lse, h0, G, Nq);
         }
     }
-    free(s), free(qb), free(ob), free(acc), free(ref), free(den), free(start), free(list);
     return 0;
 }
 
@@ -415,16 +413,15 @@ int ak_nsa_selected(const float *q, const float *k, const float *v, const int64_
  * no running max), each row's weights over its own band (0 elsewhere), one product with the
  * values, and the rows normalised into out. Writes lse (B, H, Nq). Returns 1 when out of
  * memory. */
-int ak_nsa_window(const float *q, const float *k, const float *v, const float *gates, float *out, float *lse,
-                  int64_t bh0, int64_t bh1, int64_t H, int64_t Hkv, int64_t Nq, int64_t Nk, int64_t D, int64_t Dv,
-                  float scale, int64_t window, int64_t BQ) {
+int ak_nsa_window(const ak_nsa_call &call, float *out, float *lse, int64_t bh0, int64_t bh1) {
+    const float *q = call.q, *k = call.k, *v = call.v, *gates = call.gates;
+    const int64_t H = call.Hq, Hkv = call.Hkv, Nq = call.Nq, Nk = call.Nk, D = call.D, Dv = call.Dv;
+    const int64_t window = call.window, BQ = call.window_block;
+    const float scale = call.scale;
     const int64_t q_start = Nk - Nq, G = H / Hkv, span = window - 1 + BQ;
-    float *s = (float *)malloc(sizeof(float) * BQ * span), *ob = (float *)malloc(sizeof(float) * BQ * Dv);
-    float *inv = (float *)malloc(sizeof(float) * BQ);
-    if (!s || !ob || !inv) {
-        free(s), free(ob), free(inv);
-        return 1;
-    }
+    const auto s_buf = ak_buffer<float>(BQ * span), ob_buf = ak_buffer<float>(BQ * Dv), inv_buf = ak_buffer<float>(BQ);
+    float *s = s_buf.get(), *ob = ob_buf.get(), *inv = inv_buf.get();
+    if (!s || !ob || !inv) return 1;
     for (int64_t bh = bh0; bh < bh1; bh++) {
         const int64_t kvh = (bh / H) * Hkv + (bh % H) / G;
         const float *kh = k + kvh * Nk * D, *vh = v + kvh * Nk * Dv;
@@ -450,6 +447,5 @@ int ak_nsa_window(const float *q, const float *k, const float *v, const float *g
             }
         }
     }
-    free(s), free(ob), free(inv);
     return 0;
 }

@@ -41,7 +41,8 @@ Tensor online_softmax_(const Tensor &s, const Tensor &m, const Tensor &l) {
     attnkit::check_in_place(l, "l");
     int64_t rows, cols;
     rows_of(s, &rows, &cols);
-    TORCH_CHECK(m.numel() == rows && l.numel() == rows, "attnkit: m and l must hold one entry per row of s");
+    TORCH_CHECK(m.numel() == rows, "attnkit: m must hold one entry per row of s (", rows, "), got shape ", m.sizes());
+    TORCH_CHECK(l.numel() == rows, "attnkit: l must hold one entry per row of s (", rows, "), got shape ", l.sizes());
     Tensor alpha = at::empty_like(m);
     ak_online_softmax(s.data_ptr<float>(), rows, cols, m.data_ptr<float>(), l.data_ptr<float>(), alpha.data_ptr<float>());
     return alpha;
@@ -65,8 +66,10 @@ void stick_breaking_backward_(const Tensor &s, const Tensor &dw, const Tensor &c
     const Tensor delta = delta_.contiguous();
     int64_t rows, cols;
     rows_of(s, &rows, &cols);
-    TORCH_CHECK(dw.numel() == s.numel() && carry.numel() == rows && carry_w.numel() == rows && delta.numel() == rows,
-                "attnkit: stick_breaking_backward_ got mismatched sizes");
+    TORCH_CHECK(dw.sizes() == s.sizes(), "attnkit: dw must have s's shape ", s.sizes(), ", got ", dw.sizes());
+    for (const auto &[t, name] : {std::pair{&carry, "carry"}, {&carry_w, "carry_w"}, {&delta, "delta"}})
+        TORCH_CHECK(t->numel() == rows, "attnkit: ", name, " must hold one entry per row of s (", rows, "), got shape ",
+                    t->sizes());
     TORCH_CHECK(ak_stick_breaking_backward(s.data_ptr<float>(), dw.data_ptr<float>(), rows, cols, carry.data_ptr<float>(),
                                            carry_w.data_ptr<float>(), delta.data_ptr<float>()) == 0,
                 "attnkit: out of memory for a tile buffer");
@@ -78,6 +81,7 @@ Tensor depthwise_conv2d(const Tensor &x_, const Tensor &weight_) {
     const Tensor x = x_.contiguous(), w = weight_.contiguous();
     const int64_t N = x.size(0), H = x.size(1), R = x.size(2), C = x.size(3), cq = w.size(1), ck = w.size(2);
     TORCH_CHECK(w.size(0) == H, "attnkit: weight must be (heads, cq, ck) with ", H, " heads, got ", w.sizes());
+    TORCH_CHECK(cq >= 1 && ck >= 1, "attnkit: weight must have at least one tap each way, got shape ", w.sizes());
     Tensor y = at::empty({N, H, std::max<int64_t>(R - cq + 1, 0), std::max<int64_t>(C - ck + 1, 0)}, x.options());
     ak_depthwise_conv2d(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), N, H, R, C, cq, ck);
     return y;
@@ -85,12 +89,11 @@ Tensor depthwise_conv2d(const Tensor &x_, const Tensor &weight_) {
 
 Tensor depthwise_conv2d_weight_grad(const Tensor &x_, const Tensor &dy_, int64_t cq, int64_t ck) {
     attnkit::check_float(x_, "x", 4);
-    attnkit::check_float(dy_, "dy", 4);
+    attnkit::check_range(cq, "cq", 1, int64_t(1) << 20);
+    attnkit::check_range(ck, "ck", 1, int64_t(1) << 20);
+    const int64_t N = x_.size(0), H = x_.size(1), R = x_.size(2), C = x_.size(3);
+    attnkit::check_float_shape(dy_, "dy", {N, H, std::max<int64_t>(R - cq + 1, 0), std::max<int64_t>(C - ck + 1, 0)});
     const Tensor x = x_.contiguous(), dy = dy_.contiguous();
-    const int64_t N = x.size(0), H = x.size(1), R = x.size(2), C = x.size(3);
-    TORCH_CHECK(dy.size(0) == N && dy.size(1) == H && dy.size(2) == std::max<int64_t>(R - cq + 1, 0) &&
-                    dy.size(3) == std::max<int64_t>(C - ck + 1, 0),
-                "attnkit: dy must have the convolution's output shape, got ", dy.sizes());
     Tensor dw = at::empty({H, cq, ck}, x.options());
     ak_depthwise_conv2d_weight_grad(x.data_ptr<float>(), dy.data_ptr<float>(), dw.data_ptr<float>(), N, H, R, C, cq, ck);
     return dw;

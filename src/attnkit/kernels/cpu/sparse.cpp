@@ -5,6 +5,9 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
+
 #include "binding.h"
 #include "common.h"
 #include "parallel.h"
@@ -19,36 +22,56 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> nsa_forward(
     int64_t local, int64_t window, double rescale_above, int64_t select_chunk, int64_t tile_rows, int64_t span_rows,
     int64_t window_block) {
     attnkit::check_attention(q_, k_, v_);
-    attnkit::check_float(k_cmp_, "k_cmp", 4);
-    attnkit::check_float(v_cmp_, "v_cmp", 4);
-    attnkit::check_float(gates_, "gates", 4);
+    const int64_t B = q_.size(0), Hq = q_.size(1), Nq = q_.size(2), D = q_.size(3), Hkv = k_.size(1), Nk = k_.size(2);
+    const int64_t Dv = v_.size(3);
+    TORCH_CHECK(Nq <= Nk, "attnkit: q must hold the last of k's positions: q's length ", Nq, " exceeds k's ", Nk);
+    attnkit::check_float_shape(k_cmp_, "k_cmp", {B, Hkv, -1, D});
+    attnkit::check_float_shape(v_cmp_, "v_cmp", {B, Hkv, k_cmp_.size(2), Dv});
+    attnkit::check_float_shape(gates_, "gates", {B, Hq, Nq, 3});
+    //: block sizes, chunks and tiles: their buffers are products of two of these
+    constexpr int64_t MAX_BLOCK = int64_t(1) << 20;
+    attnkit::check_range(compress_stride, "compress_stride", 1, MAX_BLOCK);
+    attnkit::check_range(compress_block, "compress_block", 1, MAX_BLOCK);
+    attnkit::check_range(select_block, "select_block", 1, MAX_BLOCK);
+    TORCH_CHECK(compress_block % compress_stride == 0, "attnkit: compress_block must be a multiple of compress_stride (",
+                compress_stride, "), got ", compress_block);
+    TORCH_CHECK(select_block % compress_stride == 0, "attnkit: select_block must be a multiple of compress_stride (",
+                compress_stride, "), got ", select_block);
+    attnkit::check_range(width, "width", 1, MAX_BLOCK);
+    attnkit::check_range(initial, "initial", 0, MAX_BLOCK);
+    attnkit::check_range(local, "local", 1, MAX_BLOCK);
+    // The forced blocks (the first ``initial`` and the last ``local`` up to a query's own)
+    // go into its ``width`` slots: at most initial + local of them, and at most every block.
+    const int64_t n_blocks = (Nk + select_block - 1) / select_block;
+    TORCH_CHECK(std::min(initial + local, n_blocks) <= width, "attnkit: width must hold the forced blocks, min(initial + ",
+                "local, blocks) = ", std::min(initial + local, n_blocks), ", got ", width);
+    attnkit::check_range(window, "window", 1, MAX_BLOCK);
+    attnkit::check_range(select_chunk, "select_chunk", 1, MAX_BLOCK);
+    attnkit::check_range(tile_rows, "tile_rows", 1, MAX_BLOCK);
+    attnkit::check_range(span_rows, "span_rows", 1, int64_t(1) << 30);
+    attnkit::check_range(window_block, "window_block", 1, MAX_BLOCK);
+    TORCH_CHECK(!std::isnan(rescale_above), "attnkit: rescale_above must be a number (-inf: rescale at every rise), got ",
+                rescale_above);
     const Tensor q = q_.contiguous(), k = k_.contiguous(), v = v_.contiguous();
     const Tensor kc = k_cmp_.contiguous(), vc = v_cmp_.contiguous(), g = gates_.contiguous();
-    const int64_t B = q.size(0), Hq = q.size(1), Nq = q.size(2), D = q.size(3), Hkv = k.size(1), Nk = k.size(2);
-    const int64_t Dv = v.size(3), Ncmp = kc.size(2);
-    TORCH_CHECK(Nq <= Nk, "attnkit: the queries must be the last of the keys' positions");
-    TORCH_CHECK(g.size(0) == B && g.size(1) == Hq && g.size(2) == Nq && g.size(3) == 3, "attnkit: gates must be (",
-                B, ", ", Hq, ", ", Nq, ", 3), got ", g.sizes());
-    TORCH_CHECK(compress_stride > 0 && select_block % compress_stride == 0 && compress_block % compress_stride == 0,
-                "attnkit: the compression stride must divide the compression and selection blocks");
+    const int64_t Ncmp = kc.size(2);
     const auto f = q.options();
     Tensor out = at::empty({B, Hq, Nq, Dv}, f), chosen = at::empty({B, Hkv, Nq, width}, f.dtype(at::kLong));
     Tensor lse_cmp = at::empty({B, Hq, Nq}, f), lse_slc = at::empty({B, Hq, Nq}, f), lse_win = at::empty({B, Hq, Nq}, f);
-    const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>(), *gp = g.data_ptr<float>();
+    const ak_nsa_call call = {q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), kc.data_ptr<float>(),
+                              vc.data_ptr<float>(), g.data_ptr<float>(), Hq, Hkv, Nq, Nk, Ncmp, D, Dv, (float)scale,
+                              (float)rescale_above, compress_block, compress_stride, select_block, width, initial, local,
+                              select_chunk, tile_rows, span_rows, window, window_block};
     float *op = out.data_ptr<float>();
     int64_t *cp = chosen.data_ptr<int64_t>();
     attnkit::over_units(B * Hkv, 1, [&](int64_t u0, int64_t u1) {
-        return ak_nsa_select(qp, kc.data_ptr<float>(), vc.data_ptr<float>(), gp, cp, op, lse_cmp.data_ptr<float>(), u0, u1,
-                             Hq, Hkv, Nq, Nk, Ncmp, D, Dv, (float)scale, compress_block, compress_stride, select_block,
-                             width, initial, local, select_chunk);
+        return ak_nsa_select(call, cp, op, lse_cmp.data_ptr<float>(), u0, u1);
     });
     attnkit::over_units(B * Hkv, 1, [&](int64_t u0, int64_t u1) {
-        return ak_nsa_selected(qp, kp, vp, cp, gp, op, lse_slc.data_ptr<float>(), u0, u1, Hq, Hkv, Nq, Nk, D, Dv, width,
-                               select_block, (float)scale, (float)rescale_above, tile_rows, span_rows);
+        return ak_nsa_selected(call, cp, op, lse_slc.data_ptr<float>(), u0, u1);
     });
     attnkit::over_units(B * Hq, 1, [&](int64_t u0, int64_t u1) {
-        return ak_nsa_window(qp, kp, vp, gp, op, lse_win.data_ptr<float>(), u0, u1, Hq, Hkv, Nq, Nk, D, Dv, (float)scale,
-                             window, window_block);
+        return ak_nsa_window(call, op, lse_win.data_ptr<float>(), u0, u1);
     });
     return {out, chosen, lse_cmp, lse_slc, lse_win};
 }
