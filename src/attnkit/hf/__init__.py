@@ -13,9 +13,9 @@ require("transformers", "attnkit.hf")  # the [hf] extra; named in the error when
 from .attention import attnkit_attention_forward  # noqa: E402
 from .default_model import default_model_path, load_default_model, mean_pool  # noqa: E402
 from .masks import MaskSpec, mask_spec  # noqa: E402
-from .switch import NAME, Switch, register, use  # noqa: E402
+from .switch import NAME, Switch, check_model, register, use  # noqa: E402
 
 __all__ = [
-    "NAME", "MaskSpec", "Switch", "attnkit_attention_forward", "default_model_path", "load_default_model",
+    "NAME", "MaskSpec", "Switch", "attnkit_attention_forward", "check_model", "default_model_path", "load_default_model",
     "mask_spec", "mean_pool", "register", "use",
 ]

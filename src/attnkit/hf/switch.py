@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..mechanisms import Mechanism, get_mechanism
+from ..mechanisms import Mechanism, build_mechanism, get_mechanism
 from ..mods import Mask, ScoreMod, as_mask, as_score
 
 Tensor = torch.Tensor
@@ -83,8 +83,6 @@ class Switch:
         if isinstance(self.mechanism, Mechanism):
             return self.mechanism
         if layer not in self.mechanisms:
-            from ..nn.attention import build_mechanism
-
             mech = build_mechanism(self.mechanism, self.params, q.shape[1], q.shape[-1], k.shape[1], v.shape[-1], self.context)
             # Parameters follow the model's device and float dtype.
             self.mechanisms[layer] = mech.to(device=q.device, dtype=q.dtype)
@@ -201,7 +199,7 @@ def use(
     the decoding steps of one generation belong in one ``with`` block.
     Yields the ``Switch``, whose ``mechanisms`` maps layers to the mechanisms built.
     """
-    _check_model(model)
+    check_model(model)
     switch = _make_switch(model, mechanism, mask, score, layers, heads, observers, sinks, params)
     if context_parallel is not None:
         from ..distributed.layout import check_layout
@@ -254,7 +252,9 @@ def switched_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if id(m) not in skip]
 
 
-def _check_model(model) -> None:
+def check_model(model) -> None:
+    """Raise ValueError naming ``model`` unless attnkit can switch it: a transformers
+    ``PreTrainedModel`` whose attention goes through ``AttentionInterface``."""
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel):
@@ -265,6 +265,9 @@ def _check_model(model) -> None:
                 f"model: {type(m).__name__} does not route its attention through transformers' AttentionInterface, "
                 "so attnkit cannot switch it; models that do include Llama, Mistral, Qwen2/3, Gemma 2/3, GPT-2 and BERT"
             )
+
+
+_check_model = check_model  # the old private name, still imported by kv until it moves to check_model
 
 
 def _configs(model) -> list:
@@ -312,8 +315,6 @@ def _make_switch(model, mechanism, mask, score, layers, heads, observers, sinks,
 def _validate_named(model, mechanism: str, params: dict) -> Mechanism:
     """Build a named mechanism once now, with the sizes the config declares, so that a bad
     name or parameter fails at ``use`` and not in the middle of a forward pass."""
-    from ..nn.attention import build_mechanism
-
     heads = _text_config_int(model, "num_attention_heads")
     hidden = _text_config_int(model, "hidden_size")
     if heads is None:

@@ -4,6 +4,7 @@ import importlib
 import pkgutil
 
 from .base import Mechanism, available, get_mechanism, mechanism_class, register
+from .build import build_mechanism
 
 _loaded = False
 
@@ -28,4 +29,4 @@ def _load_all() -> None:
 
 _load_all()
 
-__all__ = ["Mechanism", "available", "get_mechanism", "mechanism_class", "register"]
+__all__ = ["Mechanism", "available", "build_mechanism", "get_mechanism", "mechanism_class", "register"]

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import make_request
+from ..kernels.flash import FlashWithLse, merge_partial
 from ..kernels.observe_pass import softmax_tiles
 from ..kernels.request import all_finite, nonfinite_error
 from ..mods.grid import EMPTY, FULL, classify_interval, states
@@ -38,7 +39,6 @@ from ..mods.masks import Causal, Mask
 from ..observe import CallInfo, feed, interested
 from .base import Mechanism, register
 from .key_masks import and_parts, is_key_mask, padding_refused
-from .hyper_attention import FlashWithLse, merge_partial
 
 Tensor = torch.Tensor
 

@@ -62,13 +62,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import cpu, make_request
+from ..kernels.flash import FlashWithLse
 from ..kernels.request import all_finite, nonfinite_error
 from ..kernels.run import softmax_attention
 from ..mods.grid import states
 from ..mods.masks import Causal, Mask
 from ..observe import AttentionTile, CallInfo, feed
 from .base import Mechanism, register
-from .hyper_attention import FlashWithLse
 from .key_masks import is_right_padding, padding_refused, split_key_masks
 
 Tensor = torch.Tensor

@@ -40,9 +40,9 @@ def apply(model: nn.Module, *interventions: Intervention):
     """Steer ``model`` with ``interventions`` for the duration of the ``with`` block.
     Yields the ``Steering`` (its ``interventions`` are the copies bound to ``model``)."""
     from ..hf.attention import EDITS
-    from ..hf.switch import _check_model, active_switch, switched_modules, use
+    from ..hf.switch import active_switch, check_model, switched_modules, use
 
-    _check_model(model)
+    check_model(model)
     if not interventions:
         raise ValueError("interventions: expected at least one (emphasize, ablate, scale, temperature, disperse, ...)")
     for i, iv in enumerate(interventions):

@@ -167,9 +167,9 @@ def calibrate_positions(model, tokenizer=None, texts=None, *, bins: int = 8, str
     "include" (every real token is a position, [CLS] too: the attention is spread evenly
     over all of them) or "exclude" (the tokenizer's special tokens are left alone and
     only the content's share is redistributed)."""
-    from ..hf.switch import _check_model
+    from ..hf.switch import check_model
 
-    _check_model(model)
+    check_model(model)
     if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
         raise ValueError(f"bins: expected an int >= 1, got {bins!r}")
     kind = "causal" if _is_causal(model) else "encoder"

@@ -57,9 +57,9 @@ def contrastive_generate(model, tokenizer, prompt, heads, lam: float = 1.0, *, s
                          max_new_tokens: int = 16, plausibility: float = 0.1, eos_token_id: int | None = None) -> Generation:
     """Greedy HICD decoding of ``prompt`` (text, or token ids) with ``heads`` dispersed at
     ``strength`` in the contrast model (see the module docstring)."""
-    from ..hf.switch import _check_model, use
+    from ..hf.switch import check_model, use
 
-    _check_model(model)
+    check_model(model)
     if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not math.isfinite(lam) or lam < 0:
         raise ValueError(f"lam: expected a finite number >= 0, got {lam!r}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:

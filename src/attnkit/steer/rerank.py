@@ -110,11 +110,11 @@ def _check(query, documents, method, rounds, calibration, query_template, positi
 
 
 def _causal(model, tokenizer):
-    from ..hf.switch import _check_model
+    from ..hf.switch import check_model
     from ..probes import as_probe_model
 
     pm = as_probe_model(model, tokenizer)
-    _check_model(pm.model)  # a model attnkit cannot switch fails here, before any pass
+    check_model(pm.model)  # a model attnkit cannot switch fails here, before any pass
     if pm.kind != "causal":
         raise ValueError(f"model: re-ranking reads a causal language model's attention over a KV cache; "
                          f"{pm.name or 'the model'} is an {pm.kind}")
