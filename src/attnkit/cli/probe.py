@@ -21,7 +21,7 @@ import re
 import sys
 import time
 
-from .options import output_dir
+from .options import options_named, output_dir
 
 #: keyword arguments the CLI sets itself (never options of their own)
 RESERVED = ("model", "tokenizer", "progress")
@@ -373,12 +373,16 @@ def _run_probe(function, model_path: str | None, steps, kwargs: dict, steer: lis
 
     pm = load_probe_model(model_path)
     takes_progress = "progress" in _pyinspect.signature(function).parameters or _takes_any_keyword(function)
+    # a check that names the probe's keyword (``attnkit.validate``) names its option here
+    keywords = {name: "--" + name.replace("_", "-") for name in _pyinspect.signature(function).parameters
+                if name not in RESERVED}
     try:
         call_kwargs = {**({"progress": steps} if takes_progress else {}), **kwargs}
-        if steer:  # with and without the interventions, in one result (a ``steered`` column)
-            from .steer_spec import run_with_and_without
-            return run_with_and_without(function, pm, steer, call_kwargs)
-        return function(pm, None, **call_kwargs)
+        with options_named(keywords):
+            if steer:  # with and without the interventions, in one result (a ``steered`` column)
+                from .steer_spec import run_with_and_without
+                return run_with_and_without(function, pm, steer, call_kwargs)
+            return function(pm, None, **call_kwargs)
     except ValueError as e:
         if model_path is None and str(e).startswith("--model:"):
             raise ValueError(f"{e} (without --model the probe runs the bundled all-MiniLM-L6-v2, an encoder: "

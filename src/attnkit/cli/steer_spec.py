@@ -19,54 +19,67 @@ probe); or the path of a head-set file (``probes.heads.save_head_set``).
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import time
 import weakref
 
-KINDS = {"emphasize": ("span", "alpha", "heads"), "ablate": ("heads",), "scale": ("heads", "factor"),
-         "temperature": ("heads", "t"), "disperse": ("heads", "strength")}
-REQUIRED = {"emphasize": ("span",), "scale": ("factor",), "temperature": ("t",)}
 SCORE_NAMES = ("retrieval", "induction", "previous_token", "duplicate_token", "sink")
 HEADS_HELP = ("all, layer.head pairs (0.1,1.0), topK-SCORE (computed on the fly), topK-SCORE@results.json of attnkit "
               "probe heads, or a head-set file")
 
 
 def parse_spec(text: str) -> tuple[str, dict[str, str]]:
-    """``"ablate:heads=top5-retrieval"`` -> ("ablate", {"heads": "top5-retrieval"}); errors name --steer."""
+    """``"ablate:heads=top5-retrieval"`` -> ("ablate", {"heads": "top5-retrieval"}); the
+    kinds and their keys are those of ``steer.registry``; errors name --steer."""
     if not isinstance(text, str) or not text.strip():
         raise ValueError("--steer: expected KIND:key=value:..., e.g. ablate:heads=top5-retrieval")
+    kinds = _registry()
     kind, *parts = text.strip().split(":")
-    if kind not in KINDS:
-        raise ValueError(f"--steer: unknown intervention {kind!r} in {text!r}; expected one of {', '.join(KINDS)}")
+    if kind not in kinds:
+        raise ValueError(f"--steer: unknown intervention {kind!r} in {text!r}; expected one of {', '.join(kinds)}")
+    entry = kinds[kind]
     params: dict[str, str] = {}
     for part in parts:
         key, sep, value = part.partition("=")
         key = key.strip()
         if not sep or not key or not value.strip():
             raise ValueError(f"--steer: expected key=value after {kind}:, got {part!r} in {text!r}")
-        if key not in KINDS[kind]:
-            raise ValueError(f"--steer: {kind} takes {', '.join(KINDS[kind])}; got {key!r} in {text!r}")
+        if key not in entry.keys:
+            raise ValueError(f"--steer: {kind} takes {', '.join(entry.keys)}; got {key!r} in {text!r}")
         if key in params:
             raise ValueError(f"--steer: {key} given twice in {text!r}")
         params[key] = value.strip()
-    for key in REQUIRED.get(kind, ()):
+    for key in entry.required:
         if key not in params:
-            raise ValueError(f"--steer: {kind} needs {key}=..., e.g. "
-                             + {"span": "emphasize:span=needle:alpha=0.01:heads=top8", "factor": "scale:heads=all:factor=0.5",
-                                "t": "temperature:heads=0.1:t=2"}[key] + f"; got {text!r}")
+            example = f", e.g. {entry.example}" if entry.example else ""
+            raise ValueError(f"--steer: {kind} needs {key}=...{example}; got {text!r}")
     return kind, params
 
 
-def _number(text: str, key: str, spec: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value):
-        raise ValueError(f"--steer: {key}={text!r} is not a finite number in {spec!r}")
-    return value
+def _registry():
+    """The registered interventions (``steer.registry``), the probe-span emphasis included."""
+    from ..steer.registry import INTERVENTIONS, number, register_intervention, text
+
+    if "emphasize" not in INTERVENTIONS:  # the command line's PASTA: on a span the running probe measures
+        register_intervention("emphasize", lambda heads, span, alpha: probe_span_emphasis(span, heads, alpha),
+                              params={"span": text, "alpha": number}, required=("span",), defaults={"alpha": "0.01"},
+                              example="emphasize:span=needle:alpha=0.01:heads=top8")
+    return INTERVENTIONS
+
+
+def _arguments(entry, params: dict[str, str], spec: str) -> dict:
+    """The builder's keywords from a spec's text values (defaults filled in)."""
+    out = {}
+    for key, parse in entry.params.items():
+        value = params.get(key, entry.defaults.get(key))
+        if value is None:
+            continue
+        try:
+            out[key] = parse(value)
+        except ValueError as e:
+            raise ValueError(f"--steer: {key}={value!r} {e} in {spec!r}") from None
+    return out
 
 
 class HeadScores:
@@ -160,7 +173,6 @@ def probe_span_emphasis(span: str, heads, alpha: float):
 
 def build_interventions(specs: list[str], pm, progress=None) -> list:
     """The interventions of ``specs``, checked against ``pm.model`` (errors name --steer)."""
-    from .. import steer
     from ..steer.targets import model_shape, resolve_heads
 
     scores = HeadScores(pm, progress)
@@ -168,18 +180,11 @@ def build_interventions(specs: list[str], pm, progress=None) -> list:
     for text in specs:
         kind, params = parse_spec(text)
         heads = resolve_heads_value(params.get("heads", "all"), scores, text)
+        entry = _registry()[kind]
+        arguments = _arguments(entry, params, text)
         try:
             resolve_heads(heads, *model_shape(pm.model))
-            if kind == "emphasize":
-                iv = probe_span_emphasis(params["span"], heads, _number(params.get("alpha", "0.01"), "alpha", text))
-            elif kind == "ablate":
-                iv = steer.ablate(heads)
-            elif kind == "scale":
-                iv = steer.scale(heads, _number(params["factor"], "factor", text))
-            elif kind == "temperature":
-                iv = steer.temperature(heads, _number(params["t"], "t", text))
-            else:
-                iv = steer.disperse(heads, _number(params.get("strength", "1"), "strength", text))
+            iv = entry.build(heads, **arguments)
         except ValueError as e:
             message = str(e)
             raise ValueError(message if message.startswith("--steer") else f"--steer: {message} (in {text!r})") from None

@@ -36,7 +36,8 @@ import torch
 
 from ..mods import temperature
 from ..observe import Entropy
-from .switch import EDITS, denoiser, use
+from .edits import DiffusionEdit, edits_on
+from .switch import denoiser, use
 
 
 @dataclass(frozen=True)
@@ -62,11 +63,12 @@ class _KeyedEntropy(Entropy):
         self.keys.setdefault(call.layer, set()).add(call.k_len)
 
 
-class _Scale:
-    """An EDITS entry: the layer's logits times ``factor``, one number or one per head
-    (nothing added where every factor is 1)."""
+class _Scale(DiffusionEdit):
+    """A ``DiffusionEdit``: the layer's logits times ``factor``, one number or one per head
+    (nothing added where every factor is 1), on top of any edit already there."""
 
-    def __init__(self, factor):
+    def __init__(self, factor, previous=None):
+        super().__init__(previous)
         if isinstance(factor, tuple):
             plain = all(f == 1.0 for f in factor)
             self.mods = [] if plain else [temperature(torch.tensor([1.0 / f for f in factor], dtype=torch.float64))]
@@ -74,35 +76,20 @@ class _Scale:
             self.mods = [] if factor == 1.0 else [temperature(1.0 / factor)]
 
     def scores(self, layout, query, key):
-        return list(self.mods)
-
-    def output(self, layout, out):
-        return out
+        return super().scores(layout, query, key) + list(self.mods)
 
 
 @contextmanager
 def _scaled(model, scales: dict, layers: list[str] | None, kind: str | None, observers=None):
     with use(model, layers=layers, kind=kind, observers=observers) as switch:
         modules = {layer.name: layer.module for layer in switch.layers}
-        taken = [name for name, m in modules.items() if m in EDITS]
-        if taken:
-            raise ValueError(f"layers: {taken} already carry another attnkit.diffusion intervention")
-        placed = []
         for name, factor in scales.items():
             heads = getattr(modules[name], "heads", None)
             if isinstance(factor, tuple) and heads is not None and len(factor) != heads:
                 raise ValueError(f"scales: {name!r} has {heads} heads, got {len(factor)} factors")
-        try:
-            for name, factor in scales.items():
-                edit = _Scale(factor)
-                EDITS[modules[name]] = edit
-                placed.append((modules[name], edit))
+        scaled = [layer for layer in switch.layers if layer.name in scales]
+        with edits_on(scaled, lambda layer, previous: _Scale(scales[layer.name], previous)):
             yield switch
-        finally:
-            for module, edit in placed:
-                if EDITS.get(module) is edit:
-                    del EDITS[module]
-
 
 def measure_entropy(model_or_pipeline, run: Callable[[], object], *, layers: Iterable[str] | None = None,
                     kind: str | None = "self", scales: dict | None = None) -> dict[str, LayerEntropy]:

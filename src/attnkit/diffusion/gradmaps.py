@@ -32,8 +32,9 @@ import torch
 
 from ..api import attention
 from ..mods import as_score
+from .edits import DiffusionEdit, edits_on
 from .layers import AttentionLayer, CallLayout, index_tuple, select_layers
-from .switch import StackedEdit, denoiser, edits_on, use
+from .switch import denoiser, use
 from .tokenmaps import mean_over_grids
 
 Tensor = torch.Tensor
@@ -120,7 +121,7 @@ def image_rows(layout: CallLayout, query: Tensor, key: Tensor, positions: Tensor
     return p[..., i_lo:i_hi]
 
 
-class _LayerEdit(StackedEdit):
+class _LayerEdit(DiffusionEdit):
     """The ``EDITS`` entry ``record_maps`` puts on one layer: records the call's q and k
     (with any edit already there running first, its score mods kept in the maps)."""
 

@@ -177,3 +177,6 @@ def index_tuple(value, argument: str) -> tuple[int, ...] | None:
     if not items or any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in items):
         raise ValueError(f"{argument}: expected None or a non-empty list of indices >= 0, got {value!r}")
     return tuple(sorted(set(items)))
+
+
+__all__ = ["KINDS", "AttentionLayer", "CallLayout", "attention_layers", "layer_names"]

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .edits import DiffusionEdit, edits_on
 from .layers import AttentionLayer, CallLayout, attention_layers
-from .switch import denoiser, edits_on, use
+from .switch import denoiser, use
 
 Tensor = torch.Tensor
 TEXT_CHOICES = ("identity", "keep")
@@ -50,29 +51,24 @@ class PerturbState:
     rows: Tensor | None = None
 
 
-class Perturbation:
+class Perturbation(DiffusionEdit):
     """The edit ``perturb`` puts in ``EDITS[module]`` for one layer: it notes the call's
     values (``inputs``) and blends the attention output toward them (``output``). An edit
     already on the module (``previous``) keeps running: its ``inputs`` and ``scores``
     first, its ``output`` before the blend."""
 
     def __init__(self, name: str, strength: Tensor, state: PerturbState, previous=None):
-        self.name, self.strength, self.state, self.previous = name, strength, state, previous
+        super().__init__(previous)
+        self.name, self.strength, self.state = name, strength, state
         self._value: Tensor | None = None
 
     def inputs(self, layout: CallLayout, query: Tensor, key: Tensor, value: Tensor):
-        swap = getattr(self.previous, "inputs", None)
-        if swap is not None:
-            query, key, value = swap(layout, query, key, value)
+        query, key, value = super().inputs(layout, query, key, value)
         self._value = value
         return query, key, value
 
-    def scores(self, layout: CallLayout, query: Tensor, key: Tensor) -> list:
-        return list(self.previous.scores(layout, query, key)) if self.previous is not None else []
-
     def output(self, layout: CallLayout, out: Tensor) -> Tensor:
-        if self.previous is not None:
-            out = self.previous.output(layout, out)
+        out = super().output(layout, out)
         value, self._value = self._value, None
         if value is None:
             raise ValueError(f"layers: {self.name} ran attention without passing its values through the edit's inputs hook")

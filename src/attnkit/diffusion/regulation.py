@@ -37,9 +37,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..mods.scores import Bias
+from .edits import DiffusionEdit, edits_on
 from .gradmaps import check_scale
 from .layers import CallLayout, index_tuple, select_layers
-from .switch import denoiser, edits_on, use
+from .switch import denoiser, use
 
 Tensor = torch.Tensor
 
@@ -244,22 +245,16 @@ class AttentionRegulation:
         return best_beta
 
 
-class _RegulationEdit:
+class _RegulationEdit(DiffusionEdit):
     def __init__(self, reg: AttentionRegulation, layer, previous):
-        self.reg, self.layer, self.previous = reg, layer, previous
+        super().__init__(previous)
+        self.reg, self.layer = reg, layer
 
     def scores(self, layout, query, key):
-        mods = list(self.previous.scores(layout, query, key)) if self.previous is not None else []
+        mods = super().scores(layout, query, key)
         check_scale(self.layer, query.shape[-1])
         bias = self.reg.bias_for(layout, query, key, mods)
         return mods + ([bias] if bias is not None else [])
-
-    def output(self, layout, out):
-        return self.previous.output(layout, out) if self.previous is not None else out
-
-    def inputs(self, layout, query, key, value):
-        swap = getattr(self.previous, "inputs", None)  # an edit that swaps what attends keeps doing so
-        return (query, key, value) if swap is None else swap(layout, query, key, value)
 
 
 @contextmanager

@@ -33,8 +33,9 @@ from contextlib import contextmanager
 import torch
 
 from ..mods import temperature as temperature_mod
+from .edits import DiffusionEdit, edits_on
 from .layers import attention_layers
-from .switch import EDITS, denoiser, use
+from .switch import denoiser, use
 
 Tensor = torch.Tensor
 ROLES = ("style", "content")
@@ -93,11 +94,13 @@ class _Clock:
         return None
 
 
-class _Recorder:
-    def __init__(self, owner: StyleInjection, roles: tuple[str, ...], clock: _Clock):
+class _Recorder(DiffusionEdit):
+    def __init__(self, owner: StyleInjection, roles: tuple[str, ...], clock: _Clock, previous=None):
+        super().__init__(previous)
         self.owner, self.roles, self.clock = owner, roles, clock
 
     def inputs(self, layout, query, key, value):
+        query, key, value = super().inputs(layout, query, key, value)
         at = (self.clock.t, layout.name)
         if "style" in self.roles:
             self.owner.style[at] = (key.detach().clone(), value.detach().clone())
@@ -105,21 +108,17 @@ class _Recorder:
             self.owner.content[at] = query.detach().clone()
         return query, key, value
 
-    def scores(self, layout, query, key):
-        return []
 
-    def output(self, layout, out):
-        return out
-
-
-class _Injector:
-    def __init__(self, owner: StyleInjection, clock: _Clock):
+class _Injector(DiffusionEdit):
+    def __init__(self, owner: StyleInjection, clock: _Clock, previous=None):
+        super().__init__(previous)
         self.owner, self.clock = owner, clock
         t = owner.temperature
         # T * logits; T = 1 adds no score mod, so the call is the model's own
         self.mods = [] if t == 1.0 else [temperature_mod(1.0 / t)]
 
     def inputs(self, layout, query, key, value):
+        query, key, value = super().inputs(layout, query, key, value)
         at = (self.clock.t, layout.name)
         if at not in self.owner.style:
             known = sorted({t for t, name in self.owner.style if name == layout.name}, key=str)
@@ -142,10 +141,7 @@ class _Injector:
         return query, k_ref, v_ref
 
     def scores(self, layout, query, key):
-        return list(self.mods)
-
-    def output(self, layout, out):
-        return out
+        return super().scores(layout, query, key) + list(self.mods)
 
 
 def _rows(x: Tensor, like: Tensor, role: str, name: str) -> Tensor:
@@ -208,7 +204,7 @@ class StyleInjection:
         (both roles at once for one image serving as both). The model runs unchanged."""
         if not roles or any(r not in ROLES for r in roles):
             raise ValueError(f"roles: expected one or more of {ROLES}, got {roles!r}")
-        with self._edited(model_or_pipeline, lambda clock: _Recorder(self, tuple(roles), clock)) as switch:
+        with self._edited(model_or_pipeline, lambda clock, previous: _Recorder(self, tuple(roles), clock, previous)) as switch:
             yield switch
 
     @contextmanager
@@ -218,7 +214,7 @@ class StyleInjection:
         the injected attention."""
         if not self.style:
             raise ValueError("style: nothing recorded; run the style reference inside record(model, 'style') first")
-        with self._edited(model_or_pipeline, lambda clock: _Injector(self, clock), observers) as switch:
+        with self._edited(model_or_pipeline, lambda clock, previous: _Injector(self, clock, previous), observers) as switch:
             yield switch
 
     @contextmanager
@@ -226,21 +222,11 @@ class StyleInjection:
         model = denoiser(model_or_pipeline)
         clock = _Clock(model)
         with use(model, layers=self.layer_paths(model), kind="self", observers=observers) as switch:
-            modules = [layer.module for layer in switch.layers]
-            taken = [layer.name for layer in switch.layers if layer.module in EDITS]
-            if taken:
-                raise ValueError(f"layers: {taken} already carry another attnkit.diffusion intervention")
             handle = model.register_forward_pre_hook(clock.hook, with_kwargs=True)
-            edit = make_edit(clock)
             try:
-                for module in modules:
-                    EDITS[module] = edit
-                yield switch
+                with edits_on(switch.layers, lambda layer, previous: make_edit(clock, previous)):
+                    yield switch
             finally:
                 handle.remove()
-                for module in modules:
-                    if EDITS.get(module) is edit:
-                        del EDITS[module]
-
 
 __all__ = ["StyleInjection", "adain"]

@@ -9,18 +9,13 @@ processors call SDPA directly, and the attention dispatcher's native backend end
 same call. On exit, also after an exception, the modules' own ``forward`` comes back.
 
 Interventions (perturbed-attention guidance, attend-and-excite, regulation, ...) plug in
-like ``attnkit.steer`` does for transformers: an object in ``EDITS[module]`` with
-``scores(layout, query, key) -> [ScoreMod]`` (run after the model's own, on every routed
-call) and ``output(layout, out) -> out`` on (B, H, Nq, Dv) before the heads merge; an
-optional ``inputs(layout, query, key, value) -> (query, key, value)`` runs first.
-``edits_on`` puts edits on chosen layers for a block and puts back what was there;
-``StackedEdit`` is the base of an edit that keeps the one it found running.
+like ``attnkit.steer`` does for transformers: a ``DiffusionEdit`` in ``EDITS[module]``
+(the protocol is written in ``edits.py``); ``edit`` puts a registered one on by name.
 """
 
 from __future__ import annotations
 
 import inspect
-import weakref
 from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -31,14 +26,12 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..api import attention
-from ..mechanisms import Mechanism, get_mechanism
+from ..mechanisms import Mechanism, build_mechanism, get_mechanism
 from ..mods import as_mask, as_score, bias, causal
+from .edits import EDITS, DiffusionEdit, StackedEdit, edit_type, edits_on  # noqa: F401  (re-exported)
 from .layers import KINDS, AttentionLayer, CallLayout, attention_layers, call_layout, index_tuple, select_layers
 
 Tensor = torch.Tensor
-
-#: module -> edits an intervention puts on it (see the module docstring)
-EDITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
@@ -88,8 +81,6 @@ class DiffusionSwitch:
         if isinstance(self.mechanism, Mechanism):
             return self.mechanism
         if layer.index not in self.mechanisms:
-            from ..nn.attention import build_mechanism
-
             mech = build_mechanism(self.mechanism, self.params, q.shape[1], q.shape[-1], k.shape[1], v.shape[-1], None)
             self.mechanisms[layer.index] = mech.to(device=q.device, dtype=q.dtype)
         return self.mechanisms[layer.index]
@@ -337,45 +328,20 @@ def _plain(mechanism, params, layer: AttentionLayer) -> bool:
         return get_mechanism(mechanism, **params).name == "softmax"
     if not isinstance(mechanism, str):
         raise ValueError(f"mechanism: expected a mechanism name or a Mechanism, got {type(mechanism).__name__}")
-    from ..nn.attention import build_mechanism
-
     heads = int(getattr(layer.module, "heads", 1))
     head_dim = getattr(layer.module, "head_dim", None) or getattr(layer.module, "inner_dim", heads * 64) // heads
     return build_mechanism(mechanism, params, heads, int(head_dim), heads, int(head_dim), None).name == "softmax"
 
 
 @contextmanager
-def edits_on(layers: list[AttentionLayer], make):
-    """Put ``make(layer, previous_edit)`` in ``EDITS`` for each layer for the block, and
-    put back what was there on exit (also after an exception), so that interventions
-    nest: an inner one can wrap the edit it finds."""
-    saved = [(layer.module, EDITS.get(layer.module)) for layer in layers]
-    try:
-        for layer, (_, previous) in zip(layers, saved):
-            EDITS[layer.module] = make(layer, previous)
-        yield
-    finally:
-        for module, previous in saved:
-            if previous is None:
-                EDITS.pop(module, None)
-            else:
-                EDITS[module] = previous
+def edit(model_or_pipeline, name: str, *, layers=None, kind: str | None = None, observers=None, **params):
+    """The diffusion edit registered as ``name`` (``edits.register_edit``) on the chosen
+    layers (module paths, exact; default every layer of ``kind``, or every layer) for
+    the block, on top of any edit already there; yields the ``DiffusionSwitch``."""
+    make = edit_type(name)
+    with use(model_or_pipeline, layers=layers, kind=kind, observers=observers) as switch:
+        with edits_on(switch.layers, lambda layer, previous: make(layer, previous, **params)):
+            yield switch
 
 
-class StackedEdit:
-    """Base of an edit that goes on top of the one it finds on its layer (``previous``,
-    or None) and lets it keep working: by default every hook passes through to it, so a
-    subclass overrides only what it adds (``super()`` gives the previous edit's result)."""
-
-    def __init__(self, previous=None):
-        self.previous = previous
-
-    def inputs(self, layout: CallLayout, query: Tensor, key: Tensor, value: Tensor):
-        swap = getattr(self.previous, "inputs", None)  # an edit that swaps what attends keeps doing so
-        return (query, key, value) if swap is None else swap(layout, query, key, value)
-
-    def scores(self, layout: CallLayout, query: Tensor, key: Tensor) -> list:
-        return list(self.previous.scores(layout, query, key)) if self.previous is not None else []
-
-    def output(self, layout: CallLayout, out: Tensor) -> Tensor:
-        return self.previous.output(layout, out) if self.previous is not None else out
+__all__ = ["EDITS", "DiffusionSwitch", "denoiser", "edit", "use"]

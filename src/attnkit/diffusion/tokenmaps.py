@@ -144,3 +144,6 @@ def mean_over_grids(sums: dict, counts: dict, size: tuple[int, int] | None = Non
         total = m if total is None else total + m
         count += counts[grid]
     return total / count
+
+
+__all__ = ["TokenMaps"]

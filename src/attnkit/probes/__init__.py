@@ -18,7 +18,8 @@ from .model import ProbeModel, as_probe_model, load_probe_model
 from .result import ProbeResult, Table
 from .scoring import string_match_all, string_match_part
 
-#: probe name -> "module:function" inside attnkit.probes (imported on first use)
+#: probe name -> "module:function" inside attnkit.probes (imported on first use), or the
+#: probe function itself (``register_probe``)
 PROBES = {
     "needle": "needle:needle",
     "kv-retrieval": "kv_retrieval:kv_retrieval",
@@ -36,10 +37,21 @@ def available() -> list[str]:
     return list(PROBES)
 
 
+def register_probe(name: str, function) -> None:
+    """Register ``function(model, tokenizer, **params) -> ProbeResult`` as probe ``name``
+    (its keywords become ``attnkit probe NAME``'s options); a probe outside attnkit is one
+    file with this call in it."""
+    if not isinstance(name, str) or not name or not callable(function):
+        raise ValueError(f"register_probe: expected a name and a probe function, got {name!r}, {function!r}")
+    PROBES[name] = function
+
+
 def get_probe(name: str):
     """The probe function registered as ``name``."""
     if name not in PROBES:
         raise ValueError(f"probe: unknown probe {name!r}; expected one of {', '.join(PROBES)}")
+    if callable(PROBES[name]):
+        return PROBES[name]
     module, function = PROBES[name].split(":")
     return getattr(importlib.import_module(f"{__name__}.{module}"), function)
 
@@ -50,4 +62,4 @@ def run(name: str, model=None, tokenizer=None, **params) -> ProbeResult:
 
 
 __all__ = ["PROBES", "ProbeModel", "ProbeResult", "Table", "as_probe_model", "available", "get_probe", "load_probe_model",
-           "run", "string_match_all", "string_match_part"]
+           "register_probe", "run", "string_match_all", "string_match_part"]

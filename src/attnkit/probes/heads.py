@@ -38,6 +38,7 @@ import time
 
 import torch
 
+from ..validate import integer
 from .generation import greedy_generate, left_pad
 from .meters import StepTopKey
 from .model import as_probe_model
@@ -55,12 +56,6 @@ _TITLES = {"previous_token": "previous-token score", "duplicate_token": "duplica
 
 
 # -- parameters -------------------------------------------------------------------------------
-
-
-def _int(value, option: str, low: int, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{option}: expected {what} (an int >= {low}), got {value!r}")
-    return value
 
 
 def _scores(value) -> tuple[str, ...]:
@@ -301,14 +296,14 @@ def heads(model=None, tokenizer=None, *, length: int | None = None, repeats: int
     pm = as_probe_model(model, tokenizer)
     pm.require("causal", "heads")
     names = _scores(scores)
-    samples = _int(samples, "--samples", 1, "the number of prompts")
-    batch_size = _int(batch_size, "--batch-size", 1, "prompts per forward pass")
+    samples = integer(samples, "--samples", 1, "the number of prompts")
+    batch_size = integer(batch_size, "--batch-size", 1, "prompts per forward pass")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"--seed: expected an int, got {seed!r}")
     if progress is not None and not callable(progress):
         raise ValueError(f"progress: expected a callable taking a line of text, got {type(progress).__name__}")
     n_heads = pm.layers * pm.heads
-    top = min(DEFAULT_TOP, n_heads) if top is None else _int(top, "--top", 1, "how many heads to list per score")
+    top = min(DEFAULT_TOP, n_heads) if top is None else integer(top, "--top", 1, "how many heads to list per score")
     if top > n_heads:
         raise ValueError(f"--top: expected at most the model's {n_heads} heads ({pm.layers} layers x {pm.heads}), got {top}")
 
@@ -324,13 +319,13 @@ def heads(model=None, tokenizer=None, *, length: int | None = None, repeats: int
     if length is None:
         length = int(params["seq_len"]) // int(params["repeats"]) if task is not None and task.get("task") == "induction" else 32
         length = min(length, len(pool))
-    length = _int(length, "--length", 2, "tokens per random segment")
+    length = integer(length, "--length", 2, "tokens per random segment")
     if length > len(pool):
         raise ValueError(f"--length: a segment of {length} distinct tokens needs as many tokens to draw from; "
                          f"{pm.name or 'the model'} offers {len(pool)}")
     if repeats is None:
         repeats = int(params.get("repeats", 2)) if task is not None and task.get("task") == "induction" else 2
-    repeats = _int(repeats, "--repeats", 2, "copies of each segment")
+    repeats = integer(repeats, "--repeats", 2, "copies of each segment")
     # Every parameter is checked, and every prompt built, before the model runs.
     pattern_names = [n for n in names if n != "retrieval"]
     if pattern_names:
@@ -341,20 +336,20 @@ def heads(model=None, tokenizer=None, *, length: int | None = None, repeats: int
             context = int(params["seq_len"]) if context is None else context
             if needle is not None:
                 raise ValueError("--needle: the arena needle task's answer is one value token; leave --needle unset")
-            context = _int(context, "--context", 2 * (int(params.get("distractors", 0)) + 2), "tokens per retrieval prompt")
+            context = integer(context, "--context", 2 * (int(params.get("distractors", 0)) + 2), "tokens per retrieval prompt")
             if context % 2:
                 raise ValueError(f"--context: the needle task is written in two-token cells, so it must be even, got {context}")
             pm.check_length(context, "--context")
             needles = arena_needle_prompts(task, symbol_ids, context, samples, retrieval_rng)
         else:
-            needle = _int(8 if needle is None else needle, "--needle", 2, "needle tokens (the first is the cue, the rest are copied)")
+            needle = integer(8 if needle is None else needle, "--needle", 2, "needle tokens (the first is the cue, the rest are copied)")
             if needle >= len(pool):
                 raise ValueError(f"--needle: a needle of {needle} distinct tokens needs a haystack of other tokens; "
                                  f"{pm.name or 'the model'} offers {len(pool)} tokens in all")
             if context is None:  # the prompt and the copied tokens fit the positions the model was trained on
                 longest = int(params["seq_len"]) if "seq_len" in params else min(128, pm.max_positions or 128)
                 context = max(longest - (needle - 1), len(prefix) + needle + 2)
-            context = _int(context, "--context", len(prefix) + needle + 2, "tokens per retrieval prompt (haystack, needle and cue)")
+            context = integer(context, "--context", len(prefix) + needle + 2, "tokens per retrieval prompt (haystack, needle and cue)")
             pm.check_length(context + needle - 1, "--context")
             needles = copy_prompts(pool, context, needle, samples, retrieval_rng, prefix)
 
@@ -407,7 +402,7 @@ def save_head_set(result: ProbeResult, path, score: str, k: int | None = None) -
     (``layers`` is the per-layer form steering configurations take). Returns the dict."""
     if k is None:
         k = len(result.meta.get("top", {}).get(score, [])) or 5
-    chosen = top_heads(result, score, _int(k, "k", 1, "how many heads"))
+    chosen = top_heads(result, score, integer(k, "k", 1, "how many heads"))
     layers: dict[str, list[int]] = {}
     for layer, head in chosen:
         layers.setdefault(str(layer), []).append(head)

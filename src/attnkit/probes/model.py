@@ -119,17 +119,12 @@ def load_probe_model(path: str | None = None, *, kind: str | None = None) -> Pro
         return ProbeModel(model, tokenizer, "encoder", max_positions(model), None, "all-MiniLM-L6-v2")
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise ValueError(f"--model: expected a model directory, got {path!r}")
-    from ..organisms.store import resolve_model_path
-
-    path = resolve_model_path(str(path), "--model")  # an organism's name -> its shipped, verified export
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"--model: no such directory: {path}")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"--model: {path} is not a transformers model directory (it has no config.json)")
     require("transformers", "attnkit.probes' model loading")  # offline: local_files_only below
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+    from ..hf.loading import load_pretrained, load_tokenizer, model_directory
+
+    path = model_directory(path, "--model")
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
@@ -138,19 +133,8 @@ def load_probe_model(path: str | None = None, *, kind: str | None = None) -> Pro
         return _load_vision_model(path)
     architectures = getattr(config, "architectures", None) or []
     causal = kind == "causal" or (kind is None and any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures))
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        loader = AutoModelForCausalLM if causal else AutoModel
-        model = loader.from_pretrained(path, local_files_only=True, dtype=torch.float32)
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"--model: could not load a transformers model from {path}: {e}") from e
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"--model: {path} has no usable tokenizer ({e})") from e
+    model = load_pretrained(AutoModelForCausalLM if causal else AutoModel, path, "--model")
+    tokenizer = load_tokenizer(path, "--model")
     model.eval()
     return ProbeModel(model, tokenizer, "causal" if causal else "encoder", max_positions(model), read_task(path),
                       os.path.basename(os.path.normpath(path)))

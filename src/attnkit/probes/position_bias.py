@@ -42,6 +42,7 @@ from importlib import resources
 
 import torch
 
+from ..validate import integer
 from .model import as_probe_model
 from .pooled_mass import PooledSpanMass
 from .result import ProbeResult
@@ -82,12 +83,6 @@ def permutations(segments: int, samples: int, rng: random.Random) -> list[list[i
 
 
 # -- parameters -------------------------------------------------------------------------------
-
-
-def _int(value, option: str, low: int, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{option}: expected {what} (an int >= {low}), got {value!r}")
-    return value
 
 
 def _read_text(text) -> str:
@@ -213,8 +208,8 @@ def position_bias(model=None, tokenizer=None, *, text: str | os.PathLike | None 
     pooling = "mean" if pooling is None else pooling
     if pooling not in POOLINGS:
         raise ValueError(f"--pooling: expected one of {', '.join(POOLINGS)}, got {pooling!r}")
-    samples = _int(samples, "--samples", 1, "the number of permutations")
-    batch_size = _int(batch_size, "--batch-size", 1, "documents per forward pass")
+    samples = integer(samples, "--samples", 1, "the number of permutations")
+    batch_size = integer(batch_size, "--batch-size", 1, "documents per forward pass")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"--seed: expected an int, got {seed!r}")
     if progress is not None and not callable(progress):

@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from ..validate import integer
 from .generation import greedy_generate, left_pad, pad_id
 from .meters import RowSpanMass
 from .model import as_probe_model
@@ -67,13 +68,13 @@ def ruler(model=None, tokenizer=None, *, tasks=ALL, lengths=None, samples: int =
     """
     started = time.perf_counter()
     tasks = _check_tasks(tasks)
-    samples = _check_int(samples, "--samples", 1)
-    batch_size = _check_int(batch_size, "--batch-size", 1)
+    samples = integer(samples, "--samples", 1)
+    batch_size = integer(batch_size, "--batch-size", 1)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"--seed: expected an int, got {seed!r}")
     threshold = _check_threshold(threshold)
     if max_new_tokens is not None:
-        max_new_tokens = _check_int(max_new_tokens, "--max-new-tokens", 1)
+        max_new_tokens = integer(max_new_tokens, "--max-new-tokens", 1)
     if progress is not None and not callable(progress):
         raise ValueError(f"progress: expected a callable taking one line of text, got {type(progress).__name__}")
     explicit = lengths is not None
@@ -188,12 +189,6 @@ def _figures(result: ProbeResult) -> list[dict]:
 
 
 # -- validation ---------------------------------------------------------------------------
-
-
-def _check_int(value, option: str, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
-        raise ValueError(f"{option}: expected an int >= {least}, got {value!r}")
-    return int(value)
 
 
 def _check_threshold(value) -> float:

@@ -13,6 +13,7 @@ from .contrastive import contrastive_generate, inducing_heads
 from .emphasize import Emphasize, emphasize
 from .head_ops import Ablate, Disperse, Scale, Temperature, ablate, disperse, scale, temperature
 from .prune import LayerPruning, coupling_scores, prune_layers
+from .registry import INTERVENTIONS, register_intervention
 from .rerank import rerank
 from .selection import HeadRanking, profile_heads, rank_heads
 from .targets import resolve_heads
@@ -20,7 +21,7 @@ from .visual import (AblateVisual, AmplifyVisual, CalibrateVisual, HoldVisual, a
                      calibrate_visual, hold_visual)
 
 __all__ = [
-    "apply", "Steering", "Intervention", "resolve_heads",
+    "apply", "Steering", "Intervention", "resolve_heads", "INTERVENTIONS", "register_intervention",
     "emphasize", "Emphasize", "ablate", "Ablate", "scale", "Scale", "temperature", "Temperature",
     "disperse", "Disperse", "contrastive_generate", "inducing_heads",
     "calibrate_positions", "PositionCalibration", "prune_layers", "LayerPruning", "coupling_scores",

@@ -16,26 +16,15 @@ bitwise those of the unsteered run.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from .. import validate
 from .base import Intervention, query_keep, softmax_rows
 from .mods import HeadFactor
+from .registry import number, register_intervention
 
 Tensor = torch.Tensor
 MODES = ("zero", "mean")
-
-
-def _number(value, name: str, low: float | None = None, high: float | None = None, open_low: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name}: expected a finite number, got {value!r}")
-    value = float(value)
-    if low is not None and (value <= low if open_low else value < low):
-        raise ValueError(f"{name}: expected a number {'>' if open_low else '>='} {low:g}, got {value!r}")
-    if high is not None and value > high:
-        raise ValueError(f"{name}: expected a number <= {high:g}, got {value!r}")
-    return value
 
 
 class Ablate(Intervention):
@@ -81,7 +70,7 @@ class Scale(Intervention):
 
     def __init__(self, heads, factor: float):
         super().__init__(heads)
-        self.factor = _number(factor, "factor")
+        self.factor = validate.number(factor, "factor")
 
     def output_for(self, layer, out, keep):
         flags = self.selected(layer, out.shape[1], out.device)
@@ -125,7 +114,7 @@ class Temperature(_LogitFactor):
 
     def __init__(self, heads, t: float):
         super().__init__(heads)
-        self.t = _number(t, "t", low=0.0, open_low=True)
+        self.t = validate.number(t, "t", low=0.0, open_low=True)
         self.multiplier = 1.0 / self.t
 
     def __repr__(self):
@@ -137,7 +126,7 @@ class Disperse(_LogitFactor):
 
     def __init__(self, heads, strength: float = 1.0):
         super().__init__(heads)
-        self.strength = _number(strength, "strength", low=0.0, high=1.0)
+        self.strength = validate.number(strength, "strength", low=0.0, high=1.0)
         self.multiplier = 1.0 - self.strength
 
     def __repr__(self):
@@ -164,6 +153,12 @@ def disperse(heads, strength: float = 1.0) -> Disperse:
     """Flatten the chosen heads' attention towards uniform: logits times 1 - strength
     (strength in [0, 1]; 1 gives uniform weights over the visible keys)."""
     return Disperse(heads, strength)
+
+
+register_intervention("ablate", lambda heads: ablate(heads))  # the command line zeroes; mode="mean" needs a reference batch
+register_intervention("scale", scale, params={"factor": number}, required=("factor",), example="scale:heads=all:factor=0.5")
+register_intervention("temperature", temperature, params={"t": number}, required=("t",), example="temperature:heads=0.1:t=2")
+register_intervention("disperse", disperse, params={"strength": number}, defaults={"strength": "1"})
 
 
 # -- mean ablation's reference run ---------------------------------------------------------

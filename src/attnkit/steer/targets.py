@@ -12,6 +12,8 @@ import json
 import os
 from collections.abc import Mapping
 
+from ..validate import index
+
 HEAD_SET_FORMAT = "attnkit.head-set"
 
 
@@ -40,18 +42,18 @@ def resolve_heads(spec, num_layers: int, num_heads: int, name: str = "heads") ->
     pairs: list[tuple[int, int]] = []
     if isinstance(spec, Mapping):
         for layer, heads in spec.items():
-            layer = _int(layer, name, "a layer index", num_layers)
+            layer = index(layer, name, "a layer index", num_layers)
             if isinstance(heads, int) and not isinstance(heads, bool):
                 heads = [heads]
             if not isinstance(heads, (list, tuple, range)):
                 raise ValueError(f"{name}: layer {layer} maps to {heads!r}; expected a list of head indices")
-            pairs += [(layer, _int(h, name, "a head index", num_heads, f" (layer {layer})")) for h in heads]
+            pairs += [(layer, index(h, name, "a head index", num_heads, f" (layer {layer})")) for h in heads]
     elif isinstance(spec, (list, tuple)):
         for item in spec:
             if not isinstance(item, (list, tuple)) or len(item) != 2:
                 raise ValueError(f"{name}: expected (layer, head) pairs, got {item!r}")
-            layer = _int(item[0], name, "a layer index", num_layers)
-            pairs.append((layer, _int(item[1], name, "a head index", num_heads, f" (layer {layer})")))
+            layer = index(item[0], name, "a layer index", num_layers)
+            pairs.append((layer, index(item[1], name, "a head index", num_heads, f" (layer {layer})")))
     else:
         raise ValueError(f"{name}: expected (layer, head) pairs, a {{layer: [heads]}} dict, 'all' or a head set saved by "
                          f"`attnkit probe heads`, got {type(spec).__name__}")
@@ -61,18 +63,6 @@ def resolve_heads(spec, num_layers: int, num_heads: int, name: str = "heads") ->
     for layer, head in pairs:
         out.setdefault(layer, set()).add(head)
     return {layer: tuple(sorted(out[layer])) for layer in sorted(out)}
-
-
-def _int(value, name: str, noun: str, limit: int, where: str = "") -> int:
-    """``value`` as an index in [0, limit); an error naming ``name`` otherwise (``noun``,
-    e.g. "a layer index", and ``where`` say what it indexes)."""
-    if isinstance(value, str) and value.strip().isdigit():  # JSON object keys are strings
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value >= limit:
-        raise ValueError(f"{name}: expected {noun} below {limit}{where}, got {value!r}")
-    if value < 0:  # indices count from 0 here, never from the end
-        raise ValueError(f"{name}: expected {noun} >= 0 and below {limit}{where}, got {value!r}")
-    return value
 
 
 def _read_head_set(path, name: str):
