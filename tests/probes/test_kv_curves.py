@@ -130,3 +130,17 @@ def test_kv_curves_from_the_command_line(needle_export, tmp_path):
     html = (out / "report.html").read_text()
     assert "Accuracy against KV budget per policy" in html and "(reference)" in html
     assert main(["kv", "curves", "--model", needle_export, "--budgets", "2"]) == 2
+
+
+def test_probe_cells_are_the_probe_calls_of_a_grid(needle_export):
+    from attnkit.probes.cells import probe_cells
+    from attnkit.sweeps import cell_function
+
+    cells = probe_cells("needle", needle_export, {"lengths": [[32], [64]], "samples": [2], "depths": [[0.5]]})
+    assert len(cells) == 2 and len({c.hash for c in cells}) == 2
+    rows = cell_function("probe")(cells[1].config)
+    plain = run("needle", needle_export, lengths=[64], samples=2, depths=[0.5])
+    assert [{k: v for k, v in r.items() if not k.startswith("param_")} for r in rows] == plain.rows
+    assert {r["param_lengths"] for r in rows} == {"[64]"}
+    with pytest.raises(ValueError, match="^grid: expected"):
+        probe_cells("needle", needle_export, {"lengths": []})
