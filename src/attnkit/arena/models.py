@@ -30,7 +30,7 @@ from ..nn.transformer import _init_weights
 
 Tensor = torch.Tensor
 
-#: short names the arena accepts besides the registry's (the issue's "delta")
+#: short names the arena accepts besides the registry's (the name the delta-rule papers use)
 ALIASES = {"delta": "deltanet"}
 
 

@@ -1,7 +1,7 @@
 """``attnkit inspect`` against a plain forward of the same model on the same input.
 
 The instruments' cost is one extra pass over each layer's (query, key) tiles plus the
-meters' work on them; the issue's target is <= 2.5x a plain forward for the default
+meters' work on them; the target is <= 2.5x a plain forward for the default
 run (all-MiniLM-L6-v2 on the bundled sample text, every default meter). A tiny Llama at
 long context shows the attention-bound extreme (its forward is almost all attention),
 and peak memory at long context is read in a fresh subprocess.

@@ -1,6 +1,6 @@
 """Kernel benchmarks: attnkit against torch SDPA on this machine (B=1, H=8, D=64).
 
-Targets come from the foundation issue; ``ok`` says whether this run met them. The
+Targets are the project's kernel goals; ``ok`` says whether this run met them. The
 ``quick`` suite uses smaller sizes so it finishes in about a minute on 2 cores.
 """
 

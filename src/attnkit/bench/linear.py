@@ -1,6 +1,6 @@
 """Linear-attention benchmarks (fp32, causal, B=1, H=8, D=64), ratios from the same run.
 
-Targets from issue 6:
+Targets:
 - chunked forward at N=16384 at least 10x faster than torch SDPA causal;
 - time at N=32768 at most 2.3x the time at N=16384 (linear in N);
 - recurrent decoding: per-token time at position 32k within 1.2x of position 1k;

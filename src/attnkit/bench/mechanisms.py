@@ -1,8 +1,7 @@
 """Mechanism benchmarks: every mechanism against attnkit softmax attention, same run.
 
 fp32, causal, B=1, H=8, D=64 at N = 4096 and 16384 (``quick``: N = 512, one repeat, and
-the memory of one mechanism at N = 1024 and 4096). Targets
-from the mechanisms issue: sigmoid at most 1.0x softmax time, forward and
+the memory of one mechanism at N = 1024 and 4096). Targets: sigmoid at most 1.0x softmax time, forward and
 forward+backward; every other mechanism at most 2x forward and 2.5x forward+backward;
 peak memory of forward+backward growing linearly in N (4x the tokens: at most ~5x the
 MB; measured in a fresh process as the growth of the resident set's high-water mark,

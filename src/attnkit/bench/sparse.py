@@ -1,6 +1,6 @@
 """Sparse and approximate attention against torch SDPA on this machine (B=1, H=8, D=64, fp32).
 
-Targets (issue 7), checked at the full sizes only:
+Targets, checked at the full sizes only:
 - HyperAttention, non-causal, N=32768: >= 2x faster than SDPA; relative error reported
   on random inputs (near-uniform attention over random values: the exact output is a
   small average that any sampling misses by far) and on clustered inputs (peaked
@@ -89,7 +89,7 @@ def hyper_rows(n: int, repeats: int, target: bool) -> list[Row]:
 
 
 def nsa_rows(n: int, repeats: int, target: bool) -> list[Row]:
-    # The issue's configuration: compression blocks of 32 every 16 tokens (the paper's l, d).
+    # The benchmark's configuration: compression blocks of 32 every 16 tokens (the paper's l, d).
     mech = get_mechanism("nsa", compress_block=32, compress_stride=16, select_block=64, num_selected=16, window=512)
     rows = []
     for kv_heads in (H, 2):

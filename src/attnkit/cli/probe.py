@@ -70,7 +70,7 @@ def _annotation_text(annotation) -> str:
     return getattr(annotation, "__name__", None) or str(annotation)
 
 
-#: how the issue's common parameters read when a probe's default (None) and annotation say nothing
+#: how the common parameters read when a probe's default (None) and annotation say nothing
 NAMED_KINDS = {"lengths": "ints", "depths": "floats", "positions": "ints", "pairs": "ints", "layers": "ints",
                "heads": "ints", "updates": "ints", "tasks": "strs", "scores": "strs", "samples": "int", "seed": "int",
                "batch_size": "int", "top": "int", "threshold": "float", "max_new_tokens": "int"}
