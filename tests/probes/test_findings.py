@@ -1,8 +1,9 @@
 """Findings of the retrieval probes on the shipped organisms (docs/probes.md, "Findings
 on the organisms"), rerun on the docs' seeded prompts.
 
-Bounds come from the measured spread: one run's accuracy over 50 prompts has a standard
-deviation of at most 0.07; the mean of 8 random draws had a standard error of 0.11."""
+Bounds come from the measured spread: one run's accuracy over n prompts has a standard
+deviation of at most 0.5/sqrt(n) (0.09 on 30, 0.11 on 20); the mean of 6 random draws
+had a standard error of 0.13."""
 
 import statistics
 
@@ -14,15 +15,17 @@ pytestmark = pytest.mark.slow
 
 
 def test_the_top_three_retrieval_heads_of_needle_2k_matter_more_than_random_ones():
-    # measured: none 0.98, top-3 retrieval 0.22, random 3 (8 draws) 0.63 +- 0.11
-    result = run("head-ablation", "needle-2k", lengths=[2048], ablate=["top3-retrieval", "random3"], draws=8, samples=10)
+    # measured on these prompts (30 per run: depths 0, 0.5, 1 x 10): none 0.97, top-3 retrieval 0.23,
+    # random 3 (6 draws) 0.61 +- 0.13 (the docs' larger run: 0.22 against 0.63 +- 0.11 over 8 draws)
+    result = run("head-ablation", "needle-2k", lengths=[2048], ablate=["top3-retrieval", "random3"], draws=6,
+                 samples=10, depths=[0.0, 0.5, 1.0])
     assert result.meta["scores"]["retrieval"][:3] == [[1, 1], [1, 2], [1, 0]]  # layer 1 retrieves
     plain = result.value("accuracy", ablation="none", draw=0)
     top = result.value("accuracy", ablation="top3-retrieval", draw=0)
     random_mean = statistics.mean(r["value"] for r in result.select("accuracy", ablation="random3"))
-    assert plain >= 0.9
-    assert top <= 0.22 + 3 * 0.07
-    assert random_mean - top >= 0.2  # the measured gap, 0.41, less two standard errors of the random mean
+    assert plain >= 0.85
+    assert top <= 0.23 + 2.5 * 0.09  # a rate on 30 prompts: sd at most 0.09
+    assert random_mean - top >= 0.2  # measured gap 0.37
 
 
 def test_kv_retrieval_1k_has_no_blind_position_with_the_full_cache():
