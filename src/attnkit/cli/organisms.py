@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 
-from .options import options_named, output_dir
+from .options import options_named, output_dir, positive_int
 from .progress import Progress
 
 ACTIONS = ("list", "card", "build", "path")
@@ -33,6 +33,12 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--markdown", action="store_true", help="list: the shipped cards as a Markdown table")
     p.add_argument("--quiet", action="store_true", help="build: no progress output")
+    p.add_argument("--engine", choices=("local", "ray"), help="build: several organisms (NAME a comma-separated list, or "
+                                                            "'all'), one sweep cell each, on worker processes or Ray")
+    p.add_argument("--workers", type=positive_int, metavar="N", help="build --engine: worker processes (local, default 2) "
+                                                                     "or the CPUs of a local Ray instance")
+    p.add_argument("--address", metavar="ADDR", help="build --engine ray: a cluster to join (auto, host:port)")
+    p.add_argument("--store", metavar="DIR", help="build --engine: the sweep's results store (a rerun resumes it)")
     p.set_defaults(func=run)
 
 
@@ -41,6 +47,11 @@ def run(args) -> int:
 
     if args.action == "list":
         return _list(args)
+    if args.action == "build" and args.engine:
+        return _build_swept(args)
+    for option in ("engine", "workers", "address", "store"):
+        if getattr(args, option) is not None:
+            raise ValueError(f"--{option}: only with 'build --engine local|ray'")
     if not args.name:
         raise ValueError(f"NAME: 'attnkit organisms {args.action}' needs an organism; known: {', '.join(organisms.names() + organisms.visual.names())}")
     with options_named(NAME):
@@ -151,6 +162,48 @@ def _build(args) -> int:
         print(f"against the shipped card: largest difference {distance['largest']:.3f} "
               f"(per length: " + ", ".join(f"{n} {d['all']:+.3f}" for n, d in distance["differences"].items()) + ")")
     return 0
+
+
+def _build_swept(args) -> int:
+    """``build NAME,NAME... --engine``: one ``organism`` sweep cell per recipe into
+    ``--store``; each export under ``--out``/NAME (default ./attnkit-organisms)."""
+    from .. import organisms
+    from ..organisms.cells import organism_cells
+    from ..sweeps import LocalEngine, RayEngine, load, run_sweep
+    from .arena_sweep import status_printer
+
+    if not args.name:
+        raise ValueError(f"NAME: which organisms? a comma-separated list or 'all' (known: {', '.join(organisms.names())})")
+    names = organisms.names() if args.name == "all" else [n for n in args.name.split(",") if n]
+    with options_named(NAME):
+        for name in names:
+            organisms.recipe(name)  # an unknown name lists the known ones (visual organisms build alone)
+    if args.store is None:
+        raise ValueError("--store: a sweep writes its cells into a results directory; give one")
+    if args.work:
+        raise ValueError("--work: each cell keeps its stages in a temporary folder; build one organism to keep them")
+    out = args.out or "attnkit-organisms"
+    output_dir(out)
+    if args.engine == "local":
+        if args.address:
+            raise ValueError("--address: only with --engine ray")
+        engine = LocalEngine(workers=args.workers or 2)
+    else:
+        with options_named({"address": "--address"}):
+            engine = RayEngine(args.address, num_cpus=args.workers)
+    cells = organism_cells(names, out)
+    result = run_sweep(cells, args.store, engine, on_status=status_printer(args.quiet))
+    rows = [r for r in load(args.store, with_cell=False) if r.get("organism") in names]
+    if args.json:
+        print(json.dumps({"rows": rows, "failed": result.failed}, indent=1))
+        return 1 if result.failed else 0
+    for name in names:
+        mine = [r for r in rows if r["organism"] == name and r["metric"] == "accuracy" and r["group"] == "all"]
+        if mine:
+            print(f"{name}: " + " ".join(f"{r['length']}:{r['value']:.3f}" for r in mine) + f" -> {mine[0]['path']}")
+        else:
+            print(f"{name}: failed (attnkit results {args.store} --failed)")
+    return 1 if result.failed else 0
 
 
 def _build_visual(args) -> int:

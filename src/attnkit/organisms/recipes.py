@@ -79,6 +79,18 @@ class Recipe:
                 "card_lengths": list(self.card_lengths), "card_examples": self.card_examples}
 
 
+    @classmethod
+    def from_dict(cls, data: dict, known_failures: tuple[str, ...] = ()) -> Recipe:
+        """The recipe ``to_dict`` wrote (a sweep cell carries its recipe this way, so a
+        worker needs no registry)."""
+        stages = tuple(Stage(s["name"], s["task"], dict(s["params"]), dict(s["train"]), s.get("max_len"))
+                       for s in data["stages"])
+        return cls(name=data["name"], summary=data["summary"], stages=stages, mechanism=data["mechanism"],
+                   d_model=data["d_model"], layers=data["layers"], heads=data["heads"], seed=data["seed"],
+                   card_lengths=tuple(data["card_lengths"]), card_examples=data["card_examples"],
+                   known_failures=tuple(known_failures))
+
+
 def _json(value) -> str:
     import json
 

@@ -24,6 +24,7 @@ _KINDS: dict[str, CellFn | str] = {
     "arena": "attnkit.sweeps.arena:run_cell",
     "kv_curve": "attnkit.probes.kv_curves:kv_curve_cell",
     "probe": "attnkit.probes.cells:probe_cell",
+    "organism": "attnkit.organisms.cells:organism_cell",
     "toy": "attnkit.sweeps.toy:run_cell",
 }
 
