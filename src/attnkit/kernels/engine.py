@@ -79,6 +79,23 @@ def ungrouped(x: Tensor, heads: int) -> Tensor:
     return x.reshape(bt, heads, gl * hkv // heads, d)
 
 
+def online_softmax_step(z: Tensor, m: Tensor, l: Tensor, exp=fast_exp_) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One tile of the online softmax (FlashAttention-2, arXiv 2307.08691): ``z`` the
+    tile's logits (B, H, L, T), consumed (it becomes ``p``); ``m``, ``l`` the running max
+    and normaliser (B, H, L). Returns (p, alpha, m, l) with alpha the factor the
+    accumulator is rescaled by. The C step updates ``m``, ``l`` in place where it runs;
+    ``exp`` (in place or not) is the PyTorch path's exponential. Shared by this engine
+    and ``tiled.py``."""
+    if cpu.usable(z, m, l):
+        alpha = cpu.online_softmax_step_(z, m, l)  # z becomes p; m, l updated in place
+        return z, alpha, m, l
+    m_new = torch.maximum(m, z.amax(dim=-1))
+    m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+    alpha = exp(m - m_safe)
+    p = exp(z.sub_(m_safe.unsqueeze(-1)))
+    return p, alpha, m_new, l * alpha + p.sum(dim=-1)
+
+
 class Problem:
     """One validated call prepared for tiling: compute-dtype tensors, the plan, the mods.
 
@@ -455,19 +472,9 @@ class OnlineSoftmax:
 
     def add(self, blk: Block, z: Tensor, k0: int, k1: int, sign: Tensor | None = None) -> None:
         """Fold in a tile of logits z (consumed); the values are weighted by exp(z - m), times ``sign``."""
-        if cpu.usable(z, self.m, self.l):
-            alpha = cpu.online_softmax_step_(z, self.m, self.l)  # z becomes p; m, l updated in place
-            self.acc *= alpha.unsqueeze(-1)
-            blk.pv_add_(self.acc, z if sign is None else z.mul_(sign), k0, k1)
-            return
-        m_new = torch.maximum(self.m, z.amax(dim=-1))
-        m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
-        alpha = fast_exp_(self.m - m_safe)
-        p = fast_exp_(z.sub_(m_safe.unsqueeze(-1)))
-        self.l = self.l * alpha + p.sum(dim=-1)
+        p, alpha, self.m, self.l = online_softmax_step(z, self.m, self.l)
         self.acc *= alpha.unsqueeze(-1)
         blk.pv_add_(self.acc, p if sign is None else p.mul_(sign), k0, k1)
-        self.m = m_new
 
     def result(self) -> tuple[Tensor, Tensor]:
         """(out, lse); rows that saw no key give zeros and lse = -inf."""

@@ -21,21 +21,11 @@ import torch
 from ..mods import Mask, ScoreMod, band_of
 from ..mods.scores import Softcap
 from . import cpu
+from .engine import grouped, online_softmax_step, ungrouped
 from .plan import FULL_SEG, Plan
 from .tiles import Tile, add_pv_, apply_score_, neg_inf_to_pos_inf, visible
 
 Tensor = torch.Tensor
-
-
-def _grouped(x: Tensor, kv_heads: int) -> Tensor:
-    """(Bt, Hq, L, D) -> (Bt, Hkv, G*L, D): rows of the heads that share a key head."""
-    bt, hq, length, d = x.shape
-    return x.reshape(bt, kv_heads, (hq // kv_heads) * length, d)
-
-
-def _ungrouped(x: Tensor, heads: int) -> Tensor:
-    bt, hkv, gl, d = x.shape
-    return x.reshape(bt, heads, gl * hkv // heads, d)
 
 
 def _tiles(block, tile_k: int):
@@ -82,7 +72,7 @@ def tiled_forward(
             # logits are computed in cd even where P V runs in bf16: bf16 logits of size
             # ~1e3 are off by whole units (8-bit mantissa), which no fp32 softmax repairs,
             # and the backward (always cd) would recompute other probabilities than these.
-            qg = _grouped(q[bs, :, block.q0 : block.q1].to(cd) * scale, Hkv)
+            qg = grouped(q[bs, :, block.q0 : block.q1].to(cd) * scale, Hkv)
             bt = qg.shape[0]
             m = torch.full((bt, H, bq), -math.inf, dtype=cd, device=q.device)
             l = torch.zeros((bt, H, bq), dtype=cd, device=q.device)
@@ -90,17 +80,9 @@ def tiled_forward(
             for seg, t0, t1 in _tiles(block, tile_k):
                 tile = Tile.make(rows, H, q_start + block.q0, bq, t0, t1)
                 kt = k[bs, :, t0:t1].to(cd)
-                s = _ungrouped(torch.matmul(qg, kt.transpose(-1, -2)), H).to(cd)
+                s = ungrouped(torch.matmul(qg, kt.transpose(-1, -2)), H).to(cd)
                 s = _modify(s, score, mask, seg.kind, tile, cd)
-                if cpu.usable(s, m, l):
-                    p, alpha = s, cpu.online_softmax_step_(s, m, l)  # m, l updated in place
-                else:
-                    m_new = torch.maximum(m, s.amax(dim=-1))
-                    m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
-                    alpha = torch.exp(m - m_safe)
-                    p = torch.exp(s - m_safe.unsqueeze(-1))
-                    l = l * alpha + p.sum(dim=-1)
-                    m = m_new
+                p, alpha, m, l = online_softmax_step(s, m, l, exp=torch.exp)
                 acc.mul_(alpha.unsqueeze(-1))
                 add_pv_(acc, p.to(matmul_dtype), v[bs, :, t0:t1].to(matmul_dtype))
             m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
@@ -134,15 +116,15 @@ def tiled_backward(
         for block in blocks:
             bq = block.q1 - block.q0
             rs = (bs, slice(None), slice(block.q0, block.q1))
-            qg = _grouped(q[rs].to(cd), Hkv)
-            gog = _grouped(grad_out[rs].to(cd), Hkv)
+            qg = grouped(q[rs].to(cd), Hkv)
+            gog = grouped(grad_out[rs].to(cd), Hkv)
             lb, db = lse_b[rs].unsqueeze(-1), delta[rs].to(cd).unsqueeze(-1)
             dq_acc = torch.zeros_like(qg)
             for seg, t0, t1 in _tiles(block, tile_k):
                 tile = Tile.make(rows, H, q_start + block.q0, bq, t0, t1)
                 ks = (bs, slice(None), slice(t0, t1))
                 kt, vt = k[ks].to(cd), v[ks].to(cd)
-                s_raw = _ungrouped(torch.matmul(qg, kt.transpose(-1, -2)), H) * scale
+                s_raw = ungrouped(torch.matmul(qg, kt.transpose(-1, -2)), H) * scale
                 if score is not None and cap is None:
                     with torch.enable_grad():
                         s_in = s_raw.detach().requires_grad_(True)
@@ -150,9 +132,9 @@ def tiled_backward(
                 else:
                     s = _modify(s_raw, score, mask, seg.kind, tile, cd)
                 p = torch.exp(s.detach() - lb)
-                dp = _ungrouped(torch.matmul(gog, vt.transpose(-1, -2)), H)
+                dp = ungrouped(torch.matmul(gog, vt.transpose(-1, -2)), H)
                 ds = p * (dp - db)
-                dv[ks] += torch.matmul(_grouped(p, Hkv).transpose(-1, -2), gog)
+                dv[ks] += torch.matmul(grouped(p, Hkv).transpose(-1, -2), gog)
                 if cap is not None:
                     t = s.detach() / cap  # -inf where hidden, where p (and so ds) is 0
                     ds = ds * torch.where(torch.isfinite(t), 1 - t * t, torch.zeros_like(t))
@@ -163,8 +145,8 @@ def tiled_backward(
                     for i, g in enumerate(grads[1:]):
                         if g is not None:
                             dparams[i] = g if dparams[i] is None else dparams[i] + g
-                dsg = _grouped(ds, Hkv)
+                dsg = grouped(ds, Hkv)
                 dq_acc += torch.matmul(dsg, kt) * scale
                 dk[ks] += torch.matmul(dsg.transpose(-1, -2), qg) * scale
-            dq[rs] = _ungrouped(dq_acc, H)
+            dq[rs] = ungrouped(dq_acc, H)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dparams

@@ -7,7 +7,12 @@ attention lambda, talking-heads matrices, an adaptive span — train with the mo
   ``attnkit.hf``;
 - ``reference(q, k, v, **call)``: the paper's formula written as literally as possible,
   O(N^2) where the paper is; the oracle its fast path is tested against;
-- ``forward(q, k, v, **call)``: the fast path built on ``attnkit.kernels``.
+- ``forward(q, k, v, **call)``: the fast path built on ``attnkit.kernels``. The base
+  class's ``forward`` is a template: options checked, request made, ``reference`` run
+  for ``backend="reference"`` or else ``fast_path``, observers fed (``observe_call``),
+  the output checked. A mechanism on the tile engine fills in ``fast_path`` and
+  ``observe_call`` (and declares ``backends``, ``has_lse``, ``takes_sinks``) instead of
+  writing that preamble; one whose call differs overrides ``forward`` itself.
 
 Both take the SDPA layout — q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) —
 and the keyword arguments of ``attnkit.attention`` that make sense for them (``mask``,
@@ -43,6 +48,9 @@ from collections.abc import Callable
 
 from torch import nn
 
+from ..kernels.mechanism_call import check_options, finish
+from ..kernels.request import Request, make_request
+
 _REGISTRY: dict[str, Callable[..., "Mechanism"]] = {}
 
 
@@ -58,6 +66,45 @@ class Mechanism(nn.Module):
     decodes: bool = True
     #: why a mechanism with ``decodes = False`` cannot decode (one sentence)
     decode_note: str = ""
+    #: the ``backend=`` values the template ``forward`` accepts
+    backends: tuple[str, ...] = ("auto", "chunked", "reference")
+    #: whether there is a softmax normaliser (``return_lse=True`` allowed)
+    has_lse: bool = True
+    #: whether attention sinks are supported
+    takes_sinks: bool = False
+
+    def forward(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto",
+                check_finite=True, observers=None, layer=None):
+        """The template: check the options, make the request (``call_request``), run the
+        literal ``reference`` for ``backend="reference"`` or else ``fast_path``, feed
+        ``observers`` (``observe_call``), refuse a non-finite output (``check_finite``)."""
+        check_options(self.name, sinks=sinks, return_lse=return_lse, backend=backend, backends=self.backends,
+                      lse=self.has_lse, allow_sinks=self.takes_sinks)
+        req = self.call_request(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks)
+        if backend == "reference":
+            call = dict(mask=mask, score=score, scale=scale, **({"sinks": sinks} if sinks is not None else {}))
+            if self.has_lse:
+                out, lse = self.reference(q, k, v, return_lse=True, **call)
+            else:
+                out, lse = self.reference(q, k, v, **call), None
+        else:
+            out, lse = self.fast_path(req, backend)
+        if observers:
+            self.observe_call(req, lse, observers, layer)
+        finish(req, out, check_finite)
+        return (out, lse) if return_lse else out
+
+    def call_request(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None) -> Request:
+        """The kernels' request for a call (a mechanism that adds its own mask overrides this)."""
+        return make_request(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks)
+
+    def fast_path(self, req: Request, backend: str):
+        """The fast path of the template ``forward``: (out, lse or None)."""
+        raise NotImplementedError(f"{type(self).__name__} has no fast_path; it overrides forward instead")
+
+    def observe_call(self, req: Request, lse, observers, layer) -> None:
+        """Feed ``observers`` the weights the call applied (template ``forward``)."""
+        raise ValueError(f"observers: mechanism {self.name!r} cannot feed observers")
 
     def initial_state_for(self, state, new_tokens: int):
         """``cache_state`` mechanisms: the ``initial_state`` of a call adding ``new_tokens``

@@ -31,7 +31,7 @@ from ..kernels import cpu
 from ..kernels.engine import Block, GradBlock, Problem, TileKernel, fused_band, observe_kernel, run_kernel
 from ..kernels.few_queries import few_queries, few_query_attention
 from ..kernels.flex import flex_attention_call, flex_unsupported
-from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish, request
+from ..kernels.mechanism_call import dense_logits, dense_values, request
 from ..kernels.plan import CAUSAL_SEG, FULL_SEG
 from ..kernels.request import Request, make_request
 from ..mods import Mask, ScoreMod
@@ -176,25 +176,22 @@ class Sigmoid(Mechanism):
     def extra_repr(self) -> str:
         return super().extra_repr() + f", bias={self.bias:.6g}"
 
-    def forward(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto",
-                check_finite=True, observers=None, layer=None):
-        check_options(self.name, sinks=sinks, return_lse=return_lse, backend=backend, lse=False,
-                      backends=("auto", "chunked", "flex", "reference"))
-        req = request(q, k, v, mask=mask, score=score, scale=scale)
-        if backend == "reference":
-            out = self.reference(q, k, v, mask=mask, score=score, scale=scale)
-        elif backend == "flex":
+    backends = ("auto", "chunked", "flex", "reference")
+    has_lse = False
+
+    def fast_path(self, req, backend):
+        if backend == "flex":
             if req.needs_grad and req.q.device.type == "cpu":
                 raise ValueError("backend='flex' cannot run this call: FlexAttention has no backward on CPU; use backend='chunked' to train")
-            out = self.flex(req)
-        elif few_queries(req) and req.q_len > 0:  # a decoding step: the dense formula, no tiling
+            return self.flex(req), None
+        if few_queries(req) and req.q_len > 0:  # a decoding step: the dense formula, no tiling
             bias = self.bias_for(req.k_len)
-            out = few_query_attention(req, lambda s: torch.sigmoid(s + bias))
-        else:
-            out, _ = run_kernel(req, SigmoidKernel(self.bias_for(req.k_len)))
-        if observers:
-            observe_kernel(req, SigmoidKernel(self.bias_for(req.k_len)), {}, observers, layer, self.name)
-        return finish(req, out, check_finite)
+            return few_query_attention(req, lambda s: torch.sigmoid(s + bias)), None
+        out, _ = run_kernel(req, SigmoidKernel(self.bias_for(req.k_len)))
+        return out, None
+
+    def observe_call(self, req, lse, observers, layer):
+        observe_kernel(req, SigmoidKernel(self.bias_for(req.k_len)), {}, observers, layer, self.name)
 
     def reference(self, q, k, v, *, mask=None, score=None, scale=None, **_):
         """The paper's Eq. (1): sigmoid(Q K^T / sqrt(d) + b) V, masked gates are 0."""

@@ -17,7 +17,7 @@ from ..kernels.engine import (
     Block, GradBlock, OnlineSoftmax, SoftmaxKernel, dense_softmax, fast_exp_, observe_kernel, run_kernel,
     softmax_backward_terms,
 )
-from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish, request
+from ..kernels.mechanism_call import dense_logits, dense_values, request
 from ..kernels.plan import FULL_SEG
 from .base import Mechanism, register
 
@@ -77,19 +77,12 @@ class Signed(Mechanism):
 
     paper = "OpenReview ezRrwwbxd0 (Cog attention)"
 
-    def forward(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto",
-                check_finite=True, observers=None, layer=None):
-        check_options(self.name, sinks=sinks, backend=backend)
-        req = request(q, k, v, mask=mask, score=score, scale=scale)
-        if backend == "reference":
-            out, lse = self.reference(q, k, v, mask=mask, score=score, scale=scale, return_lse=True)
-        else:
-            out, stats = run_kernel(req, SignedKernel())
-            lse = stats["lse"]
-        if observers:
-            observe_kernel(req, SignedKernel(), {"lse": lse}, observers, layer, self.name)
-        finish(req, out, check_finite)
-        return (out, lse) if return_lse else out
+    def fast_path(self, req, backend):
+        out, stats = run_kernel(req, SignedKernel())
+        return out, stats["lse"]
+
+    def observe_call(self, req, lse, observers, layer):
+        observe_kernel(req, SignedKernel(), {"lse": lse}, observers, layer, self.name)
 
     def reference(self, q, k, v, *, mask=None, score=None, scale=None, return_lse=False, **_):
         """``A = sign(S) * softmax(|S|)``, ``O = A V``; masked pairs take no part."""

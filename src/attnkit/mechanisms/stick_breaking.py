@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ..kernels import cpu
 from ..kernels.engine import Block, GradBlock, TileKernel, observe_kernel, run_kernel
-from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish, request
+from ..kernels.mechanism_call import dense_logits, dense_values, request
 from ..mods import Mask, causal
 from ..mods.grid import classify_interval
 from .base import Mechanism, register
@@ -129,18 +129,17 @@ class StickBreaking(Mechanism):
         order = causal() if self.attend_current else StrictlyCausal()
         return order if mask is None else order & mask
 
-    def forward(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto",
-                check_finite=True, observers=None, layer=None):
-        check_options(self.name, sinks=sinks, return_lse=return_lse, backend=backend, lse=False)
-        if backend == "reference":
-            out = self.reference(q, k, v, mask=mask, score=score, scale=scale)
-            req = request(q, k, v, mask=self._mask(mask), score=score, scale=scale)
-        else:
-            req = request(q, k, v, mask=self._mask(mask), score=score, scale=scale)
-            out, _ = run_kernel(req, StickBreakingKernel())
-        if observers:
-            observe_kernel(req, StickBreakingKernel(), {}, observers, layer, self.name)
-        return finish(req, out, check_finite)
+    has_lse = False
+
+    def call_request(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None):
+        return request(q, k, v, mask=self._mask(mask), score=score, scale=scale)
+
+    def fast_path(self, req, backend):
+        out, _ = run_kernel(req, StickBreakingKernel())
+        return out, None
+
+    def observe_call(self, req, lse, observers, layer):
+        observe_kernel(req, StickBreakingKernel(), {}, observers, layer, self.name)
 
     def reference(self, q, k, v, *, mask=None, score=None, scale=None, **_):
         """Literal: ``log A = log sigmoid(z) + (log sigmoid(-z)) U`` with U[k, j] = 1 for k > j."""
