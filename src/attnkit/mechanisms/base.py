@@ -82,11 +82,7 @@ class Mechanism(nn.Module):
                       lse=self.has_lse, allow_sinks=self.takes_sinks)
         req = self.call_request(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks)
         if backend == "reference":
-            call = dict(mask=mask, score=score, scale=scale, **({"sinks": sinks} if sinks is not None else {}))
-            if self.has_lse:
-                out, lse = self.reference(q, k, v, return_lse=True, **call)
-            else:
-                out, lse = self.reference(q, k, v, **call), None
+            out, lse = self.reference_result(req, q, k, v, mask=mask, score=score, scale=scale, sinks=sinks)
         else:
             out, lse = self.fast_path(req, backend)
         if observers:
@@ -97,6 +93,13 @@ class Mechanism(nn.Module):
     def call_request(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None) -> Request:
         """The kernels' request for a call (a mechanism that adds its own mask overrides this)."""
         return make_request(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks)
+
+    def reference_result(self, req: Request, q, k, v, *, mask=None, score=None, scale=None, sinks=None):
+        """(out, lse or None) of ``reference`` for the template's ``backend="reference"``."""
+        call = dict(mask=mask, score=score, scale=scale, **({"sinks": sinks} if sinks is not None else {}))
+        if self.has_lse:
+            return self.reference(q, k, v, return_lse=True, **call)
+        return self.reference(q, k, v, **call), None
 
     def fast_path(self, req: Request, backend: str):
         """The fast path of the template ``forward``: (out, lse or None)."""

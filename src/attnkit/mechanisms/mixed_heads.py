@@ -1,14 +1,14 @@
 """The call shared by mechanisms that transform a block of logits across heads or
 positions before the softmax and mix the weights after it (talking heads, multi-token
-attention): checks, the chunked kernel of kernels/mixed.py or the dense formula,
-observers, the finite check."""
+attention): the chunked kernel of kernels/mixed.py or the dense formula in the steps of
+``Mechanism.forward``'s template."""
 
 from __future__ import annotations
 
 import torch
 
 from ..kernels.engine import observe_kernel, run_kernel
-from ..kernels.mechanism_call import check_options, finish, request
+from ..kernels.mechanism_call import request
 from ..kernels.mixed import MixedSoftmaxKernel
 from ..kernels.request import Request
 from .base import Mechanism
@@ -25,21 +25,20 @@ class MixedSoftmaxMechanism(Mechanism):
     def kernel(self, req: Request) -> MixedSoftmaxKernel:
         raise NotImplementedError
 
-    def forward(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto",
-                check_finite=True, observers=None, layer=None):
-        check_options(self.name, sinks=sinks, return_lse=return_lse, backend=backend, lse=self.has_lse)
+    def call_request(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None) -> Request:
         req = request(q, k, v, mask=mask, score=score, scale=scale)
         self._check(req)
-        kernel = self.kernel(req)
-        if backend == "reference":
-            out, lse = self._dense(req)
-        else:
-            out, stats = run_kernel(req, kernel)
-            lse = stats["lse"]
-        if observers:
-            observe_kernel(req, kernel, {"lse": lse}, observers, layer, self.name)
-        finish(req, out, check_finite)
-        return (out, lse) if return_lse else out
+        return req
+
+    def reference_result(self, req, q, k, v, **call):
+        return self._dense(req)
+
+    def fast_path(self, req, backend):
+        out, stats = run_kernel(req, self.kernel(req))
+        return out, stats["lse"]
+
+    def observe_call(self, req, lse, observers, layer):
+        observe_kernel(req, self.kernel(req), {"lse": lse}, observers, layer, self.name)
 
     def reference(self, q, k, v, *, mask=None, score=None, scale=None, return_lse=False, **_):
         req = request(q, k, v, mask=mask, score=score, scale=scale)
