@@ -11,6 +11,8 @@ from tiny_models import build
 import attnkit.kv as kv
 import attnkit.kv.cache as kv_cache
 import attnkit.kv.layer as kv_layer
+import attnkit.kv.masks as kv_masks
+import attnkit.kv.steps as kv_steps
 
 
 def _teacher_forced(model, name, params, budget, prompt, mask, forced):
@@ -96,7 +98,8 @@ def test_unmasked_single_token_steps_match_the_masked_path(name, params, monkeyp
     monkeypatch.setattr(kv_cache.PolicyCache, "_mask", lambda self, *a: built.append(1) or original(self, *a))
     fast, fast_kept, _ = _teacher_forced(model, name, params, 8, prompt, mask, forced)
     assert not built  # streaming's evicted slot is filled by the next token: no hole to mask either
-    monkeypatch.setattr(kv_cache, "sliding_window", lambda module: 10**9)  # a window that hides nothing forces the mask
+    for where in (kv_cache, kv_masks, kv_steps):  # a window that hides nothing forces the mask
+        monkeypatch.setattr(where, "sliding_window", lambda module: 10**9)
     built.clear()
     masked, masked_kept, _ = _teacher_forced(model, name, params, 8, prompt, mask, forced)
     assert built and fast_kept == masked_kept

@@ -6,7 +6,7 @@ from eager_reference import padded_batch
 from tiny_models import build
 
 import attnkit.kv as kv
-from attnkit.kv.cache import HOOKS_ATTR
+from attnkit.kv.hooks import HOOKS_ATTR
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from eager_reference import LayerMasks, attention_layers, padded_batch, position
 from tiny_models import build
 
 import attnkit.kv as kv
-import attnkit.kv.cache as kv_cache
 from attnkit.kernels.cpu import kv as native_kv
 from attnkit.kv.policies import Quest, page_bounds, page_extremes, page_mask
 
@@ -68,8 +67,8 @@ def test_decoding_step_equals_dense_attention_on_the_selected_pages(rows, heads,
     if rows == 1:
         ids, mask = torch.cat([ids[:1], ids[:1, :1]], 1), torch.ones(1, 17, dtype=mask.dtype)
     gathered, stepped = [], []
-    original = kv_cache.PolicyCache._page_slots
-    monkeypatch.setattr(kv_cache.PolicyCache, "_page_slots", lambda *a: gathered.append(original(*a)) or gathered[-1])
+    original = Quest.read_slots
+    monkeypatch.setattr(Quest, "read_slots", lambda *a: gathered.append(original(*a)) or gathered[-1])
     original_step = native_kv.quest_attention
     monkeypatch.setattr(native_kv, "quest_attention", lambda *a: stepped.append(original_step(*a)) or stepped[-1])
     if not native:

@@ -141,7 +141,7 @@ def test_step_attention_equals_the_model_attention_with_recomputed_weights(name,
     """A scored policy's decoding step in step_attention (weights from the step's own
     softmax) gives the logits and kept sets of the model's sdpa with the weights
     recomputed beside it, over padded rows whose empty slots step_attention hides."""
-    import attnkit.kv.cache as kv_cache
+    import attnkit.kv.steps as kv_steps
 
     model = build("llama", "sdpa").double()
     ids, mask = padded_batch(seed=6, n=12, pads=(0, 3, 5))
@@ -158,7 +158,7 @@ def test_step_attention_equals_the_model_attention_with_recomputed_weights(name,
         return torch.stack(outs, 1), kept
 
     stepped, stepped_kept = run()
-    monkeypatch.setattr(kv_cache.PolicyCache, "_steps_here", lambda *a: False)
+    monkeypatch.setattr(kv_steps, "runs_in_step_attention", lambda *a: False)
     recomputed, recomputed_kept = run()
     assert stepped_kept == recomputed_kept
     torch.testing.assert_close(stepped, recomputed, atol=1e-10, rtol=1e-10)

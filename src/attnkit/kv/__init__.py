@@ -16,7 +16,8 @@ from ..extras import require
 require("transformers", "attnkit.kv")  # the [hf] extra; named in the error when missing
 
 from .budget import check_budget
-from .cache import PolicyCache, detach, install_hooks
+from .cache import PolicyCache
+from .hooks import detach, install_hooks
 from .model_parts import attention_modules, can_recompute_queries, rotary_module
 from .policies import POLICIES, Policy
 
@@ -68,9 +69,9 @@ def policy_cache(model, policy: str | Policy, budget: float | int = 0.5, **param
         impl = model.config._attn_implementation
         if impl not in ("eager", "sdpa", "attnkit"):
             raise ValueError(f"model: attn_implementation {impl!r} cannot take per-head cache masks; load the model with 'sdpa' or 'eager'")
-    if chosen.name in ("quest", "selective") and not all(can_recompute_queries(m) for m in modules):
+    if chosen.recomputes_queries and not all(can_recompute_queries(m) for m in modules):
         raise ValueError(f"policy: {chosen.name!r} recomputes each layer's queries (q_proj + RoPE), which {type(modules[0]).__name__} does not expose")
-    if getattr(chosen, "positions", None) == "cache" and rotary_module(model) is None:
+    if chosen.rerotates_keys and rotary_module(model) is None:
         raise ValueError("positions: 'cache' re-rotates keys with the model's RoPE, and this model has no rotary embedding module")
     cache = PolicyCache(model, chosen, spec, len(modules))
     install_hooks(model)

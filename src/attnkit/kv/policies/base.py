@@ -1,7 +1,10 @@
 """What every KV-cache policy is: a named rule that says which entries of a layer to
-keep, a ``reference`` of the same rule written from its paper on dense tensors, and the
-facts the cache needs (does it read attention weights, which query rows, does it evict
-while decoding)."""
+keep, a ``reference`` of the same rule written from its paper on dense tensors, and its
+capabilities: class attributes the cache routes by (does it read attention weights and of
+which query rows, does it evict while decoding, roll a window, keep a score, read only
+part of the cache per query, hold its heads packed ...). The cache never asks a policy's
+name: a new policy is one file that subclasses ``Policy`` and its registration in
+``POLICIES``."""
 
 from __future__ import annotations
 
@@ -58,6 +61,25 @@ class Policy:
     #: a decoding step's rule as the C++ operator runs it (``kernels.cpu.kv.evict_lowest``:
     #: drop the lowest-scoring entry), (mode, recent share); None: only ``select``
     lowest_rule: tuple[int, float] | None = None
+    #: holds a layer's heads packed (without padding to the longest head) once the prefill
+    #: evicted: for policies that evict nothing after it and read every slot
+    packs_heads = False
+    #: recomputes a layer's queries from its inputs (``q_proj`` + RoPE): the model's
+    #: attention modules must be Llama-style
+    recomputes_queries = False
+    #: keeps state outside the cache that follows the kept entries (``after``): evictions
+    #: gather the layer at once, and a crop cannot roll it back
+    state_outside = False
+    #: re-rotates the kept keys to positions within the cache after each eviction and
+    #: encodes new tokens at the cache's length (StreamingLLM's ``positions="cache"``)
+    rerotates_keys = False
+    #: while decoding, each query reads only part of the layer (``reads_layer``): the
+    #: cache asks the policy for the slots to gather (``read_slots``), or else the mask of
+    #: what each query reads (``read_mask``)
+    sparse_reads = False
+    #: a sparse read can run as one C++ step over the slots where they lie
+    #: (``read_in_place``), when every slot holds a kept entry
+    sparse_reads_in_place = False
 
     def __init__(self, **params):
         unknown = sorted(set(params) - set(self.params))
@@ -102,6 +124,27 @@ class Policy:
     def after(self, module, layer, order: Tensor, extra: dict | None) -> None:
         """Called after eviction with the gather indices (B, Hkv, L'): state a policy keeps
         outside the cache follows the entries here."""
+
+    # -- sparse reads (policies with ``sparse_reads``) -----------------------------------
+
+    def reads_layer(self, layer: int) -> bool:
+        """Whether ``layer``'s decoding calls read only part of the cache."""
+        return self.sparse_reads
+
+    def read_slots(self, module, layer, hidden: Tensor, kwargs: dict, budget: tuple[str, float]) -> Tensor | None:
+        """A one-token step's slots to gather per query head, (B, Hq, n) (or (B, Hkv, n),
+        per KV head), the new token's slot (``layer.length``) last; None when the step
+        must take the mask instead (``read_mask``)."""
+        return None
+
+    def read_mask(self, module, layer, hidden: Tensor, kwargs: dict, budget: tuple[str, float]) -> Tensor:
+        """(B, Hq, Nq, L): the cached entries each query of this call reads."""
+        raise NotImplementedError
+
+    def read_in_place(self, layer, budget: tuple[str, float]):
+        """Called before the step's token is appended; returns the step's attention,
+        ``(q, k, v, scale) -> output``, run after the append on the layer's own storage."""
+        raise NotImplementedError
 
     def reference(self, weights: Tensor | None, keys: Tensor, held: Tensor, capacity: Tensor, state: dict, phase: str) -> Tensor:
         """The paper's rule on dense positions: ``weights`` (B, Hq, Nq, N) are the

@@ -24,6 +24,7 @@ class KNorm(Policy):
     name = "knorm"
     paper = "arXiv:2406.11430"
     params = {}
+    packs_heads = True
 
     def before(self, module, layer, kwargs, phase):
         hidden = kwargs.get("hidden_states")

@@ -26,7 +26,9 @@ import math
 
 import torch
 
+from ...kernels.cpu import kv as native_kv
 from .. import budget as budgets
+from ..model_parts import recompute_queries, sliding_window
 from ..select import top
 from .base import Policy, Step, check_int
 
@@ -185,6 +187,9 @@ class Quest(Policy):
     name = "quest"
     paper = "arXiv:2406.10774"
     params = {"page_size": 16, "dense_layers": 2, "heads": "query"}
+    recomputes_queries = True  # the pages are chosen by each step's query
+    sparse_reads = True
+    sparse_reads_in_place = True  # kernels.cpu.kv.quest_attention
 
     def check(self) -> None:
         check_int(self.page_size, "page_size", 1)
@@ -208,6 +213,62 @@ class Quest(Policy):
 
     def select(self, step: Step) -> Tensor:
         return step.valid
+
+    # -- the cache's sparse reads: the pages each query attends to -----------------------
+
+    def reads_layer(self, layer: int) -> bool:
+        return layer >= self.dense_layers
+
+    def _tokens_now(self, layer, budget: tuple[str, float]) -> Tensor:
+        """Tokens per row (B,) for a step over the entries the layer holds now."""
+        held = layer.valid[:, 0].sum(-1)  # only padding is evicted: every head of a row holds the same entries
+        return self.step_tokens(budget, held)
+
+    def read_mask(self, module, layer, hidden, kwargs, budget):
+        q = recompute_queries(module, hidden, kwargs["position_embeddings"])
+        pages = layer_extremes(layer, self.page_size)
+        return page_mask(q, layer.keys, layer.valid, self._tokens_now(layer, budget), self.page_size, pages,
+                         self.per_group)
+
+    def read_slots(self, module, layer, hidden, kwargs, budget):
+        """The slots of each query head's pages (B, Hq, n) (B, Hkv, n with
+        ``heads="group"``) and the new token's, when every row reads as many (else None:
+        the mask path). Needs sdpa (which takes one key head per query head as GQA), a
+        full layer and no sliding window."""
+        if module.config._attn_implementation != "sdpa" or not layer.full or sliding_window(module) is not None:
+            return None
+        size = self.page_size
+        q = recompute_queries(module, hidden, kwargs["position_embeddings"])
+        chosen = page_choice(q, layer.valid, self._tokens_now(layer, budget), size, layer_extremes(layer, size),
+                             self.per_group)[:, :, 0]
+        counts = chosen.sum(-1)
+        if not bool((counts == counts.view(-1)[:1]).all()):
+            return None  # rows with different budgets
+        B, H, P = chosen.shape
+        L = layer.length
+        pages = chosen.nonzero()[:, 2].view(B, H, -1, 1)
+        read = (pages * size + torch.arange(size, device=pages.device)).view(B, H, -1)
+        # the incomplete last page, read by every head, comes last: its slots past L go
+        read = read[..., : read.shape[-1] - (P * size - L)]
+        return torch.cat([read, torch.full((B, H, 1), L, dtype=read.dtype, device=read.device)], -1)
+
+    def read_in_place(self, layer, budget):
+        """The step in C++ (``kernels.cpu.kv.quest_attention``): pages chosen by their
+        bounds from the model's own query, attention over them and the new token, the new
+        key folded into the pages' extremes (kept in ``layer.memo``, which then covers
+        every slot)."""
+        size = self.page_size
+        pages = layer_extremes(layer, size, room=True)  # of the slots held, before the new token joins them
+        cached = layer.length
+
+        def attend(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+            tokens = self.step_tokens(budget, torch.full((q.shape[0],), cached, device=q.device))
+            out, _ = native_kv.quest_attention(q, layer.keys, layer.values, *pages, tokens, size, cached,
+                                               self.per_group, scale, True)
+            layer.memo["quest_pages"] = (*pages, size, cached + 1)
+            return out
+
+        return attend
 
     def reference(self, weights, keys, held, capacity, state, phase):
         return held.clone()

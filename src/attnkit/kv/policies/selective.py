@@ -33,6 +33,8 @@ class Selective(Policy):
     params = {}
     decodes = True
     needs_mechanism = "selective"
+    recomputes_queries = True
+    state_outside = True  # F, in the switch's decode state, follows the kept entries
 
     def before(self, module, layer, kwargs, phase):
         from ...hf.switch import active_switch

@@ -69,6 +69,7 @@ class SnapKV(Policy):
     paper = "arXiv:2404.14469"
     params = {"window": 32, "kernel": 5, "pooling": "max"}
     needs_weights = True
+    packs_heads = True
 
     def check(self) -> None:
         check_snap(self)

@@ -31,6 +31,10 @@ class Streaming(Policy):
         if self.positions not in ("original", "cache"):
             raise ValueError(f"positions: expected 'original' or 'cache', got {self.positions!r}")
 
+    @property
+    def rerotates_keys(self) -> bool:
+        return self.positions == "cache"
+
     def select(self, step: Step) -> torch.Tensor:
         cap = step.capacity
         sinks = torch.clamp(cap, max=self.sinks)
