@@ -40,11 +40,13 @@ def test_streaming_ring_matches_selecting_every_step(monkeypatch):
     prompt, mask = padded_batch(seed=3, n=10, pads=(0, 2, 5))  # 10, 8 and 5 real tokens: all over 4
     forced = torch.randint(1, 97, (3, steps), generator=torch.Generator().manual_seed(5))
     ring, ring_kept, _ = _teacher_forced(model, "streaming", {"sinks": sinks}, budget, prompt, mask, forced)
-    rings = [layer.ring for layer in _teacher_forced.last_cache.layers]
+    cache = _teacher_forced.last_cache
+    rings = [cache.rolling_ring(i) for i in range(len(cache.layers))]
     assert all(r is not None and r[:2] == (sinks, budget + 1 - sinks) for r in rings)
     monkeypatch.setattr(Streaming, "rolling", False)
     general, general_kept, _ = _teacher_forced(model, "streaming", {"sinks": sinks}, budget, prompt, mask, forced)
-    assert not any(layer.ring for layer in _teacher_forced.last_cache.layers)
+    cache = _teacher_forced.last_cache
+    assert not any(cache.rolling_ring(i) for i in range(len(cache.layers)))
     assert ring_kept == general_kept
     torch.testing.assert_close(ring, general, atol=1e-10, rtol=1e-10)
     for s, kept in enumerate(ring_kept):

@@ -17,7 +17,7 @@ import attnkit.kv as kv
 from attnkit.kv.policies.base import Policy, Step
 from attnkit.kv.select import group_mean, top
 
-MACHINERY = ("cache.py", "hooks.py", "masks.py", "steps.py")
+MACHINERY = ("cache.py", "hooks.py", "masks.py", "steps.py", "ring.py", "layer.py")
 
 
 class GroupLeast(Policy):

@@ -32,6 +32,7 @@ from .hooks import HookedCache, detach, install_hooks, observe, outer_switch
 from .layer import PolicyLayer
 from .model_parts import attention_modules, recompute_queries, rotary_module, rotate, sliding_window
 from .policies.base import Policy, Step
+from .ring import Ring
 from .scores import ReceivedMass
 from .step_attention import StepCall
 from .weights import direct_ok, received_mass
@@ -96,6 +97,7 @@ class PolicyCache(Cache, HookedCache):
         self._model = weakref.ref(model)
         self._padding: Tensor | None = None  # the 2-D mask of the forward in progress
         self._calls: dict[int, Call] = {}  # layer -> its call in progress
+        self._rings: dict[int, Ring] = {}  # layer -> a rolling window's ring (while its layout holds)
         self._switch = steps.StepSwitch()  # a call routed to step_attention, until it ends
         # Evicting while decoding by masking, not gathering: nothing outside the cache follows
         # the layout (re-rotated keys are turned every step anyway). Such a layer's next
@@ -130,7 +132,8 @@ class PolicyCache(Cache, HookedCache):
         B, _, N, _ = key_states.shape
         read = call.read
         if read is Read.FILL_HOLE:
-            return layer.fill(key_states, value_states, rope)
+            ring = self._ring(layer_idx)
+            return layer.fill(key_states, value_states, rope, None if ring is None else ring.hole)
         attend = self.policy.read_in_place(layer, self.budget) if read is Read.SPARSE_IN_PLACE else None
         out = layer.append(key_states, value_states, self._real(layer.seen, N, B, key_states.device), rope,
                            kept_only=read is Read.KEPT_ONLY, slots=call.slots,
@@ -143,6 +146,16 @@ class PolicyCache(Cache, HookedCache):
         elif step is not None and step.attend is None and not layer.full:
             step.hide = ~layer.valid  # step_attention reads every slot: the empty ones are hidden there
         return out
+
+    def _ring(self, idx: int) -> Ring | None:
+        ring = self._rings.get(idx)
+        return ring if ring is not None and ring.holds(self.layers[idx]) else None
+
+    def rolling_ring(self, layer: int) -> tuple[int, int, int] | None:
+        """(start, size, hole) of the ring a rolling window's slots go round in ``layer``
+        (``ring.Ring``), or None while there is none."""
+        ring = self._ring(layer)
+        return None if ring is None else ring.as_tuple()
 
     def _real(self, seen: int, n: int, batch: int, device) -> Tensor:
         pad = self._padding
@@ -347,8 +360,9 @@ class PolicyCache(Cache, HookedCache):
             layer.capacity = cap[:, None].expand(B, Hkv).clone()
         if not self.policy.evicts(phase):
             return
-        if phase == "decode" and layer.ring is not None and layer.full:
-            layer.roll()  # a rolling window's steady state: the ring says which entry goes
+        ring = self._ring(idx) if phase == "decode" else None
+        if ring is not None and layer.full:
+            ring.roll(layer)  # a rolling window's steady state: the ring says which entry goes
             return
         mass = self._mass(module, layer, call, phase) if call is not None and call.weighed else None
         extra = None if call is None else call.extra
@@ -360,8 +374,10 @@ class PolicyCache(Cache, HookedCache):
         keep = self.policy.select(step)
         if phase == "decode" and self._masks_evictions:
             layer.drop(keep, slack)
-            if self.policy.rolling and layer.ring is None:
-                layer.start_ring()
+            if self.policy.rolling and self._ring(idx) is None:
+                ring = Ring.find(layer)
+                if ring is not None:
+                    self._rings[idx] = ring
         else:
             order = layer.compact(keep)
             self.policy.after(module, layer, order, extra)

@@ -20,6 +20,8 @@ same size, with no hole to mask. The layout is then no longer in position order
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -89,6 +91,7 @@ def headroom(slots: int) -> int:
 
 
 SLOT_TENSORS = ("keys", "values", "valid", "pos", "rope", "score")
+_LAYOUTS = itertools.count()  # a fresh token for every layout of every layer
 
 
 class PolicyLayer(CacheLayerMixin):
@@ -108,7 +111,7 @@ class PolicyLayer(CacheLayerMixin):
         #: which of ``rope`` and ``score`` the layer keeps (the cache drops what its policy
         #: never reads: two fewer writes per token); the others stay None
         self.optional = ("rope", "score")
-        #: a per-entry score a policy accumulates across calls (H2O), aligned with the layout
+        #: a per-entry score a policy accumulates across calls, aligned with the layout
         self.score: Tensor | None = None
         #: entries each (row, KV head) may keep, fixed at prefill, (B, Hkv) long
         self.capacity: Tensor | None = None
@@ -122,12 +125,13 @@ class PolicyLayer(CacheLayerMixin):
         #: the slots are in position order (False once a token filled an evicted slot)
         self.ordered = True
         self._kept_range = None
-        #: StreamingLLM's steady state, (start, size, hole): slots start.. start+size-1
-        #: hold the window as a ring whose one empty slot (``hole``) takes the next token,
-        #: after which the slot following it holds the oldest entry (``roll``)
-        self.ring: tuple[int, int, int] | None = None
+        #: a token naming the arrangement of the slots: a new one whenever entries are
+        #: appended, gathered, cropped or reordered (not when a token fills a hole or an
+        #: entry is evicted in place), so that state kept about the arrangement (a rolling
+        #: window's ``ring.Ring``) knows when it no longer holds
+        self.layout = next(_LAYOUTS)
         #: what a policy derives from the slots held and extends as tokens are appended
-        #: (Quest's page extremes); emptied whenever existing slots change
+        #: (e.g. a sparse read's page extremes); emptied whenever existing slots change
         self.memo: dict = {}
         self.rooms = {name: Room() for name in SLOT_TENSORS}
 
@@ -185,14 +189,16 @@ class PolicyLayer(CacheLayerMixin):
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         raise RuntimeError("a PolicyLayer is updated through its PolicyCache (append), which knows the padding")
 
-    def fill(self, key_states: Tensor, value_states: Tensor, rope: Tensor) -> tuple[Tensor, Tensor]:
+    def fill(self, key_states: Tensor, value_states: Tensor, rope: Tensor, slot: int | None = None) -> tuple[Tensor, Tensor]:
         """Put one new real token per row into each (row, head)'s single hole (the entry
-        the previous step evicted); the layer is then full. Returns every slot."""
+        the previous step evicted); the layer is then full. ``slot``: the hole, when it is
+        the same known slot in every (row, head) (a rolling window's ring). Returns every
+        slot."""
         B, H = self.valid.shape[:2]
         keys, values = self._keys, self._values
         rope = rope.to(self.device, torch.long)[:, None, :].expand(B, H, 1)
-        if self.ring is not None:  # every (row, head)'s hole is the same known slot
-            h = self.ring[2]
+        if slot is not None:
+            h = slot
             keys[:, :, h : h + 1] = key_states
             values[:, :, h : h + 1] = value_states
             self.valid[:, :, h] = True
@@ -222,25 +228,10 @@ class PolicyLayer(CacheLayerMixin):
         self._kept_range = (self.valid, self.valid._version, (L, L))
         return keys, values
 
-    def start_ring(self) -> None:
-        """After a decoding step appended its token and StreamingLLM evicted the oldest
-        entry after the sinks: if that is the same slot s in every (row, head) of a layout
-        in position order, slots s.. hold the window in order, as a ring (``roll``)."""
-        if not self.ordered or not self.one_hole_each():
-            return
-        B, H, L = self.valid.shape
-        hole = (~self.valid).to(torch.uint8).argmax(-1)
-        s = int(hole.view(-1)[0])
-        if bool((hole == s).all()):
-            self.ring = (s, L - s, s)
-
-    def roll(self) -> None:
-        """StreamingLLM's eviction on a ring: the token that filled the hole is the newest,
-        and the slot after it holds the oldest entry of the window, which goes."""
-        start, size, hole = self.ring
-        h = start + (hole - start + 1) % size
+    def evict_slot(self, h: int) -> None:
+        """Evict slot ``h`` of every (row, head), in place, from a full layer: each then
+        holds one hole (``fill`` takes it next)."""
         self.valid[:, :, h] = False
-        self.ring = (start, size, h)
         self.full = False
         self.memo = {}
         L = self.length
@@ -273,7 +264,7 @@ class PolicyLayer(CacheLayerMixin):
         Returns the keys and values for this call's attention: every slot, or with
         ``kept_only`` (every row and head then keeps as many entries) the kept entries
         alone, gathered, so that the call needs no mask; or the ``slots`` (B, Hq, n)
-        of each query head (Quest's pages), gathered per query head. A packed layer returns
+        of each query head (a sparse read's pages), gathered per query head. A packed layer returns
         its padded keys and values, or without ``materialise`` its packed rows (for an
         attention that reads them where they lie)."""
         if not self.is_initialized:
@@ -282,7 +273,7 @@ class PolicyLayer(CacheLayerMixin):
         dev = self.device
         pos = torch.arange(self.seen, self.seen + N, device=dev).expand(B, H, N)
         rooms = self.rooms
-        self.ring = None
+        self.layout = next(_LAYOUTS)
         known = self._kept_range
         known = known[2] if known is not None and known[0] is self.valid and known[1] == self.valid._version else None
         if self._packed is not None:
@@ -345,7 +336,7 @@ class PolicyLayer(CacheLayerMixin):
         if tokens_to_remove == 0 or not self.is_initialized:
             return
         self.memo = {}
-        self.ring = None
+        self.layout = next(_LAYOUTS)
         packed = self._packed is not None
         removed = min(-tokens_to_remove, self.seen)
         self.seen -= removed
@@ -368,7 +359,7 @@ class PolicyLayer(CacheLayerMixin):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.memo = {}
-        self.ring = None
+        self.layout = next(_LAYOUTS)
         packed = self._packed is not None
         if self.is_initialized:
             for name in ("keys", "values", "valid", "pos", "rope", "score", "capacity"):
@@ -380,7 +371,7 @@ class PolicyLayer(CacheLayerMixin):
 
     def batch_select_indices(self, indices: Tensor) -> None:
         self.memo = {}
-        self.ring = None
+        self.layout = next(_LAYOUTS)
         packed = self._packed is not None
         if self.is_initialized:
             for name in ("keys", "values", "valid", "pos", "rope", "score", "capacity"):
@@ -416,7 +407,7 @@ class PolicyLayer(CacheLayerMixin):
         self.valid = torch.arange(new_len, device=self.device)[None, None, :] < counts[..., None]
         self.full = bool((counts == new_len).all())
         self.ordered = True
-        self.ring = None
+        self.layout = next(_LAYOUTS)
         zero = torch.zeros((), device=self.device)
         slots = self.valid[..., None]
         self.keys = torch.where(slots, self.keys, zero.to(self.keys.dtype))  # padded slots hold zeros, never stale keys
