@@ -13,7 +13,7 @@ import torch
 from eager_reference import fraction_capacity, padded_batch, positions, simulate
 from tiny_models import build
 
-import attnkit.kv as kv
+from attnkit import kv
 from attnkit.kv.policies.base import Policy, Step
 from attnkit.kv.select import group_mean, top
 

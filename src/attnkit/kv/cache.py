@@ -30,7 +30,13 @@ from . import budget as budgets
 from . import masks, steps
 from .hooks import HookedCache, detach, install_hooks, observe, outer_switch
 from .layer import PolicyLayer
-from .model_parts import attention_modules, recompute_queries, rotary_module, rotate, sliding_window
+from .model_parts import (
+    attention_modules,
+    recompute_queries,
+    rotary_module,
+    rotate,
+    sliding_window,
+)
 from .policies.base import Policy, Step
 from .ring import Ring
 from .scores import ReceivedMass
