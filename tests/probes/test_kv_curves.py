@@ -2,6 +2,8 @@
 rows against the probes they are built from, the sweep engine's rows equal the serial
 ones, failures recorded, bad input named."""
 
+import math
+
 import pytest
 
 from attnkit.kv import POLICIES
@@ -74,7 +76,7 @@ def test_the_local_engine_gives_the_serial_rows_and_resumes(needle_export, tmp_p
     (dict(budgets=[1.5]), "--budgets: expected fractions of the context in"),
     (dict(budgets=[0.01]), "--budgets: 0.01 of a 30-token context keeps no entry"),
     (dict(protocol="both"), "--protocol: expected one of agnostic, aware"),
-    (dict(task="ppl"), "--task: expected one of needle, kv-retrieval"),
+    (dict(task="ruler"), "--task: expected one of needle, kv-retrieval, ppl"),
     (dict(policy_params="snapkv.window"), "--policy-params: expected POLICY.NAME=VALUE"),
     (dict(policies=["snapkv"], policy_params="h2o.recent=0.1"), "--policy-params: 'h2o' is not among --policies"),
     (dict(engine="local"), "--store: a sweep writes its cells"),
@@ -128,7 +130,7 @@ def test_kv_curves_from_the_command_line(needle_export, tmp_path):
                  "--samples", "2", "--quiet", "--out", str(out)]) == 0
     assert {"results.csv", "results.json", "report.html"} <= {p.name for p in out.iterdir()}
     html = (out / "report.html").read_text()
-    assert "Accuracy against KV budget per policy" in html and "(reference)" in html
+    assert "Accuracy (exact match) against KV budget per policy" in html and "(reference)" in html
     assert main(["kv", "curves", "--model", needle_export, "--budgets", "2"]) == 2
 
 
@@ -144,3 +146,24 @@ def test_probe_cells_are_the_probe_calls_of_a_grid(needle_export):
     assert {r["param_lengths"] for r in rows} == {"[64]"}
     with pytest.raises(ValueError, match="^grid: expected"):
         probe_cells("needle", needle_export, {"lengths": []})
+
+
+def test_ppl_scores_the_teacher_forced_answer(needle_export):
+    import torch
+
+    from attnkit.probes.needle import arena_items
+    from attnkit.probes.model import load_probe_model
+
+    result = kv_curves(needle_export, task="ppl", policies=["snapkv"], budgets=[1.0], lengths=[32], depths=[0.5],
+                       samples=3)
+    pm = load_probe_model(needle_export)
+    items = arena_items(pm, [32], [0.5], 3, 0)
+    with torch.no_grad():  # independent: the plain forward's log-probability of each answer token
+        logits = pm.model(torch.tensor([it.ids for it in items])).logits[:, -1].double()
+    want = [-float(torch.log_softmax(logits[i], -1)[it.answer_ids[0]]) for i, it in enumerate(items)]
+    for policy in ("full", "snapkv"):
+        got = [r["value"] for r in result.select("answer_nll", policy=policy)]
+        assert got == pytest.approx(want, abs=1e-4)  # float32 model: decode and prefill round differently
+    assert result.value("perplexity", policy="full", budget=1.0) == pytest.approx(
+        math.exp(sum(want) / len(want)), rel=1e-4)
+    assert not result.select("exact_match")

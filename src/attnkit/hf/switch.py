@@ -267,7 +267,6 @@ def check_model(model) -> None:
             )
 
 
-_check_model = check_model  # the old private name, still imported by kv until it moves to check_model
 
 
 def _configs(model) -> list:

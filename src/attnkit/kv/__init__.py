@@ -59,10 +59,10 @@ def policy_cache(model, policy: str | Policy, budget: float | int = 0.5, **param
     if not modules:
         raise ValueError(f"model: {type(model).__name__} has no attention layers that use a KV cache (modules with a layer_idx)")
     if chosen.needs_weights:
-        from ..hf.switch import _check_model
+        from ..hf.switch import check_model
 
         try:
-            _check_model(model)
+            check_model(model)
         except ValueError as e:
             raise ValueError(f"model: policy {chosen.name!r} reads attention weights through attnkit, which cannot switch this model ({e})") from None
     else:

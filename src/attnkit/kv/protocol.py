@@ -114,17 +114,26 @@ class Answer:
     decode_seconds: float
     decode_steps: int
     cache: object = None
+    #: with teacher forcing (``ask(..., forced=...)``), each row's mean negative log-likelihood of the answer
+    nll: torch.Tensor | None = None
 
 
 @torch.no_grad()
 def ask(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, question: int, setting: KVSetting,
-        max_new_tokens: int, pad: int = 0) -> Answer:
+        max_new_tokens: int, pad: int = 0, forced: torch.Tensor | None = None) -> Answer:
     """Run ``setting``'s protocol on a left-padded batch whose last ``question`` tokens
     (every row's) are the question: prefill the context (with the question when
     ``aware``), then feed the question one token per step through the compressed cache,
     then ``max_new_tokens`` greedy tokens. The answer's first token comes from the last
-    question step, so the compression always stands between the context and the answer."""
+    question step, so the compression always stands between the context and the answer.
+
+    ``forced`` (B, max_new_tokens): teacher forcing instead of greedy decoding: these
+    tokens are fed, and ``Answer.nll`` (B,) is their mean negative log-likelihood (the
+    answer's perplexity is its exp)."""
     B, P = input_ids.shape
+    if forced is not None and (not isinstance(forced, torch.Tensor) or tuple(forced.shape) != (B, max_new_tokens)):
+        raise ValueError(f"forced: expected a ({B}, {max_new_tokens}) tensor of answer tokens, got "
+                         f"{tuple(forced.shape) if isinstance(forced, torch.Tensor) else type(forced).__name__}")
     if isinstance(question, bool) or not isinstance(question, int) or not 1 <= question < P:
         raise ValueError(f"question: expected an int in [1, {P - 1}] (the question's tokens at the end of each prompt), got {question!r}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -142,11 +151,16 @@ def ask(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, question: 
         kwargs["logits_to_keep"] = 1
     model(**kwargs)
     steps = [input_ids[:, t] for t in range(P - question, P)] + [None] * max_new_tokens
-    produced, seconds = [], 0.0
+    produced, seconds, nll = [], 0.0, torch.zeros(B, dtype=torch.float64)
     out = None
     for token in steps:
         if token is None:
-            token = out.logits[:, -1].argmax(-1)
+            logits = out.logits[:, -1]
+            if forced is None:
+                token = logits.argmax(-1)
+            else:
+                token = forced[:, len(produced)]
+                nll -= torch.log_softmax(logits.double(), -1).gather(1, token[:, None]).squeeze(1)
             produced.append(token)
             if len(produced) == max_new_tokens:
                 break
@@ -159,7 +173,7 @@ def ask(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, question: 
         out = model(**kwargs)
         seconds += time.perf_counter() - start
     return Answer(torch.stack(produced, dim=1), _kv_bytes(cache), _kept(cache, mask), seconds,
-                  question + max_new_tokens - 1, cache)
+                  question + max_new_tokens - 1, cache, None if forced is None else nll / max_new_tokens)
 
 
 def _kv_bytes(cache) -> int:

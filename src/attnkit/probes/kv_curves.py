@@ -10,7 +10,8 @@ token.
 
 Rows, one per prompt (tidy; ``policy`` is ``full`` for the full cache, at budget 1.0):
 ``exact_match`` and ``token_accuracy`` per (policy, budget, length, depth, sample) for
-the needle task or (policy, budget, pairs, position, sample) for kv-retrieval; per
+the needle task or (policy, budget, pairs, position, sample) for kv-retrieval
+(``answer_nll`` instead for ``ppl``, with ``perplexity`` per setting, the exp of its mean); per
 (policy, budget): ``kept`` (entries held over a full cache's, mean over layers, heads and
 prompts), ``kv_bytes`` (keys and values held per prompt at the end), ``decode_tokens_per_s``
 (decoding steps per second, question and answer tokens, batch rows counted) and, when a
@@ -24,11 +25,18 @@ import time
 
 from .result import ProbeResult
 from .retrieval import check_fractions, check_run, examples, run_items
-from .tasks import TASKS, task_items
+from .tasks import task_items
 
 #: the policies a curve runs by default: every one that needs no trained mechanism
 DEFAULT_POLICIES = ("streaming", "h2o", "snapkv", "tova", "pyramid", "adakv", "knorm", "quest")
 DEFAULT_BUDGETS = (0.05, 0.1, 0.25, 0.5)
+#: the tasks a curve runs: the needle and kv-retrieval probes' prompts scored by their greedy answers,
+#: and ``ppl``: the needle prompts scored by the answer's likelihood, teacher-forced
+CURVE_TASKS = ("needle", "kv-retrieval", "ppl")
+
+
+def prompts_of(task: str) -> str:
+    return "needle" if task == "ppl" else task
 
 
 def kv_curves(model=None, tokenizer=None, *, task: str = "needle", policies: list[str] = DEFAULT_POLICIES,
@@ -40,7 +48,9 @@ def kv_curves(model=None, tokenizer=None, *, task: str = "needle", policies: lis
     """Accuracy against KV budget per policy (see the module docstring).
 
     Args:
-        task: ``needle`` (accuracy by length and depth) or ``kv-retrieval`` (by the gold pair's position)
+        task: ``needle`` (accuracy by length and depth), ``kv-retrieval`` (by the gold pair's position) or
+            ``ppl`` (the needle prompts, each answer teacher-forced and scored by its negative
+            log-likelihood: how much probability a policy leaves on the right answer)
         policies: KV-cache policies (attnkit.kv.POLICIES; not ``selective``, which needs a trained mechanism)
         budgets: fractions of the context kept, each in (0, 1]
         protocol: ``agnostic`` (the context compressed before the question arrives) or ``aware``
@@ -77,7 +87,9 @@ def kv_curves(model=None, tokenizer=None, *, task: str = "needle", policies: lis
             except ValueError as e:
                 option = "--policies" if str(e).startswith("policy:") else "--policy-params"
                 raise ValueError(f"{option}: {name}: {e}") from None
-    items, keys, new_tokens = task_items(pm, task, lengths, depths, pairs, samples, seed)
+    if task not in CURVE_TASKS:
+        raise ValueError(f"--task: expected one of {', '.join(CURVE_TASKS)}, got {task!r}")
+    items, keys, new_tokens = task_items(pm, prompts_of(task), lengths, depths, pairs, samples, seed)
     shortest = min(len(it.ids) - it.question for it in items)
     if min(budgets) * shortest < 1:
         raise ValueError(f"--budgets: {min(budgets)} of a {shortest}-token context keeps no entry")
@@ -90,7 +102,7 @@ def kv_curves(model=None, tokenizer=None, *, task: str = "needle", policies: lis
         full_examples = None
         for n, setting in enumerate(settings, 1):
             say(f"kv-curves: {n}/{len(settings)} {setting.label} ({len(items)} prompts)")
-            rows, found = setting_rows(pm, items, keys, setting, new_tokens, batch_size)
+            rows, found = setting_rows(pm, items, keys, setting, new_tokens, batch_size, task == "ppl")
             result.rows += rows
             full_examples = full_examples if found is None else found
     else:
@@ -100,7 +112,9 @@ def kv_curves(model=None, tokenizer=None, *, task: str = "needle", policies: lis
                                    batch_size=batch_size))
     failures = [{k: r[k] for k in ("policy", "budget")} | {"error": r["value"]} for r in result.rows
                 if r["metric"] == "error"]
-    x = "depth" if task == "needle" else "position"
+    x = "position" if task == "kv-retrieval" else "depth"
+    metric, y_title = ("answer_nll", "the answer's negative log-likelihood (nats per token)") if task == "ppl" else (
+        "exact_match", "accuracy (exact match)")
     result.meta = {
         "model": pm.name, "seconds": time.perf_counter() - start, "max_new_tokens": new_tokens,
         "params": {"task": task, "policies": policies, "budgets": budgets, "protocol": protocol, "lengths": lengths,
@@ -108,13 +122,13 @@ def kv_curves(model=None, tokenizer=None, *, task: str = "needle", policies: lis
                    "policy_params": policy_params},
         "failures": failures, "examples": full_examples or [], "engine": engine,
         "figures": [
-            {"kind": "curve", "x": "budget", "metric": "exact_match", "series": "policy", "spread": "sample",
-             "reference": {"policy": FULL}, "x_title": "budget (fraction of the context kept)",
-             "y_title": "accuracy (exact match)",
-             "title": f"Accuracy against KV budget per policy ({protocol} protocol; dashed: the full cache)"},
-            {"kind": "curve", "x": x, "metric": "exact_match", "series": "policy", "split": "budget", "spread": "sample",
-             "reference": {"policy": FULL}, "x_title": x, "y_title": "accuracy (exact match)",
-             "title": f"Accuracy by {x} per policy at each budget"},
+            {"kind": "curve", "x": "budget", "metric": metric, "series": "policy", "spread": "sample",
+             "reference": {"policy": FULL}, "x_title": "budget (fraction of the context kept)", "y_title": y_title,
+             "title": f"{y_title[0].upper() + y_title[1:]} against KV budget per policy ({protocol} protocol; "
+                      "dashed: the full cache)"},
+            {"kind": "curve", "x": x, "metric": metric, "series": "policy", "split": "budget", "spread": "sample",
+             "reference": {"policy": FULL}, "x_title": x, "y_title": y_title,
+             "title": f"{y_title[0].upper() + y_title[1:]} by {x} per policy at each budget"},
             {"kind": "curve", "x": "budget", "metric": "kv_bytes", "series": "policy", "x_title": "budget",
              "y_title": "bytes of keys and values per prompt", "title": "Bytes held per prompt"},
             {"kind": "curve", "x": "budget", "metric": "decode_tokens_per_s", "series": "policy", "x_title": "budget",
@@ -124,9 +138,11 @@ def kv_curves(model=None, tokenizer=None, *, task: str = "needle", policies: lis
     return result
 
 
-def setting_rows(pm, items, keys, setting, new_tokens: int, batch_size: int) -> tuple[list[dict], list | None]:
+def setting_rows(pm, items, keys, setting, new_tokens: int, batch_size: int,
+                 forced: bool = False) -> tuple[list[dict], list | None]:
     """The rows of one setting (every prompt, then the setting's summary), and the full
-    cache's examples (None for a policy). A policy that fails gives one ``error`` row."""
+    cache's examples (None for a policy). A policy that fails gives one ``error`` row.
+    ``forced``: the answers teacher-forced and scored by their likelihood (task ``ppl``)."""
     from ..kv.protocol import FULL
 
     part = ProbeResult("kv-curves")
@@ -135,14 +151,19 @@ def setting_rows(pm, items, keys, setting, new_tokens: int, batch_size: int) -> 
     began = time.perf_counter()
     try:
         outcomes, _ = run_items(pm, items, new_tokens, batch_size, lambda line: None, "kv-curves", kv=setting,
-                                stats=stats)
+                                stats=stats, forced=forced)
     except Exception as e:  # one policy's failure is recorded in its rows; the others still run
         part.add("error", f"{type(e).__name__}: {e}", **where)
         return part.rows, None
     for o in outcomes:
         cell = {k: o.item.params[k] for k in keys}
+        if forced:
+            part.add("answer_nll", o.nll, **where, **cell, sample=o.item.params["sample"])
+            continue
         part.add("exact_match", o.score, **where, **cell, sample=o.item.params["sample"])
         part.add("token_accuracy", o.token_accuracy(), **where, **cell, sample=o.item.params["sample"])
+    if forced:
+        part.add("perplexity", math.exp(sum(o.nll for o in outcomes) / len(outcomes)), **where)
     rows = sum(a.tokens.shape[0] for a in stats)
     part.add("kept", sum(a.kept * a.tokens.shape[0] for a in stats) / rows, **where)
     part.add("kv_bytes", sum(a.kv_bytes for a in stats) / rows, **where)
@@ -161,12 +182,12 @@ def kv_curve_cell(config: dict) -> list[dict]:
     from .model import load_probe_model
 
     pm = load_probe_model(config["model"])
-    items, keys, new_tokens = task_items(pm, config["task"], config["lengths"], config["depths"], config["pairs"],
-                                         config["samples"], config["seed"])
+    items, keys, new_tokens = task_items(pm, prompts_of(config["task"]), config["lengths"], config["depths"],
+                                         config["pairs"], config["samples"], config["seed"])
     s = config["setting"]
     setting = KVSetting(s["policy"], s["budget"], tuple((k, v) for k, v in s["params"]), s["protocol"])
     report_line(f"{setting.label} ({len(items)} prompts)")
-    rows, _ = setting_rows(pm, items, keys, setting, new_tokens, config["batch_size"])
+    rows, _ = setting_rows(pm, items, keys, setting, new_tokens, config["batch_size"], config["task"] == "ppl")
     return rows
 
 

@@ -198,6 +198,8 @@ class Outcome:
     uniform: dict[str, float]
     #: the generated token ids (up to and including an end-of-sequence token)
     tokens: list[int] = field(default_factory=list)
+    #: teacher-forced (``run_items(..., forced=True)``): the answer's mean negative log-likelihood
+    nll: float | None = None
 
     def token_accuracy(self) -> float:
         """The share of the answer's tokens generated right, position by position."""
@@ -211,11 +213,13 @@ def score(output: str, answer: str, words: bool) -> float:
     return string_match_all(output, [answer])
 
 
-def _layout(item: Item) -> tuple:
-    return (item.question, *((name, len(ranges)) for name, ranges in item.spans.items()))
+def _layout(item: Item, forced: bool = False) -> tuple:
+    answer = len(item.answer_ids or ()) if forced else 0  # teacher forcing: a batch shares the answer's length
+    return (item.question, answer, *((name, len(ranges)) for name, ranges in item.spans.items()))
 
 
-def run_items(pm, items: list[Item], max_new_tokens: int, batch_size: int, progress, label: str, kv=None, stats=None):
+def run_items(pm, items: list[Item], max_new_tokens: int, batch_size: int, progress, label: str, kv=None, stats=None,
+              forced: bool = False):
     """Generate an answer for every item and measure its span masses: items with the same
     span layout and near-equal lengths share batches, left-padded to the longest of their
     batch (one prefill per prompt). Returns (outcomes in item order, layer labels).
@@ -223,10 +227,14 @@ def run_items(pm, items: list[Item], max_new_tokens: int, batch_size: int, progr
     ``kv`` (an ``attnkit.kv.protocol.KVSetting``): answer through a compressed cache
     instead, by the setting's protocol (the question asked after the compression); no
     span masses are measured then (a policy's cache no longer holds every position), and
-    ``stats`` (a list) receives each batch's ``Answer`` (bytes held, decoding time)."""
+    ``stats`` (a list) receives each batch's ``Answer`` (bytes held, decoding time).
+    ``forced`` (with ``kv``): feed each item's ``answer_ids`` instead of decoding greedily
+    and record the answer's negative log-likelihood (``Outcome.nll``)."""
+    if forced and (kv is None or any(not it.answer_ids for it in items)):
+        raise ValueError(f"kv: teacher forcing needs a KV setting and every {label} prompt's answer tokens")
     groups: dict = {}
     for i, item in enumerate(items):
-        groups.setdefault(_layout(item), []).append(i)
+        groups.setdefault(_layout(item, forced), []).append(i)
     batches = []
     for idx in groups.values():
         batch: list = []
@@ -251,14 +259,16 @@ def run_items(pm, items: list[Item], max_new_tokens: int, batch_size: int, progr
             if chosen[0].question < 1:
                 raise ValueError(f"kv: the {label} probe's prompts do not mark their question, so they cannot be asked "
                                  "through a compressed cache")
-            answer = ask(pm.model, prompts.input_ids, prompts.attention_mask, chosen[0].question, kv, max_new_tokens,
-                         pad_id(pm.tokenizer))
+            gold = torch.tensor([item.answer_ids for item in chosen]) if forced else None
+            answer = ask(pm.model, prompts.input_ids, prompts.attention_mask, chosen[0].question, kv,
+                         max_new_tokens if gold is None else gold.shape[1], pad_id(pm.tokenizer), forced=gold)
             if stats is not None:
                 stats.append(answer)
             for b, (i, item) in enumerate(zip(batch, chosen)):
                 tokens = answer.tokens[b].tolist()
                 output = _decoded(pm, tokens)
-                outcomes[i] = Outcome(item, output, score(output, item.answer, item.words), {}, {}, tokens)
+                nll = None if answer.nll is None else float(answer.nll[b])
+                outcomes[i] = Outcome(item, output, score(output, item.answer, item.words), {}, {}, tokens, nll)
             continue
         flat = {f"{name}#{j}": [(s + pad, e + pad) for (s, e), pad in ((item.spans[name][j], p)
                                                                         for item, p in zip(chosen, prompts.pads))]
