@@ -6,9 +6,9 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close, qkv
 
 import attnkit as ak
+from helpers import assert_close, qkv
 
 
 def test_plain_calls_equal_torch_sdpa():
@@ -217,7 +217,11 @@ def test_learnable_scale_after_a_fixed_bias_gets_its_whole_gradient(chain):
     t = torch.tensor([1.3, 0.8], dtype=torch.float64, requires_grad=True)
     slopes = torch.tensor([0.25, 0.0625], dtype=torch.float64)
     dist = (torch.arange(40).view(-1, 1) - torch.arange(40)).abs().double()
-    fixed = -slopes.view(1, 2, 1, 1) * dist if chain.startswith("alibi") else torch.randn(1, 2, 40, 40, generator=g, dtype=torch.float64)
+    fixed = (
+        -slopes.view(1, 2, 1, 1) * dist
+        if chain.startswith("alibi")
+        else torch.randn(1, 2, 40, 40, generator=g, dtype=torch.float64)
+    )
     first = ak.alibi(slopes=slopes) if chain.startswith("alibi") else ak.bias(fixed)
     s = (q @ k.mT) / math.sqrt(8) + fixed
     if chain.endswith("temperature"):

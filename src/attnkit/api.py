@@ -60,12 +60,48 @@ def attention(
         mech = get_mechanism(mechanism)
         if mech.name != "softmax":
             extra = {} if observers is None else {"observers": observers, "layer": layer}
-            return mech(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks, return_lse=return_lse, backend=backend, check_finite=check_finite, **extra)
-    return softmax_attention(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks, return_lse=return_lse,
-                             backend=backend, check_finite=check_finite, observers=observers, layer=layer)
+            return mech(
+                q,
+                k,
+                v,
+                mask=mask,
+                score=score,
+                scale=scale,
+                sinks=sinks,
+                return_lse=return_lse,
+                backend=backend,
+                check_finite=check_finite,
+                **extra,
+            )
+    return softmax_attention(
+        q,
+        k,
+        v,
+        mask=mask,
+        score=score,
+        scale=scale,
+        sinks=sinks,
+        return_lse=return_lse,
+        backend=backend,
+        check_finite=check_finite,
+        observers=observers,
+        layer=layer,
+    )
 
 
-def explain(q: Tensor, k: Tensor, v: Tensor, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto", check_finite=True) -> str:
+def explain(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask=None,
+    score=None,
+    scale=None,
+    sinks=None,
+    return_lse=False,
+    backend="auto",
+    check_finite=True,
+) -> str:
     """Which backend runs this call, why, and (for the chunked backend) its tile plan."""
     req = make_request(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks, return_lse=return_lse)
     if req.q_len == 0 or req.k_len == 0:

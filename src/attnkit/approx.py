@@ -67,8 +67,9 @@ class MassRecall(Observer):
         self.tiles += 1
 
 
-def approx_error(q: Tensor, k: Tensor, v: Tensor, *, mechanism, mask=None, score=None, scale: float | None = None,
-                 **params) -> ApproxError:
+def approx_error(
+    q: Tensor, k: Tensor, v: Tensor, *, mechanism, mask=None, score=None, scale: float | None = None, **params
+) -> ApproxError:
     """Relative output error and attention-mass recall of ``mechanism`` (a registered
     name, built with ``params``, or a Mechanism instance) against exact softmax attention
     with the same ``mask``, ``score`` and ``scale``."""
@@ -82,7 +83,9 @@ def approx_error(q: Tensor, k: Tensor, v: Tensor, *, mechanism, mask=None, score
         meter = MassRecall(req, lse)
         approx = attention(q, k, v, mask=mask, score=score, scale=scale, mechanism=mech, observers=[meter])
         if approx.shape != exact.shape:
-            raise ValueError(f"mechanism: {mech.name!r} returned shape {tuple(approx.shape)}, exact attention {tuple(exact.shape)}")
+            raise ValueError(
+                f"mechanism: {mech.name!r} returned shape {tuple(approx.shape)}, exact attention {tuple(exact.shape)}"
+            )
         diff = (approx.to(torch.float64) - exact.to(torch.float64)).pow(2).sum((0, 2, 3))
         norm = exact.to(torch.float64).pow(2).sum((0, 2, 3))
         per_head_error = _ratio(diff.sqrt(), norm.sqrt())

@@ -10,8 +10,22 @@ from attnkit.arena.runner import COLUMNS, format_table, plan
 from attnkit.arena.tasks import make_task
 from attnkit.cli import main
 
-TINY_MQAR = ["--param", "vocab_size=16", "--param", "seq_len=16", "--param", "num_kv_pairs=[1,2]",
-             "--steps", "4", "--eval-every", "2", "--batch-size", "4", "--eval-examples", "8"]
+TINY_MQAR = [
+    "--param",
+    "vocab_size=16",
+    "--param",
+    "seq_len=16",
+    "--param",
+    "num_kv_pairs=[1,2]",
+    "--steps",
+    "4",
+    "--eval-every",
+    "2",
+    "--batch-size",
+    "4",
+    "--eval-examples",
+    "8",
+]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -22,8 +36,25 @@ def read_csv(path):
 
 def test_grid_writes_table_csv_json_and_plots(tmp_path, capsys):
     out = tmp_path / "arena"
-    code = main(["arena", "mqar", "--mechanisms", "softmax,linear_elu", "--d-model", "8,16", "--layers", "1",
-                 "--heads", "2", "--seeds", "2", "--out", str(out), *TINY_MQAR])
+    code = main(
+        [
+            "arena",
+            "mqar",
+            "--mechanisms",
+            "softmax,linear_elu",
+            "--d-model",
+            "8,16",
+            "--layers",
+            "1",
+            "--heads",
+            "2",
+            "--seeds",
+            "2",
+            "--out",
+            str(out),
+            *TINY_MQAR,
+        ]
+    )
     assert code == 0
     captured = capsys.readouterr()
     assert "arena mqar 16/16" in captured.err  # a tick per evaluation: 8 runs x 2
@@ -34,7 +65,8 @@ def test_grid_writes_table_csv_json_and_plots(tmp_path, capsys):
     assert list(rows[0]) == list(COLUMNS)
     assert len(rows) == 2 * 2 * 2  # mechanisms x widths x seeds, one evaluation length
     assert {(r["mechanism"], r["d_model"], r["seed"]) for r in rows} == {
-        (m, d, s) for m in ("softmax", "linear_elu") for d in ("8", "16") for s in ("0", "1")}
+        (m, d, s) for m in ("softmax", "linear_elu") for d in ("8", "16") for s in ("0", "1")
+    }
     assert all(r["steps"] == "4" and r["layers"] == "1" and r["heads"] == "2" and r["eval_len"] == "16" for r in rows)
     assert all(0 <= float(r["accuracy"]) <= 1 and float(r["tokens_per_s"]) > 0 for r in rows)
 
@@ -49,9 +81,35 @@ def test_grid_writes_table_csv_json_and_plots(tmp_path, capsys):
 
 def test_needle_rows_cover_the_longer_test_lengths_and_json_output(tmp_path, capsys):
     out = tmp_path / "n"
-    code = main(["arena", "needle", "--mechanisms", "softmax", "--d-model", "8", "--heads", "2", "--param", "seq_len=16",
-                 "--param", "distractors=1", "--steps", "2", "--eval-every", "2", "--batch-size", "4",
-                 "--eval-examples", "10", "--out", str(out), "--json", "--quiet", "--no-plots"])
+    code = main(
+        [
+            "arena",
+            "needle",
+            "--mechanisms",
+            "softmax",
+            "--d-model",
+            "8",
+            "--heads",
+            "2",
+            "--param",
+            "seq_len=16",
+            "--param",
+            "distractors=1",
+            "--steps",
+            "2",
+            "--eval-every",
+            "2",
+            "--batch-size",
+            "4",
+            "--eval-examples",
+            "10",
+            "--out",
+            str(out),
+            "--json",
+            "--quiet",
+            "--no-plots",
+        ]
+    )
     assert code == 0
     captured = capsys.readouterr()
     assert captured.err == ""
@@ -63,9 +121,34 @@ def test_needle_rows_cover_the_longer_test_lengths_and_json_output(tmp_path, cap
 
 def test_resume_continues_from_checkpoints(tmp_path, capsys):
     out = tmp_path / "r"
-    args = ["arena", "associative", "--mechanisms", "fast_weight", "--d-model", "8", "--param", "seq_len=9",
-            "--param", "num_keys=4", "--param", "num_values=6", "--steps", "4", "--eval-every", "2", "--batch-size", "4",
-            "--eval-examples", "8", "--target", "none", "--out", str(out), "--no-plots", "--quiet"]
+    args = [
+        "arena",
+        "associative",
+        "--mechanisms",
+        "fast_weight",
+        "--d-model",
+        "8",
+        "--param",
+        "seq_len=9",
+        "--param",
+        "num_keys=4",
+        "--param",
+        "num_values=6",
+        "--steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--batch-size",
+        "4",
+        "--eval-examples",
+        "8",
+        "--target",
+        "none",
+        "--out",
+        str(out),
+        "--no-plots",
+        "--quiet",
+    ]
     assert main([*args, "--checkpoint-every", "2"]) == 0
     first = read_csv(out / "results.csv")
     checkpoints = os.listdir(out / "checkpoints")
@@ -73,52 +156,66 @@ def test_resume_continues_from_checkpoints(tmp_path, capsys):
     assert main([*args, "--checkpoint-every", "2", "--resume"]) == 0  # finished runs are read back, not retrained
     again = read_csv(out / "results.csv")
     for a, b in zip(first, again):
-        assert (a["accuracy"], a["eval_loss"], a["steps"], a["train_seconds"]) == (b["accuracy"], b["eval_loss"], b["steps"], b["train_seconds"])
+        assert (a["accuracy"], a["eval_loss"], a["steps"], a["train_seconds"]) == (
+            b["accuracy"],
+            b["eval_loss"],
+            b["steps"],
+            b["train_seconds"],
+        )
     capsys.readouterr()
 
 
-@pytest.mark.parametrize("args,message", [
-    (["mqar", "--heads", "0"], "--heads: expected a positive integer, got '0'"),  # was a ZeroDivisionError
-    (["mqar", "--heads", "-2"], "--heads: expected a positive integer"),
-    (["mqar", "--heads", "two"], "--heads: expected a positive integer"),
-    (["mqar", "--layers", "0"], "--layers: expected a positive integer"),
-    (["mqar", "--seeds", "0"], "--seeds: expected a positive integer"),
-    (["mqar", "--steps", "0"], "--steps: expected a positive integer"),
-    (["mqar", "--batch-size", "-1"], "--batch-size: expected a positive integer"),
-    (["mqar", "--eval-every", "0"], "--eval-every: expected a positive integer"),
-    (["mqar", "--eval-examples", "0"], "--eval-examples: expected a positive integer"),
-    (["mqar", "--checkpoint-every", "0"], "--checkpoint-every: expected a positive integer"),
-    (["mqar", "--threads", "0"], "--threads: expected a positive integer"),
-    (["mqar", "--lr", "0"], "--lr: expected a positive finite number"),
-    (["mqar", "--lr", "nan"], "--lr: expected a positive finite number"),
-    (["mqar", "--lr", "fast"], "--lr: expected a positive number"),
-    (["mqar", "--target", "high"], "--target: expected an accuracy in (0, 1] or 'none'"),
-    (["mqar", "--target", "1.5"], "--target: expected an accuracy in (0, 1]"),
-    (["mqar", "--target", "0"], "--target: expected an accuracy in (0, 1]"),
-    (["mqar", "--d-model", "a,b"], "--d-model: expected comma-separated integers"),
-    (["mqar", "--d-model", "64,0"], "--d-model: expected positive integers"),
-    (["mqar", "--d-model", "6"], "--d-model: each width must be a multiple of heads=4"),
-    (["mqar", "--d-model", "6", "--heads", "4"], "--d-model: each width must be a multiple of heads=4 (--heads), got 6"),
-    (["mqar", "--seq-len", "0"], "--seq-len: expected positive integers"),
-    (["mqar", "--seq-len", "64,4"], "--seq-len: 4 does not fit the mqar task"),
-    (["mqar", "--mechanisms", "nope"], "--mechanisms: unknown mechanism 'nope'"),
-    (["mqar", "--mechanisms", "softmax:bogus=1"], "--mechanisms: softmax has no parameter 'bogus'"),  # was a TypeError
-    (["mqar", "--mechanisms", "deltanet:gate=1"], "--mechanisms: deltanet has no parameter 'gate'"),
-    (["mqar", "--mechanisms", "deltanet:heads=2"], "--mechanisms: 'heads' in 'deltanet:heads=2' is set by the model"),
-    (["mqar", "--mechanisms", "linear:rule"], "--mechanisms: expected name:key=value"),
-    (["mqar", "--mechanisms", "softmax,softmax"], "--mechanisms: each may appear once"),
-    (["mqar", "--mechanisms", ","], "--mechanisms: expected a comma-separated list"),
-    (["mqar", "--mechanisms", "linear:rule=bogus", "--d-model", "8"], "--mechanisms: linear:rule=bogus cannot run the mqar task: rule:"),
-    (["associative", "--mechanisms", "softmax,nsa"], "--mechanisms: nsa cannot run the associative task"),  # before any training
-    (["mqar", "--param", "pairs=3"], "--param: mqar has no pairs"),
-    (["mqar", "--param", "oops"], "--param: expected KEY=VALUE"),
-    (["mqar", "--param", "seq_len=3"], "--param: seq_len: expected an int >= 4"),
-    (["mqar", "--param", "num_kv_pairs=[1,2,3]"], "--param: num_kv_pairs: expected an int or a (low, high) pair"),
-    (["mqar", "--param", "seq_len=64", "--param", "power_a=steep"], "--param: power_a: expected 0 < a <= 1, got 'steep'"),
-    (["associative", "--layers", "2"], "--layers: the associative task is a 1-layer probe, got 2"),
-    (["bogus"], "task: invalid choice: 'bogus'"),
-    (["mqar", "--steps"], "--steps: expected one argument"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["mqar", "--heads", "0"], "--heads: expected a positive integer, got '0'"),  # was a ZeroDivisionError
+        (["mqar", "--heads", "-2"], "--heads: expected a positive integer"),
+        (["mqar", "--heads", "two"], "--heads: expected a positive integer"),
+        (["mqar", "--layers", "0"], "--layers: expected a positive integer"),
+        (["mqar", "--seeds", "0"], "--seeds: expected a positive integer"),
+        (["mqar", "--steps", "0"], "--steps: expected a positive integer"),
+        (["mqar", "--batch-size", "-1"], "--batch-size: expected a positive integer"),
+        (["mqar", "--eval-every", "0"], "--eval-every: expected a positive integer"),
+        (["mqar", "--eval-examples", "0"], "--eval-examples: expected a positive integer"),
+        (["mqar", "--checkpoint-every", "0"], "--checkpoint-every: expected a positive integer"),
+        (["mqar", "--threads", "0"], "--threads: expected a positive integer"),
+        (["mqar", "--lr", "0"], "--lr: expected a positive finite number"),
+        (["mqar", "--lr", "nan"], "--lr: expected a positive finite number"),
+        (["mqar", "--lr", "fast"], "--lr: expected a positive number"),
+        (["mqar", "--target", "high"], "--target: expected an accuracy in (0, 1] or 'none'"),
+        (["mqar", "--target", "1.5"], "--target: expected an accuracy in (0, 1]"),
+        (["mqar", "--target", "0"], "--target: expected an accuracy in (0, 1]"),
+        (["mqar", "--d-model", "a,b"], "--d-model: expected comma-separated integers"),
+        (["mqar", "--d-model", "64,0"], "--d-model: expected positive integers"),
+        (["mqar", "--d-model", "6"], "--d-model: each width must be a multiple of heads=4"),
+        (["mqar", "--d-model", "6", "--heads", "4"], "--d-model: each width must be a multiple of heads=4 (--heads), got 6"),
+        (["mqar", "--seq-len", "0"], "--seq-len: expected positive integers"),
+        (["mqar", "--seq-len", "64,4"], "--seq-len: 4 does not fit the mqar task"),
+        (["mqar", "--mechanisms", "nope"], "--mechanisms: unknown mechanism 'nope'"),
+        (["mqar", "--mechanisms", "softmax:bogus=1"], "--mechanisms: softmax has no parameter 'bogus'"),  # was a TypeError
+        (["mqar", "--mechanisms", "deltanet:gate=1"], "--mechanisms: deltanet has no parameter 'gate'"),
+        (["mqar", "--mechanisms", "deltanet:heads=2"], "--mechanisms: 'heads' in 'deltanet:heads=2' is set by the model"),
+        (["mqar", "--mechanisms", "linear:rule"], "--mechanisms: expected name:key=value"),
+        (["mqar", "--mechanisms", "softmax,softmax"], "--mechanisms: each may appear once"),
+        (["mqar", "--mechanisms", ","], "--mechanisms: expected a comma-separated list"),
+        (
+            ["mqar", "--mechanisms", "linear:rule=bogus", "--d-model", "8"],
+            "--mechanisms: linear:rule=bogus cannot run the mqar task: rule:",
+        ),
+        (
+            ["associative", "--mechanisms", "softmax,nsa"],
+            "--mechanisms: nsa cannot run the associative task",
+        ),  # before any training
+        (["mqar", "--param", "pairs=3"], "--param: mqar has no pairs"),
+        (["mqar", "--param", "oops"], "--param: expected KEY=VALUE"),
+        (["mqar", "--param", "seq_len=3"], "--param: seq_len: expected an int >= 4"),
+        (["mqar", "--param", "num_kv_pairs=[1,2,3]"], "--param: num_kv_pairs: expected an int or a (low, high) pair"),
+        (["mqar", "--param", "seq_len=64", "--param", "power_a=steep"], "--param: power_a: expected 0 < a <= 1, got 'steep'"),
+        (["associative", "--layers", "2"], "--layers: the associative task is a 1-layer probe, got 2"),
+        (["bogus"], "task: invalid choice: 'bogus'"),
+        (["mqar", "--steps"], "--steps: expected one argument"),
+    ],
+)
 def test_bad_input_exits_2_naming_the_option(tmp_path, capsys, args, message):
     out = tmp_path / "x"
     assert main(["arena", *args, "--out", str(out), "--quiet"]) == 2
@@ -131,8 +228,10 @@ def test_bad_input_exits_2_naming_the_option(tmp_path, capsys, args, message):
 def test_an_unusable_out_directory_is_refused_before_training(tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("")
-    for out, message in ((afile, f"--out: {afile} exists and is not a directory"),
-                         (afile / "sub", f"--out: cannot create directory {afile / 'sub'}")):
+    for out, message in (
+        (afile, f"--out: {afile} exists and is not a directory"),
+        (afile / "sub", f"--out: cannot create directory {afile / 'sub'}"),
+    ):
         assert main(["arena", "mqar", *TINY_MQAR, "--d-model", "8", "--out", str(out)]) == 2
         captured = capsys.readouterr()
         assert captured.err.startswith(f"attnkit arena: error: {message}") and "arena mqar" not in captured.err  # no progress
@@ -161,14 +260,48 @@ def test_the_delta_rule_needs_bounded_keys(tmp_path, capsys):
     """docs/arena.md: with unbounded elu+1 features the delta rule's state overflows on the
     pre-training check; the L2-normalised map trains."""
     # the task's default length (64) and a width of 32: the check runs two examples, no training
-    assert main(["arena", "mqar", "--d-model", "32", "--mechanisms", "linear:rule=delta:feature_map=elu+1",
-                 "--out", str(tmp_path / "a"), "--quiet"]) == 2
+    assert (
+        main(
+            [
+                "arena",
+                "mqar",
+                "--d-model",
+                "32",
+                "--mechanisms",
+                "linear:rule=delta:feature_map=elu+1",
+                "--out",
+                str(tmp_path / "a"),
+                "--quiet",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.startswith("attnkit arena: error: --mechanisms: linear:rule=delta:feature_map=elu+1 cannot run the mqar task")
     assert "overflow" in err
     assert not (tmp_path / "a" / "results.csv").exists()
-    assert main(["arena", "mqar", *TINY_MQAR, "--d-model", "8", "--heads", "2", "--layers", "1", "--quiet", "--no-plots",
-                 "--mechanisms", "linear:rule=delta:feature_map=silu+l2", "--out", str(tmp_path / "b")]) == 0
+    assert (
+        main(
+            [
+                "arena",
+                "mqar",
+                *TINY_MQAR,
+                "--d-model",
+                "8",
+                "--heads",
+                "2",
+                "--layers",
+                "1",
+                "--quiet",
+                "--no-plots",
+                "--mechanisms",
+                "linear:rule=delta:feature_map=silu+l2",
+                "--out",
+                str(tmp_path / "b"),
+            ]
+        )
+        == 0
+    )
     rows = read_csv(tmp_path / "b" / "results.csv")
     assert rows[0]["mechanism"] == "linear:rule=delta:feature_map=silu+l2" and rows[0]["steps"] == "4"
     capsys.readouterr()
@@ -200,7 +333,9 @@ def test_plan_orders_runs_and_format_table_averages_seeds():
     assert len(runs) == 2 * 2 * 2 * 2
     assert [r.mechanism.label for r in runs[:8]] == ["softmax"] * 8
     assert (runs[0].layers, runs[0].heads, runs[0].task.seq_len) == (2, 4, 64) and runs[4].task.seq_len == 128
-    rows = [{"mechanism": "softmax", "d_model": 64, "seq_len": 64, "eval_len": 64, "accuracy": a, "steps": 10,
-             "tokens_per_s": 100.0} for a in (0.5, 1.0)]
+    rows = [
+        {"mechanism": "softmax", "d_model": 64, "seq_len": 64, "eval_len": 64, "accuracy": a, "steps": 10, "tokens_per_s": 100.0}
+        for a in (0.5, 1.0)
+    ]
     line = format_table(rows).splitlines()[-1]
     assert "0.750" in line and "0.500-1.000" in line

@@ -10,8 +10,20 @@ from attnkit.arena import MechanismSpec, build_model, export, make_task
 from attnkit.arena.trainer import Trainer
 from attnkit.cli import main
 
-NEEDLE = ["--param", "seq_len=16", "--param", "num_filler=8", "--param", "num_keys=8", "--param", "num_values=8",
-          "--param", "distractors=1", "--param", "num_depths=3"]
+NEEDLE = [
+    "--param",
+    "seq_len=16",
+    "--param",
+    "num_filler=8",
+    "--param",
+    "num_keys=8",
+    "--param",
+    "num_values=8",
+    "--param",
+    "distractors=1",
+    "--param",
+    "num_depths=3",
+]
 SMALL = ["--d-model", "16", "--layers", "1", "--heads", "2", "--batch-size", "4", "--eval-examples", "6", "--no-plots"]
 
 
@@ -25,9 +37,33 @@ def source_export(tmp_path):
 
 def test_a_curriculum_from_an_export_writes_results_export_and_stage_progress(tmp_path, capsys, source_export):
     out, exported = tmp_path / "run", tmp_path / "grown"
-    code = main(["arena", "needle", *NEEDLE, *SMALL, "--init", source_export, "--schedule", "16:2,32+64:2x4",
-                 "--eval-lengths", "32,64", "--criterion", "cell", "--keep-best", "--eval-every", "2", "--max-len", "128",
-                 "--target", "none", "--out", str(out), "--export", str(exported)])
+    code = main(
+        [
+            "arena",
+            "needle",
+            *NEEDLE,
+            *SMALL,
+            "--init",
+            source_export,
+            "--schedule",
+            "16:2,32+64:2x4",
+            "--eval-lengths",
+            "32,64",
+            "--criterion",
+            "cell",
+            "--keep-best",
+            "--eval-every",
+            "2",
+            "--max-len",
+            "128",
+            "--target",
+            "none",
+            "--out",
+            str(out),
+            "--export",
+            str(exported),
+        ]
+    )
     assert code == 0
     err = capsys.readouterr().err
     assert "stage 1/2 (16) step 2 @32 " in err and "stage 2/2 (32+64) step 4" in err and "score" in err
@@ -51,8 +87,25 @@ def test_an_interrupted_run_leaves_what_it_measured(tmp_path, capsys, monkeypatc
 
     monkeypatch.setattr(Trainer, "train_step", cut_at_step_3)
     out, exported = tmp_path / "run", tmp_path / "model"
-    code = main(["arena", "needle", *NEEDLE, *SMALL, "--steps", "10", "--eval-every", "1", "--eval-lengths", "16,32",
-                 "--quiet", "--out", str(out), "--export", str(exported)])
+    code = main(
+        [
+            "arena",
+            "needle",
+            *NEEDLE,
+            *SMALL,
+            "--steps",
+            "10",
+            "--eval-every",
+            "1",
+            "--eval-lengths",
+            "16,32",
+            "--quiet",
+            "--out",
+            str(out),
+            "--export",
+            str(exported),
+        ]
+    )
     assert code == 130
     assert "interrupted" in capsys.readouterr().err
     data = json.loads((out / "results.json").read_text())
@@ -63,16 +116,19 @@ def test_an_interrupted_run_leaves_what_it_measured(tmp_path, capsys, monkeypatc
     assert training["finished"] is False and training["steps"] == 2
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--schedule", "16:10,32"], "--schedule: '32' is not a stage; expected LENGTHS:STEPS[xBATCH]"),
-    (["--schedule", "16:0"], "--schedule: a stage's steps must be a positive int, got 0; expected LENGTHS:STEPS[xBATCH]"),
-    (["--schedule", "16:2", "--steps", "5"], "--steps: with --schedule the steps are the stages'"),
-    (["--schedule", "17:2"], "--schedule: length 17 does not fit the needle task: seq_len:"),
-    (["--eval-lengths", "16,33"], "--eval-lengths: length 33 does not fit the needle task"),
-    (["--schedule", "16:2,128:2", "--max-len", "64"], "--max-len: expected an int >= 128"),
-    (["--criterion", "mean"], "--criterion: invalid choice: 'mean'"),
-    (["--init", "/nonexistent/model"], "--init: no such export directory or checkpoint: /nonexistent/model"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--schedule", "16:10,32"], "--schedule: '32' is not a stage; expected LENGTHS:STEPS[xBATCH]"),
+        (["--schedule", "16:0"], "--schedule: a stage's steps must be a positive int, got 0; expected LENGTHS:STEPS[xBATCH]"),
+        (["--schedule", "16:2", "--steps", "5"], "--steps: with --schedule the steps are the stages'"),
+        (["--schedule", "17:2"], "--schedule: length 17 does not fit the needle task: seq_len:"),
+        (["--eval-lengths", "16,33"], "--eval-lengths: length 33 does not fit the needle task"),
+        (["--schedule", "16:2,128:2", "--max-len", "64"], "--max-len: expected an int >= 128"),
+        (["--criterion", "mean"], "--criterion: invalid choice: 'mean'"),
+        (["--init", "/nonexistent/model"], "--init: no such export directory or checkpoint: /nonexistent/model"),
+    ],
+)
 def test_bad_curriculum_input_exits_2_naming_the_option(tmp_path, capsys, args, message):
     out = tmp_path / "x"
     assert main(["arena", "needle", *NEEDLE, *SMALL, *args, "--out", str(out), "--quiet"]) == 2
@@ -94,8 +150,31 @@ def test_init_takes_an_organism_name(tmp_path, capsys):
     from attnkit import organisms
 
     out = tmp_path / "run"
-    code = main(["arena", "needle", *NEEDLE, "--d-model", "64", "--layers", "2", "--heads", "4", "--batch-size", "2",
-                 "--eval-examples", "5", "--no-plots", "--steps", "1", "--init", "needle-32", "--out", str(out), "--quiet"])
+    code = main(
+        [
+            "arena",
+            "needle",
+            *NEEDLE,
+            "--d-model",
+            "64",
+            "--layers",
+            "2",
+            "--heads",
+            "4",
+            "--batch-size",
+            "2",
+            "--eval-examples",
+            "5",
+            "--no-plots",
+            "--steps",
+            "1",
+            "--init",
+            "needle-32",
+            "--out",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert code == 0
     [record] = json.loads((out / "results.json").read_text())["runs"]
     assert record["init"]["init"] == organisms.path("needle-32")

@@ -42,7 +42,15 @@ def test_steps_are_the_stages_and_each_stage_has_its_own_warmup_and_cosine():
 def test_mixed_stages_alternate_lengths_at_constant_tokens_per_step():
     c = TrainConfig(batch_size=4, schedule="8:2,16+32+64:6x16")
     assert [c.length_and_batch(s, 99) for s in range(1, 9)] == [
-        (8, 4), (8, 4), (16, 16), (32, 8), (64, 4), (16, 16), (32, 8), (64, 4)]
+        (8, 4),
+        (8, 4),
+        (16, 16),
+        (32, 8),
+        (64, 4),
+        (16, 16),
+        (32, 8),
+        (64, 4),
+    ]
     assert c.measured_lengths(8) == (16, 32, 64)  # the last stage's lengths by default
     assert TrainConfig(eval_lengths=[64, 16, 64]).measured_lengths(8) == (16, 64)
     assert TrainConfig().measured_lengths(8) == (8,)
@@ -50,8 +58,11 @@ def test_mixed_stages_alternate_lengths_at_constant_tokens_per_step():
 
 def test_training_draws_each_step_at_the_scheduled_length():
     task = make_task("needle", seq_len=8, **NEEDLE)
-    trainer = Trainer(tiny(task, 32), task, TrainConfig(batch_size=4, eval_every=100, eval_examples=6,
-                                                        schedule="8:1,16+32:2x4", target_accuracy=None))
+    trainer = Trainer(
+        tiny(task, 32),
+        task,
+        TrainConfig(batch_size=4, eval_every=100, eval_examples=6, schedule="8:1,16+32:2x4", target_accuracy=None),
+    )
     seen = []
     real = task.__class__.sample
 
@@ -95,17 +106,25 @@ def test_early_stopping_goes_by_the_score_not_the_training_length():
 def _fake(trainer, short, long):
     """A record whose lengths' accuracies are given per step (scores as the trainer's)."""
     evs = [Evaluation(8, short[trainer.step], 0.0, 1), Evaluation(16, long[trainer.step], 0.0, 1)]
-    record = {"step": trainer.step, "seconds": 0.0, "train_loss": 0.0, "score": score(evs, "accuracy"),
-              "accuracy": score(evs, "accuracy"), "eval_loss": 0.0, "stage": 0,
-              "lengths": {str(e.length): {"accuracy": e.accuracy, "loss": 0.0, "groups": {}} for e in evs}}
+    record = {
+        "step": trainer.step,
+        "seconds": 0.0,
+        "train_loss": 0.0,
+        "score": score(evs, "accuracy"),
+        "accuracy": score(evs, "accuracy"),
+        "eval_loss": 0.0,
+        "stage": 0,
+        "lengths": {str(e.length): {"accuracy": e.accuracy, "loss": 0.0, "groups": {}} for e in evs},
+    }
     trainer.history.append(record)
     return record
 
 
 def test_keep_best_ends_on_the_best_scoring_weights_and_writes_them(tmp_path):
     task = make_task("needle", seq_len=8, **NEEDLE)
-    config = TrainConfig(steps=3, batch_size=4, eval_every=1, eval_examples=6, target_accuracy=None, keep_best=True,
-                         eval_lengths=(8, 16))
+    config = TrainConfig(
+        steps=3, batch_size=4, eval_every=1, eval_examples=6, target_accuracy=None, keep_best=True, eval_lengths=(8, 16)
+    )
     trainer = Trainer(tiny(task), task, config)
     scores = {1: 0.2, 2: 0.7, 3: 0.4}
     weights, snapshots = {}, []
@@ -115,7 +134,9 @@ def test_keep_best_ends_on_the_best_scoring_weights_and_writes_them(tmp_path):
         weights[record["step"]] = {k: v.clone() for k, v in trainer.model.state_dict().items()}
 
     path = str(tmp_path / "run.safetensors")
-    result = trainer.fit(on_eval=remember, checkpoint_path=path, on_snapshot=lambda model, record: snapshots.append(record["step"]))
+    result = trainer.fit(
+        on_eval=remember, checkpoint_path=path, on_snapshot=lambda model, record: snapshots.append(record["step"])
+    )
     assert (result.best_step, result.best_score) == (2, 0.7)
     assert snapshots == [1, 2]  # each new best, as the run goes
     assert all(torch.equal(trainer.model.state_dict()[k], weights[2][k]) for k in weights[2])

@@ -50,15 +50,19 @@ def load(directory, **kwargs):
 # ---------------------------------------------------------------- equal logits
 
 
-@pytest.mark.parametrize("overrides", [
-    {},
-    dict(n_kv_heads=2),                                       # GQA
-    dict(n_kv_heads=1, head_dim=16, d_ff=40),                 # MQA, head_dim != d_model / heads
-    dict(tie_embeddings=False, bias=True, norm_eps=1e-5),
-    dict(rope_base=500.0, rope_scaling={"kind": "linear", "factor": 2.0}),
-    dict(rope_scaling={"kind": "ntk", "factor": 4.0}),
-    dict(rope_scaling={"kind": "yarn", "factor": 4.0, "original_max_len": 16}),
-], ids=["mha", "gqa", "mqa", "untied-bias", "linear", "ntk", "yarn"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        dict(n_kv_heads=2),  # GQA
+        dict(n_kv_heads=1, head_dim=16, d_ff=40),  # MQA, head_dim != d_model / heads
+        dict(tie_embeddings=False, bias=True, norm_eps=1e-5),
+        dict(rope_base=500.0, rope_scaling={"kind": "linear", "factor": 2.0}),
+        dict(rope_scaling={"kind": "ntk", "factor": 4.0}),
+        dict(rope_scaling={"kind": "yarn", "factor": 4.0, "original_max_len": 16}),
+    ],
+    ids=["mha", "gqa", "mqa", "untied-bias", "linear", "ntk", "yarn"],
+)
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_exported_logits_equal_the_trained_models(tmp_path, overrides, attn):
     task = make_task("needle", **NEEDLE)
@@ -105,13 +109,17 @@ def test_greedy_generation_equals_transformer_lm_generate(tmp_path):
 # ---------------------------------------------------------------- refusals
 
 
-@pytest.mark.parametrize("overrides", [
-    dict(mechanism="sigmoid"),
-    dict(mechanism="sigmoid", mechanism_params={"context": 256}),
-    dict(mechanism=["linear_elu", "softmax"]),
-    dict(mechanism=["softmax", "linear_elu"]),
-    dict(mechanism="linear_elu"),
-], ids=["sigmoid", "sigmoid-context", "linear-softmax", "softmax-linear", "linear"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(mechanism="sigmoid"),
+        dict(mechanism="sigmoid", mechanism_params={"context": 256}),
+        dict(mechanism=["linear_elu", "softmax"]),
+        dict(mechanism=["softmax", "linear_elu"]),
+        dict(mechanism="linear_elu"),
+    ],
+    ids=["sigmoid", "sigmoid-context", "linear-softmax", "softmax-linear", "linear"],
+)
 def test_mechanisms_without_weights_export_and_run_through_the_switch(tmp_path, overrides):
     """Sigmoid and parameter-free linear layers: Llama's weights, config.json naming the
     layers' mechanism; run inside mechanism_switch, the export computes what was trained
@@ -150,21 +158,24 @@ def test_a_hybrid_spec_names_one_mechanism_per_layer():
         MechanismSpec.parse("softmax/nope")
 
 
-@pytest.mark.parametrize("overrides, setting", [
-    (dict(mechanism="gla"), "mechanism"),
-    (dict(mechanism=["softmax", "deltanet"]), "mechanism"),
-    (dict(positions="alibi"), "positions"),
-    (dict(positions="nope"), "positions"),
-    (dict(positions="learned"), "positions"),
-    (dict(qk_norm=True), "qk_norm"),
-    (dict(gate="headwise"), "gate"),
-    (dict(sinks=True), "sinks"),
-    (dict(sinks=[False, True]), "sinks"),
-    (dict(latent={"kv_rank": 16, "rope_dim": 4}), "latent"),
-    (dict(window=4), "window"),
-    (dict(window=[None, 8]), "window"),
-    (dict(rotary_dim=4), "rotary_dim"),
-])
+@pytest.mark.parametrize(
+    "overrides, setting",
+    [
+        (dict(mechanism="gla"), "mechanism"),
+        (dict(mechanism=["softmax", "deltanet"]), "mechanism"),
+        (dict(positions="alibi"), "positions"),
+        (dict(positions="nope"), "positions"),
+        (dict(positions="learned"), "positions"),
+        (dict(qk_norm=True), "qk_norm"),
+        (dict(gate="headwise"), "gate"),
+        (dict(sinks=True), "sinks"),
+        (dict(sinks=[False, True]), "sinks"),
+        (dict(latent={"kv_rank": 16, "rope_dim": 4}), "latent"),
+        (dict(window=4), "window"),
+        (dict(window=[None, 8]), "window"),
+        (dict(rotary_dim=4), "rotary_dim"),
+    ],
+)
 def test_settings_llama_cannot_express_are_refused_by_name(tmp_path, overrides, setting):
     task = make_task("needle", **NEEDLE)
     model = random_model(task, **overrides)
@@ -200,13 +211,16 @@ def test_needle_symbols_are_readable_and_in_the_tasks_id_order():
     assert symbols.tokens[task.query_token] == "Q"
 
 
-@pytest.mark.parametrize("name, params", [
-    ("induction", dict(vocab_size=16, seq_len=16)),
-    ("needle", NEEDLE),
-    ("mqar", dict(vocab_size=16, seq_len=16, num_kv_pairs=(1, 3))),
-    ("selective_copy", dict(vocab_size=8, seq_len=16, num_tokens=4)),
-    ("variable_tracking", dict(seq_len=32, hops=2, num_variables=8, num_values=8)),
-])
+@pytest.mark.parametrize(
+    "name, params",
+    [
+        ("induction", dict(vocab_size=16, seq_len=16)),
+        ("needle", NEEDLE),
+        ("mqar", dict(vocab_size=16, seq_len=16, num_kv_pairs=(1, 3))),
+        ("selective_copy", dict(vocab_size=8, seq_len=16, num_tokens=4)),
+        ("variable_tracking", dict(seq_len=32, hops=2, num_variables=8, num_values=8)),
+    ],
+)
 def test_tokenizer_round_trips_task_text_one_token_per_symbol(tmp_path, name, params):
     task = make_task(name, **params)
     model = random_model(task)
@@ -265,10 +279,16 @@ def test_from_pretrained_works_offline(tmp_path):
         "print(json.dumps(m(ids).logits[0, -1].tolist()))\n"
     )
     text = " ".join(task_symbols(task).tokens[i] for i in ids[0].tolist())
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "HF_HOME": str(tmp_path / "empty-hf-home")}
-    out = subprocess.run([sys.executable, "-c", script, str(tmp_path), text], env=env, capture_output=True, text=True,
-                         timeout=300, check=True)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "HF_HOME": str(tmp_path / "empty-hf-home"),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path), text], env=env, capture_output=True, text=True, timeout=300, check=True
+    )
     with torch.no_grad():
         expected = model(ids)[0, -1]
     torch.testing.assert_close(torch.tensor(json.loads(out.stdout.splitlines()[-1])), expected, **TOL[torch.float32])
@@ -279,9 +299,34 @@ def test_from_pretrained_works_offline(tmp_path):
 
 def test_cli_exports_one_run(tmp_path, capsys):
     out, target = tmp_path / "run", tmp_path / "model"
-    code = main(["arena", "needle", "--d-model", "16", "--heads", "2", "--param", "seq_len=16", "--param", "distractors=1",
-                 "--steps", "4", "--eval-every", "2", "--batch-size", "8", "--eval-examples", "32", "--no-plots",
-                 "--quiet", "--out", str(out), "--export", str(target)])
+    code = main(
+        [
+            "arena",
+            "needle",
+            "--d-model",
+            "16",
+            "--heads",
+            "2",
+            "--param",
+            "seq_len=16",
+            "--param",
+            "distractors=1",
+            "--steps",
+            "4",
+            "--eval-every",
+            "2",
+            "--batch-size",
+            "8",
+            "--eval-examples",
+            "32",
+            "--no-plots",
+            "--quiet",
+            "--out",
+            str(out),
+            "--export",
+            str(target),
+        ]
+    )
     assert code == 0
     assert f"transformers model: {target}" in capsys.readouterr().out
     assert {"config.json", "model.safetensors", "tokenizer.json", "task.json"} <= set(os.listdir(target))
@@ -301,23 +346,59 @@ def test_cli_exports_one_run(tmp_path, capsys):
         assert float(accuracy) == pytest.approx(row["accuracy"], abs=1e-12)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--mechanisms", "softmax,sigmoid"], "--export: exports one run"),
-    (["--seeds", "2"], "--export: exports one run"),
-    (["--mechanisms", "gla"], "mechanism: layer 0 runs 'gla', whose own weights"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--mechanisms", "softmax,sigmoid"], "--export: exports one run"),
+        (["--seeds", "2"], "--export: exports one run"),
+        (["--mechanisms", "gla"], "mechanism: layer 0 runs 'gla', whose own weights"),
+    ],
+)
 def test_cli_refuses_exports_before_training(tmp_path, capsys, args, message):
     out = tmp_path / "run"
-    code = main(["arena", "needle", "--d-model", "8", "--heads", "2", "--param", "seq_len=16", "--steps", "2",
-                 "--quiet", "--out", str(out), "--export", str(tmp_path / "model"), *args])
+    code = main(
+        [
+            "arena",
+            "needle",
+            "--d-model",
+            "8",
+            "--heads",
+            "2",
+            "--param",
+            "seq_len=16",
+            "--steps",
+            "2",
+            "--quiet",
+            "--out",
+            str(out),
+            "--export",
+            str(tmp_path / "model"),
+            *args,
+        ]
+    )
     assert code == 2
     assert message in capsys.readouterr().err
     assert not (out / "results.csv").exists() and not (tmp_path / "model").exists()
 
 
 def test_cli_refuses_a_task_without_tokens(tmp_path, capsys):
-    code = main(["arena", "regression", "--d-model", "8", "--heads", "2", "--steps", "2", "--quiet",
-                 "--out", str(tmp_path / "run"), "--export", str(tmp_path / "model")])
+    code = main(
+        [
+            "arena",
+            "regression",
+            "--d-model",
+            "8",
+            "--heads",
+            "2",
+            "--steps",
+            "2",
+            "--quiet",
+            "--out",
+            str(tmp_path / "run"),
+            "--export",
+            str(tmp_path / "model"),
+        ]
+    )
     assert code == 2
     assert "model: expected an attnkit TransformerLM" in capsys.readouterr().err
 
@@ -343,8 +424,8 @@ def _assert_induction_head(llama, task, S):
     ids = torch.cat([segment, segment], dim=1)
     with torch.no_grad():
         attentions = llama(ids, output_attentions=True).attentions  # per layer (B, H, N, N)
-    queries = torch.arange(S, 2 * S - 1)          # second copy, whose next token is known
-    keys = queries - S + 1                        # the token after the earlier occurrence
+    queries = torch.arange(S, 2 * S - 1)  # second copy, whose next token is known
+    keys = queries - S + 1  # the token after the earlier occurrence
     scores = torch.stack([a[:, :, queries, keys].mean(dim=(0, 2)) for a in attentions])  # (layers, heads)
     assert scores.max() > 0.5, scores
     layer = int(scores.max(dim=1).values.argmax())
@@ -358,7 +439,7 @@ def test_induction_export_continues_a_segment_with_generate(induction_export):
     llama = load(induction_export)
     task, symbols, _ = read_task(induction_export)
     words = symbols.roles["segment"]
-    order = torch.rand(2, len(words), generator=torch.Generator().manual_seed(8)).argsort(1)[:, :task.segment].tolist()
+    order = torch.rand(2, len(words), generator=torch.Generator().manual_seed(8)).argsort(1)[:, : task.segment].tolist()
     prompts = [" ".join(words[i] for i in row) + " " + " ".join(words[i] for i in row[:3]) for row in order]
     prompts[1] = " ".join(prompts[1].split()[2:])  # a shorter prompt: the batch is left-padded
     batch = tokenizer(prompts, padding=True, return_tensors="pt")

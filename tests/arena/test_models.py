@@ -22,8 +22,10 @@ def test_spec_parses_names_parameters_and_the_delta_alias():
         parse_mechanisms(["gla", MechanismSpec.parse("gla")])
 
 
-@pytest.mark.parametrize("text,match", [("nope", "unknown mechanism"), ("linear:rule", "key=value"),
-                                        ("softmax,softmax", "once"), (" , ", "comma-separated")])
+@pytest.mark.parametrize(
+    "text,match",
+    [("nope", "unknown mechanism"), ("linear:rule", "key=value"), ("softmax,softmax", "once"), (" , ", "comma-separated")],
+)
 def test_bad_specs_raise(text, match):
     with pytest.raises(ValueError, match=match):
         parse_mechanisms(text)
@@ -35,8 +37,7 @@ def test_retrieval_layer_is_one_softmax_read_of_all_pairs():
     softmax(q·k_t / sqrt(d_h)) over every pair, then the read-out."""
     torch.manual_seed(0)
     layer = RetrievalLayer(num_keys=5, num_values=7, d_model=8, n_heads=2, mechanism="softmax").double()
-    inputs = torch.tensor([[[0, 3], [4, 1], [0, 6], [2, 2], [4, 7]],
-                           [[1, 0], [1, 5], [3, 3], [2, 4], [3, 7]]])
+    inputs = torch.tensor([[[0, 3], [4, 1], [0, 6], [2, 2], [4, 7]], [[1, 0], [1, 5], [3, 3], [2, 4], [3, 7]]])
     out = layer(inputs)
     assert out.shape == (2, 1, 7)
     for b in range(2):

@@ -64,7 +64,7 @@ def test_mqar_construction_rules():
     for b in range(200):
         x, y = batch.inputs[b].tolist(), batch.targets[b].tolist()
         pairs = 2 + int(batch.group[b])
-        keys, values = x[0:2 * pairs:2], x[1:2 * pairs:2]
+        keys, values = x[0 : 2 * pairs : 2], x[1 : 2 * pairs : 2]
         assert len(set(keys)) == pairs and len(set(values)) == pairs
         assert all(1 <= k < half for k in keys) and all(half <= v < 64 for v in values)
         queries = [p for p in range(48) if y[p] != IGNORE]
@@ -194,9 +194,9 @@ def test_induction_min_segment_varies_the_copies_length_and_place_among_filler(r
         length = (len(asked) + 1) // (repeats - 1)
         start = asked[0] - length
         assert 3 <= length <= 8 and (len(asked) + 1) % (repeats - 1) == 0 and start >= 0
-        segment = x[start:start + length]
-        assert len(set(segment)) == length and x[start:start + repeats * length] == segment * repeats
-        outside = x[:start] + x[start + repeats * length:]
+        segment = x[start : start + length]
+        assert len(set(segment)) == length and x[start : start + repeats * length] == segment * repeats
+        outside = x[:start] + x[start + repeats * length :]
         assert not set(outside) & set(segment)  # filler never holds a segment token
         for p in asked:
             # The induction rule, read off the tokens: every earlier occurrence of x[p] is
@@ -224,11 +224,18 @@ def test_induction_min_segment_filler_is_drawn_with_replacement():
     assert repeats_a_filler > 180
 
 
-@pytest.mark.parametrize("params, name", [
-    (dict(min_segment=1), "min_segment"), (dict(min_segment=17), "min_segment"), (dict(min_segment=2.5), "min_segment"),
-    (dict(max_segment=8), "max_segment"), (dict(min_segment=4, max_segment=17), "max_segment"),
-    (dict(min_segment=9, max_segment=8), "min_segment"), (dict(min_segment=4, max_segment="8"), "max_segment"),
-])
+@pytest.mark.parametrize(
+    "params, name",
+    [
+        (dict(min_segment=1), "min_segment"),
+        (dict(min_segment=17), "min_segment"),
+        (dict(min_segment=2.5), "min_segment"),
+        (dict(max_segment=8), "max_segment"),
+        (dict(min_segment=4, max_segment=17), "max_segment"),
+        (dict(min_segment=9, max_segment=8), "min_segment"),
+        (dict(min_segment=4, max_segment="8"), "max_segment"),
+    ],
+)
 def test_induction_bad_segment_range_raises(params, name):
     with pytest.raises(ValueError, match=f"^{name}"):
         make_task("induction", vocab_size=32, seq_len=32, **params)
@@ -277,7 +284,7 @@ def resolve_ruler(tokens, context_len):
         if tokens[p] == FILL:
             p += 1
             continue
-        name, op, rhs = tokens[p:p + 3]
+        name, op, rhs = tokens[p : p + 3]
         assert op == ASSIGN and name >= SPECIAL
         env[name] = env[rhs] if rhs in env else rhs
         order.append(name)
@@ -298,8 +305,8 @@ def test_variable_tracking_answer_lists_every_variable_holding_the_value(chains,
         value = x[ctx + 1]
         answer = [v for v in order if env[v] == value]
         assert len(answer) == hops + 1
-        assert y[ctx + 1:] == answer and y[:ctx + 1] == [IGNORE] * (ctx + 1)
-        assert x[ctx + 2:] == answer[:-1]  # teacher forcing: earlier answers are inputs
+        assert y[ctx + 1 :] == answer and y[: ctx + 1] == [IGNORE] * (ctx + 1)
+        assert x[ctx + 2 :] == answer[:-1]  # teacher forcing: earlier answers are inputs
         assert len(set(env.values())) == chains  # distinct values per chain
 
 
@@ -333,8 +340,9 @@ def test_needle_held_out_depths_place_the_needle_where_asked():
 def test_needle_multi_token_values_are_asked_token_by_token(value_len, lead):
     cell = 1 + value_len
     N = 24 * cell + lead  # cells that do not fill the context leave `lead` filler tokens first
-    task = make_task("needle", seq_len=N, num_filler=4, num_keys=20, num_values=5, distractors=16,
-                     num_depths=5, value_len=value_len)
+    task = make_task(
+        "needle", seq_len=N, num_filler=4, num_keys=20, num_values=5, distractors=16, num_depths=5, value_len=value_len
+    )
     batch = task.held_out(10, gen())
     cells = (N - cell) // cell
     tail = N - cell
@@ -345,15 +353,17 @@ def test_needle_multi_token_values_are_asked_token_by_token(value_len, lead):
         key = x[tail + 1]
         where = [p for p in range(tail) if x[p] == key]
         assert where == [lead + cell * round(depth * (cells - 1))]
-        value = x[where[0] + 1: where[0] + cell]
+        value = x[where[0] + 1 : where[0] + cell]
         assert all(task.num_filler + 1 + task.num_keys <= v < task.vocab_size for v in value)
-        assert t[tail + 1:] == value and all(v == IGNORE for v in t[:tail + 1])  # v1 at the key, then each next
-        assert x[tail + 2:] == value[:-1]  # the answer so far is fed back, as decoding would
+        assert t[tail + 1 :] == value and all(v == IGNORE for v in t[: tail + 1])  # v1 at the key, then each next
+        assert x[tail + 2 :] == value[:-1]  # the answer so far is fed back, as decoding would
         assert all(x[p] < task.num_filler for p in range(lead))
         keys = [x[p] for p in range(lead, tail, cell)]
         pairs = [k for k in keys if task.num_filler < k <= task.num_filler + task.num_keys]
         assert len(pairs) == 17 and len(set(pairs)) == 17  # needle + 16 decoys, distinct keys, one per cell start
-        assert all(x[p] < task.num_filler for p in range(lead, tail) if (p - lead) % cell and x[p - (p - lead) % cell] not in pairs)
+        assert all(
+            x[p] < task.num_filler for p in range(lead, tail) if (p - lead) % cell and x[p - (p - lead) % cell] not in pairs
+        )
 
 
 def test_needle_multi_token_answers_score_by_exact_match():
@@ -386,4 +396,3 @@ def test_needle_evaluates_at_longer_lengths():
         make_task("needle", seq_len=33)
     with pytest.raises(ValueError, match="test_factors"):
         make_task("needle", test_factors=(1, 0))
-

@@ -49,8 +49,18 @@ def test_schedule_is_linear_warmup_then_half_cosine():
     assert TrainConfig(steps=200).warmup_steps == 10
 
 
-@pytest.mark.parametrize("bad", [dict(steps=0), dict(batch_size=-1), dict(lr=0), dict(min_lr=2), dict(steps=100, warmup=500),
-                                 dict(target_accuracy=1.5), dict(checkpoint_every=-1)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(steps=0),
+        dict(batch_size=-1),
+        dict(lr=0),
+        dict(min_lr=2),
+        dict(steps=100, warmup=500),
+        dict(target_accuracy=1.5),
+        dict(checkpoint_every=-1),
+    ],
+)
 def test_bad_config_raises(bad):
     with pytest.raises(ValueError):
         TrainConfig(**bad)
@@ -58,13 +68,17 @@ def test_bad_config_raises(bad):
 
 def test_stream_seeds_are_stable_and_distinct():
     assert stream_seed(0, "train", 1) == stream_seed(0, "train", 1)
-    assert len({stream_seed(0, "train", 1), stream_seed(0, "train", 2), stream_seed(1, "train", 1), stream_seed(0, "eval", 1)}) == 4
+    assert (
+        len({stream_seed(0, "train", 1), stream_seed(0, "train", 2), stream_seed(1, "train", 1), stream_seed(0, "eval", 1)}) == 4
+    )
     assert torch.equal(torch.rand(3, generator=generator(5, "x", 0)), torch.rand(3, generator=generator(5, "x", 0)))
 
 
 def test_learns_a_trivial_task_in_seconds_and_stops_early():
     task = PreviousToken()
-    trainer = Trainer(tiny(task, d=64, heads=4), task, TrainConfig(steps=800, batch_size=32, lr=1e-2, eval_every=10, eval_examples=64))
+    trainer = Trainer(
+        tiny(task, d=64, heads=4), task, TrainConfig(steps=800, batch_size=32, lr=1e-2, eval_every=10, eval_examples=64)
+    )
     assert trainer.evaluate().accuracy < 0.3  # chance is 1/8
     result = trainer.fit()
     assert result.stopped_early and result.steps < 800
@@ -91,9 +105,11 @@ class Interrupted(Exception):
 
 @pytest.mark.parametrize("name,mechanism", [("mqar", "softmax"), ("associative", "fast_weight"), ("regression", "linear_elu")])
 def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(tmp_path, name, mechanism):
-    small = {"mqar": dict(vocab_size=16, seq_len=16, num_kv_pairs=(1, 2)),
-             "associative": dict(seq_len=9, num_keys=4, num_values=6),
-             "regression": dict(dim=2, seq_len=8)}[name]
+    small = {
+        "mqar": dict(vocab_size=16, seq_len=16, num_kv_pairs=(1, 2)),
+        "associative": dict(seq_len=9, num_keys=4, num_values=6),
+        "regression": dict(dim=2, seq_len=8),
+    }[name]
     task = make_task(name, **small)
     layers = task.fixed_layers or 2
     config = TrainConfig(steps=8, batch_size=4, eval_every=2, eval_examples=8, target_accuracy=None, checkpoint_every=4)

@@ -93,7 +93,8 @@ def test_a_grid_run_with_init_records_it_and_trains_from_there(induction_dir):
     directory, _ = induction_dir
     needle = make_task("needle", **NEEDLE)
     [run] = plan(needle, "softmax", widths=[16], layers=1, heads=2, max_len=64, init=directory)
-    rows, record = execute(run, {"steps": 2, "batch_size": 2, "eval_every": 1, "eval_examples": 3, "schedule": "16:1,32:1",
-                                 "eval_lengths": [32, 64]})
+    rows, record = execute(
+        run, {"steps": 2, "batch_size": 2, "eval_every": 1, "eval_examples": 3, "schedule": "16:1,32:1", "eval_lengths": [32, 64]}
+    )
     assert record["init"]["init"] == directory and record["max_len"] == 64 and record["schedule"] == "16:1,32:1"
     assert [r["eval_len"] for r in rows] == [32, 64] and rows[0]["steps"] == 2

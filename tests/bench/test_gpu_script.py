@@ -22,14 +22,17 @@ def _python(code: str, timeout: int) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the script would run")
 def test_without_cuda_it_exits_at_once_saying_so():
     # run as a script would be, then check that attnkit was never imported: nothing ran
-    done = _python(textwrap.dedent(f"""
+    done = _python(
+        textwrap.dedent(f"""
         import runpy, sys
         sys.argv = [{SCRIPT!r}]
         try:
             runpy.run_path({SCRIPT!r}, run_name="__main__")
         except SystemExit as e:
             print("exit", e.code, "attnkit imported:", "attnkit" in sys.modules)
-    """), timeout=60)
+    """),
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert "no CUDA device" in done.stdout and "--device cpu --tiny" in done.stdout
     assert done.stdout.strip().endswith("exit 0 attnkit imported: False")
@@ -60,12 +63,16 @@ class RaisesOnCall(OffByOnePercent):
 
 def test_tiny_cpu_run_covers_every_mechanism_backend_and_timing(tmp_path):
     out = tmp_path / "gpu.json"
-    code = "import sys, torch\n" + BROKEN + textwrap.dedent(f"""
+    code = (
+        "import sys, torch\n"
+        + BROKEN
+        + textwrap.dedent(f"""
         import attnkit
         sys.path.insert(0, {os.path.join(ROOT, "benchmarks")!r})
         import gpu
         sys.exit(gpu.main(["--device", "cpu", "--tiny", "--json", {str(out)!r}]))
     """)
+    )
     done = _python(code, timeout=600)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]  # the two broken rows
     result = json.loads(out.read_text())
@@ -82,7 +89,9 @@ def test_tiny_cpu_run_covers_every_mechanism_backend_and_timing(tmp_path):
     backends = [r for r in result["rows"] if r["part"] == "backend"]
     assert len(backends) == 10 and all(r["status"] in ("ok", "n/a", "skipped") for r in backends)
     timings = [r for r in result["rows"] if r["part"] == "timing"]
-    assert [(r["case"], r["size"]) for r in timings] == [(kind, f"N={n} float32") for n in (256, 512) for kind in ("causal", "window", "alibi")]
+    assert [(r["case"], r["size"]) for r in timings] == [
+        (kind, f"N={n} float32") for n in (256, 512) for kind in ("causal", "window", "alibi")
+    ]
     for r in timings:
         assert r["status"] == "timed"
         for column in ("attnkit", "sdpa"):

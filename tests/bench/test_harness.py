@@ -34,8 +34,10 @@ def test_time_pair_runs_both_alternately_after_the_warmup():
 
 
 def test_table_json_and_steps(tmp_path):
-    rows = [Row("s", "case a", "N=1", 2.0, "sdpa", 4.0, "<= 1x", True, "note"),
-            Row("s", "memory", "N=2", None, "-", None, "<= 1 MB", False)]
+    rows = [
+        Row("s", "case a", "N=1", 2.0, "sdpa", 4.0, "<= 1x", True, "note"),
+        Row("s", "memory", "N=2", None, "-", None, "<= 1 MB", False),
+    ]
     assert rows[0].ratio == 0.5 and rows[1].ratio is None
     table = format_table(rows)
     assert "0.50" in table and "yes  (note)" in table and "NO" in table

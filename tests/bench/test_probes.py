@@ -18,8 +18,10 @@ def test_the_eager_baseline_needs_L_H_N2_floats_and_cannot_allocate_32k_under_th
 
 
 def test_short_error_keeps_the_size_torch_tried_to_allocate():
-    message = ("RuntimeError: [enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: "
-               "you tried to allocate 17179869184 bytes.")
+    message = (
+        "RuntimeError: [enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: "
+        "you tried to allocate 17179869184 bytes."
+    )
     assert suite._short_error(message) == "can't allocate 16.0 GiB"
     assert suite._short_error("x" * 300) == "x" * 160
 
@@ -27,8 +29,12 @@ def test_short_error_keeps_the_size_torch_tried_to_allocate():
 def test_subject_reads_natural_language_and_has_the_advertised_shape():
     pm = suite.tiny_probe_model()
     config = pm.model.config
-    assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, config.hidden_size) == \
-        (suite.LAYERS, suite.HEADS, suite.KV_HEADS, suite.D_MODEL)
+    assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads, config.hidden_size) == (
+        suite.LAYERS,
+        suite.HEADS,
+        suite.KV_HEADS,
+        suite.D_MODEL,
+    )
     assert pm.kind == "causal" and pm.max_positions == 65536 and pm.tokenizer.eos_token_id is None
     ids = suite._needle_prompt(pm, 300)
     assert len(ids) == 300  # the needle probe's own prompt, exactly N tokens

@@ -12,8 +12,14 @@ def test_quick_mode_rows():
     rows = suite.run(quick=True, progress=steps.append)
     assert len(steps) == suite.STEPS
     cases = [r.case for r in rows]
-    assert cases == ["forward with emphasize", "forward with ablate", "forward with temperature",
-                     "rerank 20 documents, icr", "rerank 20 documents, sorting", "rerank 20 documents, basin"]
+    assert cases == [
+        "forward with emphasize",
+        "forward with ablate",
+        "forward with temperature",
+        "rerank 20 documents, icr",
+        "rerank 20 documents, sorting",
+        "rerank 20 documents, basin",
+    ]
     for r in rows:
         assert r.suite == "steer" and r.attnkit_ms > 0 and r.baseline_ms > 0
     for r in rows[:3]:

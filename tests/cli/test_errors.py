@@ -18,11 +18,14 @@ def run_cli(argv, capsys):
     return code, captured
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--suite", "bogus"], "attnkit bench: error: --suite: invalid choice: 'bogus'"),
-    (["--suite"], "attnkit bench: error: --suite: expected one argument"),
-    (["--json"], "attnkit bench: error: --json: expected one argument"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--suite", "bogus"], "attnkit bench: error: --suite: invalid choice: 'bogus'"),
+        (["--suite"], "attnkit bench: error: --suite: expected one argument"),
+        (["--json"], "attnkit bench: error: --json: expected one argument"),
+    ],
+)
 def test_bench_option_errors(args, message, capsys):
     code, captured = run_cli(["bench", *args], capsys)
     assert code == 2 and captured.err.startswith(message), captured.err
@@ -31,10 +34,14 @@ def test_bench_option_errors(args, message, capsys):
 def test_bench_json_path_is_checked_before_timing_anything(tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("")
-    cases = [(tmp_path, f"--json: {tmp_path} is a directory; expected a file path"),
-             (afile / "rows.json", f"--json: cannot write {afile / 'rows.json'}: {afile} is not a directory"),
-             (tmp_path / "missing" / "rows.json", f"--json: cannot write {tmp_path / 'missing' / 'rows.json'}: "
-                                                  f"{tmp_path / 'missing'} does not exist")]
+    cases = [
+        (tmp_path, f"--json: {tmp_path} is a directory; expected a file path"),
+        (afile / "rows.json", f"--json: cannot write {afile / 'rows.json'}: {afile} is not a directory"),
+        (
+            tmp_path / "missing" / "rows.json",
+            f"--json: cannot write {tmp_path / 'missing' / 'rows.json'}: {tmp_path / 'missing'} does not exist",
+        ),
+    ]
     for path, message in cases:
         code, captured = run_cli(["bench", "--suite", "kernels", "--quick", "--json", str(path)], capsys)
         assert code == 2 and captured.err == f"attnkit bench: error: {message}\n"  # no progress line: nothing ran

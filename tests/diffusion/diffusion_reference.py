@@ -157,5 +157,6 @@ def restored(model) -> bool:
     from attnkit.diffusion import EDITS, attention_layers
 
     layers = attention_layers(model)
-    return "forward" not in model.__dict__ and all("forward" not in layer.module.__dict__ and layer.module not in EDITS
-                                                   for layer in layers)
+    return "forward" not in model.__dict__ and all(
+        "forward" not in layer.module.__dict__ and layer.module not in EDITS for layer in layers
+    )

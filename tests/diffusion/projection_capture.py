@@ -27,11 +27,13 @@ class Capture:
     def _out(self, name, proj):
         def hook(module, args, out):
             self.seen.setdefault(name, {})[proj] = out.detach().double()
+
         return hook
 
     def _in(self, name):
         def hook(module, args):
             self.seen.setdefault(name, {})["out"] = args[0].detach().double()
+
         return hook
 
     def snapshot(self):

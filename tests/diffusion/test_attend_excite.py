@@ -11,10 +11,11 @@ import torch
 
 pytest.importorskip("diffusers")
 
-import attnkit.diffusion as ad  # noqa: E402
 import diffusion_tiny as tiny  # noqa: E402
-from attnkit.diffusion.attend_excite import PAPER_SIGMA, gaussian_smooth  # noqa: E402
 from diffusion_reference import dense_maps, excite_literal, recorded, restored, smooth_literal  # noqa: E402
+
+import attnkit.diffusion as ad  # noqa: E402
+from attnkit.diffusion.attend_excite import PAPER_SIGMA, gaussian_smooth  # noqa: E402
 from helpers import assert_close  # noqa: E402
 
 T = tiny.TEXT

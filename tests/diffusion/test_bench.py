@@ -13,10 +13,14 @@ def test_quick_mode_rows():
     steps = []
     rows = suite.run(quick=True, progress=steps.append)
     assert "diffusion" in SUITES and len(steps) == suite.STEPS
-    assert [r.case for r in rows] == ["UNet2DConditionModel step under use()", "UNet2DConditionModel step with TokenMaps",
-                                      "Flux step under use()", "Flux step with TokenMaps",
-                                      "UNet2DConditionModel step with PAG",
-                                      "memory: per-token maps, one step, all layers"]
+    assert [r.case for r in rows] == [
+        "UNet2DConditionModel step under use()",
+        "UNet2DConditionModel step with TokenMaps",
+        "Flux step under use()",
+        "Flux step with TokenMaps",
+        "UNet2DConditionModel step with PAG",
+        "memory: per-token maps, one step, all layers",
+    ]
     for r in rows[:5]:
         assert r.attnkit_ms > 0 and r.baseline_ms > 0
     for r in (rows[0], rows[2]):

@@ -14,11 +14,12 @@ import torch
 
 pytest.importorskip("diffusers")
 
-import attnkit.diffusion as ad  # noqa: E402
 import diffusion_tiny as tiny  # noqa: E402
 from diffusion_reference import restored  # noqa: E402
-from helpers import assert_close  # noqa: E402
 from projection_capture import Capture, attention, mean_entropy, probabilities  # noqa: E402
+
+import attnkit.diffusion as ad  # noqa: E402
+from helpers import assert_close  # noqa: E402
 
 
 @pytest.fixture(scope="module")

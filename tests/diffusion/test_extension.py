@@ -7,13 +7,13 @@ import torch
 
 pytest.importorskip("diffusers")
 
-import attnkit.diffusion as ad  # noqa: E402
 import diffusion_tiny as tiny  # noqa: E402
 from diffusion_reference import recorded  # noqa: E402
-from helpers import assert_close  # noqa: E402
 
+import attnkit.diffusion as ad  # noqa: E402
 from attnkit import temperature  # noqa: E402
 from attnkit.diffusion.edits import EDIT_TYPES, DiffusionEdit, register_edit  # noqa: E402
+from helpers import assert_close  # noqa: E402
 
 
 class HalfLogits(DiffusionEdit):

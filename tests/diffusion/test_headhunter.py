@@ -11,8 +11,9 @@ import torch
 
 pytest.importorskip("diffusers")
 
-import attnkit.diffusion as ad  # noqa: E402
 from diffusion_reference import restored  # noqa: E402
+
+import attnkit.diffusion as ad  # noqa: E402
 
 TARGET = ("up_blocks.1.attentions.0.transformer_blocks.0.attn1", 2)
 
@@ -31,7 +32,7 @@ def toy():
             d = weight.shape[1] // layer.module.heads
             for h in range(layer.module.heads):
                 if (layer.name, h) != TARGET:
-                    weight[:, h * d:(h + 1) * d] = 0
+                    weight[:, h * d : (h + 1) * d] = 0
         base = pipe(**call, generator=torch.Generator().manual_seed(0)).images
     calls = []
 
@@ -111,10 +112,14 @@ def test_cache_files_are_checked(tmp_path):
     score = lambda selection: 1.0  # noqa: E731
     pairs = [("a", 0), ("a", 1)]
     bad = tmp_path / "bad.json"
-    for text in ("{not json", "[1, 2]", json.dumps({"version": 1, "fingerprint": "", "scores": {"[[\"a\", 0]]": "x"}}),
-                 json.dumps({"version": 1, "fingerprint": "", "scores": {"a:0": 1.0}}),
-                 json.dumps({"version": 1, "fingerprint": "", "scores": {"[[\"a\", 0]]": float("nan")}}),
-                 json.dumps({"version": 99, "fingerprint": "", "scores": {}})):
+    for text in (
+        "{not json",
+        "[1, 2]",
+        json.dumps({"version": 1, "fingerprint": "", "scores": {'[["a", 0]]': "x"}}),
+        json.dumps({"version": 1, "fingerprint": "", "scores": {"a:0": 1.0}}),
+        json.dumps({"version": 1, "fingerprint": "", "scores": {'[["a", 0]]': float("nan")}}),
+        json.dumps({"version": 99, "fingerprint": "", "scores": {}}),
+    ):
         bad.write_text(text)
         with pytest.raises(ValueError, match="cache"):
             ad.greedy(pairs, score, cache=bad)
@@ -149,7 +154,13 @@ def test_hunt_rejects_bad_arguments(toy):
     with pytest.raises(ValueError, match="objective"):
         ad.hunt(pipe, "not callable", [_prompt(call)], **_settings(call))
     with pytest.raises(ValueError, match="candidates"):
-        ad.hunt(pipe, change, [_prompt(call)], candidates=[("mid_block.attentions.0.transformer_blocks.0.attn2", 0)], **_settings(call))
+        ad.hunt(
+            pipe,
+            change,
+            [_prompt(call)],
+            candidates=[("mid_block.attentions.0.transformer_blocks.0.attn2", 0)],
+            **_settings(call),
+        )
     with pytest.raises(ValueError, match="rounds"):
         ad.hunt(pipe, change, [_prompt(call)], candidates=[TARGET], rounds=2, **_settings(call))
     with pytest.raises(ValueError, match="seeds"):

@@ -11,11 +11,12 @@ import torch
 
 pytest.importorskip("diffusers")
 
-import attnkit.diffusion as ad  # noqa: E402
 import diffusion_tiny as tiny  # noqa: E402
+from diffusion_reference import dense_maps, recorded, restored, smooth_literal, softmax64  # noqa: E402
+
+import attnkit.diffusion as ad  # noqa: E402
 from attnkit.diffusion.attend_excite import PAPER_SIGMA  # noqa: E402
 from attnkit.diffusion.initno import gaussian_kl  # noqa: E402
-from diffusion_reference import dense_maps, recorded, restored, smooth_literal, softmax64  # noqa: E402
 from helpers import assert_close  # noqa: E402
 
 T = tiny.TEXT
@@ -121,7 +122,7 @@ def test_self_maps_of_joint_attention_equal_dense_rows(name, image):
     with torch.no_grad():
         _, calls = recorded(model, lambda: tiny.run(model, inputs))
     total, count = 0, 0
-    for path, q, k, scale in calls:
+    for _path, q, k, scale in calls:
         p = softmax64(q, k, scale)[:, :, image, image]
         total = total + torch.stack([p[b, :, positions[b]] for b in range(2)]).sum(1)
         count += q.shape[1]

@@ -10,10 +10,11 @@ import torch
 
 pytest.importorskip("diffusers")
 
-import attnkit.diffusion as ad  # noqa: E402
 import diffusion_tiny as tiny  # noqa: E402
-from attnkit.observe import Entropy  # noqa: E402
 from diffusion_reference import dense_maps, recorded, restored, softmax64  # noqa: E402
+
+import attnkit.diffusion as ad  # noqa: E402
+from attnkit.observe import Entropy  # noqa: E402
 
 T = tiny.TEXT
 CASES = tiny.MAP_LAYOUTS  # name -> (layout, grid)

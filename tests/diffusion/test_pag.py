@@ -94,7 +94,7 @@ def test_identity_on_unet_self_attention_is_to_out_of_to_v():
     attn = model.get_submodule(name)
     assert attn.residual_connection is False and attn.rescale_output_factor == 1.0 and attn.group_norm is None
     _, calls = run_capturing(model, inputs, attn, ad.perturb(model, name))
-    (args, kwargs, out), = calls
+    ((args, kwargs, out),) = calls
     x, context = hidden_and_context(args, kwargs)
     assert context is None  # self-attention
     expected = linear64(attn.to_out[0], linear64(attn.to_v, x))
@@ -109,7 +109,7 @@ def test_identity_on_sd3_joint_attention_covers_image_and_text(qk_norm):
         attn = layer.module
         assert (attn.norm_q is not None) == (qk_norm is not None)
         _, calls = run_capturing(model, inputs, attn, ad.perturb(model, layer.name))
-        (args, kwargs, (image, text)), = calls
+        ((args, kwargs, (image, text)),) = calls
         x, c = hidden_and_context(args, kwargs)
         torch.testing.assert_close(image.double(), linear64(attn.to_out[0], linear64(attn.to_v, x)), **F32)
         text_v = linear64(attn.add_v_proj, c)
@@ -125,7 +125,7 @@ def test_identity_on_sd3_with_text_kept_perturbs_image_queries_only(qk_norm):
     attn = model.get_submodule(name)
     _, plain = run_capturing(model, inputs, attn)
     _, calls = run_capturing(model, inputs, attn, ad.perturb(model, name, text="keep"))
-    (args, kwargs, (image, text)), = calls
+    ((args, kwargs, (image, text)),) = calls
     x, _ = hidden_and_context(args, kwargs)
     torch.testing.assert_close(image.double(), linear64(attn.to_out[0], linear64(attn.to_v, x)), **F32)
     # text queries attend as usual over [image; text] (with the q/k norms): the model's own text output
@@ -136,13 +136,13 @@ def test_identity_on_flux_double_and_single_stream_blocks():
     model, inputs = tiny.flux()
     double = model.get_submodule("transformer_blocks.0.attn")
     _, calls = run_capturing(model, inputs, double, ad.perturb(model, "transformer_blocks.0.attn"))
-    (args, kwargs, (image, text)), = calls
+    ((args, kwargs, (image, text)),) = calls
     x, c = hidden_and_context(args, kwargs)
     torch.testing.assert_close(image.double(), linear64(double.to_out[0], linear64(double.to_v, x)), **F32)
     torch.testing.assert_close(text.double(), linear64(double.to_add_out, linear64(double.add_v_proj, c)), **F32)
     single = model.get_submodule("single_transformer_blocks.1.attn")
     _, calls = run_capturing(model, inputs, single, ad.perturb(model, "single_transformer_blocks.1.attn"))
-    (args, kwargs, out), = calls
+    ((args, kwargs, out),) = calls
     x, c = hidden_and_context(args, kwargs)
     assert c is None  # [text; image] arrive concatenated; the block has no output projection in attention
     torch.testing.assert_close(out.double(), linear64(single.to_v, x), **F32)
@@ -197,8 +197,10 @@ def test_text_kept_equals_the_blend_on_image_rows_only(name):
     # in its double-stream block and in the single-stream blocks' concatenated sequence
     image_rows = (lambda n, nq: slice(0, 16)) if name == "sd3_qknorm" else (lambda n, nq: slice(tiny.TEXT, nq))
     g = torch.Generator().manual_seed(5)
-    strengths = {layer.name: (0.3 + 0.7 * torch.rand(layer.module.heads, generator=g, dtype=torch.float64)).tolist()
-                 for layer in ad.attention_layers(model)}
+    strengths = {
+        layer.name: (0.3 + 0.7 * torch.rand(layer.module.heads, generator=g, dtype=torch.float64)).tolist()
+        for layer in ad.attention_layers(model)
+    }
     with torch.no_grad(), ad.perturb(model, strengths, text="keep"):
         got = tiny.run(model, inputs)
     expected = run_reference(model, inputs, strengths, rows=image_rows)
@@ -274,6 +276,7 @@ def test_model_and_other_edits_restored_after_an_exception(tiny_pipeline):
     marker = Marker()
     EDITS[module] = marker
     try:
+
         def fail(pipeline, step, timestep, kwargs):
             raise RuntimeError("stop")
 
@@ -343,8 +346,10 @@ def test_pag_on_a_joint_attention_model_with_cfg_halves(name):
         with ad.pag(model, layers, 1.5, cfg=True):
             got = tiny.run(model, inputs)
         eps = tiny.run(model, inputs)  # row 0 plays the unconditional, row 1 the conditional half
-        cond = {k: (v[1:] if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == 2 and k not in ("img_ids", "txt_ids") else v)
-                for k, v in inputs.items()}
+        cond = {
+            k: (v[1:] if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == 2 and k not in ("img_ids", "txt_ids") else v)
+            for k, v in inputs.items()
+        }
         with ad.perturb(model, layers):
             eps_p = tiny.run(model, cond)
     delta = 1.5 * (eps[1:] - eps_p)

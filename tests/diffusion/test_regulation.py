@@ -10,12 +10,13 @@ import torch
 
 pytest.importorskip("diffusers")
 
-import attnkit.diffusion as ad  # noqa: E402
 import diffusion_tiny as tiny  # noqa: E402
+from diffusion_reference import recorded, restored, softmax64  # noqa: E402
+
+import attnkit.diffusion as ad  # noqa: E402
 from attnkit.diffusion.layers import select_layers  # noqa: E402
 from attnkit.diffusion.regulation import TokenBias, gaussian_basis  # noqa: E402
 from attnkit.diffusion.switch import edits_on  # noqa: E402
-from diffusion_reference import recorded, restored, softmax64  # noqa: E402
 from helpers import assert_close  # noqa: E402
 
 T = tiny.TEXT

@@ -11,11 +11,12 @@ import torch
 
 pytest.importorskip("diffusers")
 
-import attnkit.diffusion as ad  # noqa: E402
 import diffusion_tiny as tiny  # noqa: E402
 from diffusion_reference import restored  # noqa: E402
-from helpers import assert_close  # noqa: E402
 from projection_capture import Capture, attention, split_heads  # noqa: E402
+
+import attnkit.diffusion as ad  # noqa: E402
+from helpers import assert_close  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +132,11 @@ def test_errors(unet):
         with style.inject(model):
             _run(model, later)
     # content recorded with batch 2 cannot serve a batch of 3
-    three = dict(inputs, sample=torch.randn(3, *inputs["sample"].shape[1:]),
-                 encoder_hidden_states=torch.randn(3, *inputs["encoder_hidden_states"].shape[1:]))
+    three = dict(
+        inputs,
+        sample=torch.randn(3, *inputs["sample"].shape[1:]),
+        encoder_hidden_states=torch.randn(3, *inputs["encoder_hidden_states"].shape[1:]),
+    )
     with pytest.raises(ValueError, match="batch"):
         with style.inject(model):
             _run(model, three)
@@ -153,7 +157,10 @@ def test_batch_one_reference_serves_every_row(unet):
 
 def test_adainattention():
     g = torch.Generator().manual_seed(0)
-    c, s = torch.randn(2, 3, 4, 5, generator=g, dtype=torch.float64), 3 + 2 * torch.randn(1, 3, 6, 6, generator=g, dtype=torch.float64)
+    c, s = (
+        torch.randn(2, 3, 4, 5, generator=g, dtype=torch.float64),
+        3 + 2 * torch.randn(1, 3, 6, 6, generator=g, dtype=torch.float64),
+    )
     out = ad.adain(c, s, eps=0.0)
     for b in range(2):
         for ch in range(3):

@@ -9,9 +9,10 @@ import torch
 
 pytest.importorskip("diffusers")
 
-import attnkit.diffusion as ad  # noqa: E402
 import diffusion_tiny as tiny  # noqa: E402
 from diffusion_reference import recorded, restored  # noqa: E402
+
+import attnkit.diffusion as ad  # noqa: E402
 from helpers import assert_close  # noqa: E402
 
 HALF = lambda s, b, h, q, kv: s * 0.5  # noqa: E731  a score mod that changes every row
@@ -156,14 +157,21 @@ def test_self_and_cross_are_told_apart():
         with ad.use(model, layers=[self_[0]], kind="cross"):
             pass
     flux, _ = tiny.flux()
-    assert ad.layer_names(flux, kind="joint") == ["transformer_blocks.0.attn", "single_transformer_blocks.0.attn",
-                                                  "single_transformer_blocks.1.attn"]
+    assert ad.layer_names(flux, kind="joint") == [
+        "transformer_blocks.0.attn",
+        "single_transformer_blocks.0.attn",
+        "single_transformer_blocks.1.attn",
+    ]
 
 
 def test_bad_arguments():
     model, _ = tiny.dit()
-    for kwargs, word in [({"kind": "both"}, "kind"), ({"heads": [-1]}, "heads"), ({"layers": [3]}, "layers"),
-                         ({"mechanism": "no_such_mechanism"}, "mechanism")]:
+    for kwargs, word in [
+        ({"kind": "both"}, "kind"),
+        ({"heads": [-1]}, "heads"),
+        ({"layers": [3]}, "layers"),
+        ({"mechanism": "no_such_mechanism"}, "mechanism"),
+    ]:
         with pytest.raises(ValueError, match=word):
             with ad.use(model, **kwargs):
                 pass

@@ -23,8 +23,8 @@ import attnkit as ak
 import attnkit.distributed as cp
 from attnkit.distributed.call import refuse
 from attnkit.mechanisms import get_mechanism
-from attnkit.mods import alibi_slopes
 from attnkit.mechanisms.linear import LinearAttention
+from attnkit.mods import alibi_slopes
 
 torch.set_num_threads(1)
 TOL = {
@@ -72,7 +72,21 @@ def close(name, actual, expected):
     torch.testing.assert_close(actual.double(), expected.double(), **TOL[actual.dtype], msg=lambda m: f"{name}: {m}")
 
 
-def check_softmax(name, layout, N, Hq=4, Hkv=2, mask=None, score=None, sinks=None, params=(), mechanism=None, gate=None, seed=0, dtype=torch.float64):
+def check_softmax(
+    name,
+    layout,
+    N,
+    Hq=4,
+    Hkv=2,
+    mask=None,
+    score=None,
+    sinks=None,
+    params=(),
+    mechanism=None,
+    gate=None,
+    seed=0,
+    dtype=torch.float64,
+):
     """One sharded call against the dense reference: output, lse, dq, dk, dv, parameter grads."""
     rank = dist.get_rank()
     q, k, v, w = inputs(2, Hq, Hkv, N, 8, seed)
@@ -179,10 +193,16 @@ def check_hf_model(name, N, group=None, layout="zigzag", pass_positions=True):
 
     import attnkit.hf
 
-    common = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64)
-    config = {"llama": lambda: T.LlamaConfig(**common),
-              "mistral": lambda: T.MistralConfig(**common, sliding_window=3)}[name]()
+    common = dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    config = {"llama": lambda: T.LlamaConfig(**common), "mistral": lambda: T.MistralConfig(**common, sliding_window=3)}[name]()
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(config, attn_implementation="eager").double().eval()
     ids = torch.randint(0, 97, (1, N), generator=torch.Generator().manual_seed(2))
@@ -231,8 +251,16 @@ def run_checks(world):
     check_softmax("document per row & causal", "zigzag", N, mask=ak.causal() & ak.document(ids))
     slopes = alibi_slopes(4).double().requires_grad_()
     sinks = torch.randn(4, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).requires_grad_()
-    check_softmax("alibi slopes + sinks", "zigzag", N, mask=ak.causal(), score=ak.alibi(slopes=slopes), sinks=sinks, params=[slopes, sinks])
-    check_softmax("softcap + callable mask", "zigzag", N, mask=lambda b, h, qi, ki: (qi - ki) % 3 != 1, score=ak.softcap(2.0) >> (lambda s, b, h, qi, ki: s + 0.05 * ki))
+    check_softmax(
+        "alibi slopes + sinks", "zigzag", N, mask=ak.causal(), score=ak.alibi(slopes=slopes), sinks=sinks, params=[slopes, sinks]
+    )
+    check_softmax(
+        "softcap + callable mask",
+        "zigzag",
+        N,
+        mask=lambda b, h, qi, ki: (qi - ki) % 3 != 1,
+        score=ak.softcap(2.0) >> (lambda s, b, h, qi, ki: s + 0.05 * ki),
+    )
     # rows that see no key at all: lse -inf, zeros, no NaN
     check_softmax("empty rows", "zigzag", N, mask=lambda b, h, qi, ki: (ki < qi) & (qi % 4 != 0))
     check_lse_gradient(N)
@@ -274,8 +302,10 @@ def edge_mechanisms():
         linear[name] = get_mechanism(name, heads=2, head_dim=8).double()
     linear["short-conv gla"] = _short_conv_gla()
     sig = get_mechanism("sigmoid", bias=-1.0)
-    mechs = {"softmax": (None, lambda q, k, v: dense_reference(q, k, v, mask=ak.causal())[0]),
-             "sigmoid": (sig, lambda q, k, v: dense_reference(q, k, v, mask=ak.causal(), gate=-1.0)[0])}
+    mechs = {
+        "softmax": (None, lambda q, k, v: dense_reference(q, k, v, mask=ak.causal())[0]),
+        "sigmoid": (sig, lambda q, k, v: dense_reference(q, k, v, mask=ak.causal(), gate=-1.0)[0]),
+    }
     for name, mech in linear.items():
         mechs[name] = (mech, lambda q, k, v, mech=mech: mech(q, k, v, mask=ak.causal(), backend="reference"))
     return mechs
@@ -384,8 +414,15 @@ def check_hf_padding_on_one_rank(group):
 
     import attnkit.hf
 
-    config = T.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, max_position_embeddings=64)
+    config = T.LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(config, attn_implementation="eager").double().eval()
     ids = cp.shard(torch.arange(13)[None] % 97, 1, group)
@@ -425,7 +462,9 @@ def run_edges(world):
         if group is pair and rank not in (1, 2):
             continue
         P = dist.get_world_size(group)
-        report[f"hf llama logits without position_ids P={P} N={N} {layout}"] = check_hf_model("llama", N, group, layout, pass_positions=False)
+        report[f"hf llama logits without position_ids P={P} N={N} {layout}"] = check_hf_model(
+            "llama", N, group, layout, pass_positions=False
+        )
     if rank == 1:
         for key, d in report.items():
             print(f"MAXDIFF {key}: {d:.1e}", flush=True)

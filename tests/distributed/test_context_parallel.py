@@ -20,7 +20,13 @@ def run_group(world: int, mode: str, tmp_path, timeout: float = 240) -> list[sub
     init = tmp_path / f"init-{mode}-{world}"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [
-        subprocess.Popen([sys.executable, WORKER, str(r), str(world), str(init), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        subprocess.Popen(
+            [sys.executable, WORKER, str(r), str(world), str(init), mode],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         for r in range(world)
     ]
     results = []

@@ -23,8 +23,16 @@ def group():
 
 
 def _model():
-    config = T.MistralConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, max_position_embeddings=64, sliding_window=3)
+    config = T.MistralConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        sliding_window=3,
+    )
     torch.manual_seed(0)
     return T.AutoModelForCausalLM.from_config(config).double().eval()
 

@@ -41,10 +41,15 @@ def _global_dense(mask, B, H, n):
     return mask.dense(B, H, n, n).expand(B, H, n, n)
 
 
-@pytest.mark.parametrize("mask", [
-    ak.causal(), ak.window(3), ak.window(2, 1) & ak.causal(),
-    ak.causal() & ak.document(torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 3, 3, 3, 3], [0] * 7 + [1] * 7])),
-])
+@pytest.mark.parametrize(
+    "mask",
+    [
+        ak.causal(),
+        ak.window(3),
+        ak.window(2, 1) & ak.causal(),
+        ak.causal() & ak.document(torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 3, 3, 3, 3], [0] * 7 + [1] * 7])),
+    ],
+)
 def test_shifted_mask_is_the_global_mask_on_the_pair(mask):
     """Evaluated and classified on local indices, the shifted mask equals the slice of the
     dense global mask; its tile states never contradict the dense slice."""
@@ -85,5 +90,12 @@ def test_documents_read_only_the_ranks_they_span():
     ids = torch.tensor([0] * 4 + [1] * 8 + [2] * 4)  # document 1 spans ranks 1 and 2
     lay = layout_for(n, world, "contiguous")
     mask = ak.document(ids).bind(1, 1, n, n)
-    reads = [{s for s, need in RingPlan(Group(None, r, world), lay, "softmax", mask, None, 1.0, "auto", None).need_from.items() if need} for r in range(world)]
+    reads = [
+        {
+            s
+            for s, need in RingPlan(Group(None, r, world), lay, "softmax", mask, None, 1.0, "auto", None).need_from.items()
+            if need
+        }
+        for r in range(world)
+    ]
     assert reads == [{0}, {1, 2}, {1, 2}, {3}]

@@ -6,10 +6,10 @@ or sink changes (checked below: each changes outputs by > 1e-2)."""
 
 import pytest
 import torch
-from helpers import assert_close
 from tiny_models import CONFIGS, DECODERS, VOCAB, build, outputs
 
 import attnkit.hf as akhf
+from helpers import assert_close
 
 N = 14
 
@@ -141,9 +141,8 @@ def _dense(q, k, v, scale, keep, bias=None, cap=None, sinks=None):
 
 
 def test_the_function_reads_what_transformers_passes_without_a_built_mask():
-    from helpers import qkv
-
     from attnkit.hf import attnkit_attention_forward
+    from helpers import qkv
 
     q, k, v = qkv(B=1, Hq=4, Hkv=2, Nq=9, Nk=9, D=8)
     i, j = torch.arange(9).view(-1, 1), torch.arange(9).view(1, -1)
@@ -166,9 +165,8 @@ def test_the_function_reads_what_transformers_passes_without_a_built_mask():
 
 
 def test_the_function_reads_custom_4d_masks():
-    from helpers import qkv
-
     from attnkit.hf import attnkit_attention_forward
+    from helpers import qkv
 
     q, k, v = qkv(B=2, Hq=4, Hkv=4, Nq=5, Nk=7, D=8)
     keep = torch.rand(2, 1, 5, 7, generator=torch.Generator().manual_seed(0)) > 0.3

@@ -16,11 +16,11 @@ import sys
 
 import pytest
 import torch
-from helpers import assert_close
 from tiny_models import VOCAB, build
 
 import attnkit.hf as akhf
 from attnkit.mechanisms import available
+from helpers import assert_close
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "mechanisms"))
 import decoding_contract as dc  # noqa: E402
@@ -69,8 +69,16 @@ def step_by_step(model, ids, prefill=5):
 
 
 def generated_logits(model, ids, use_cache, attention_mask=None):
-    out = model.generate(ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False, use_cache=use_cache,
-                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    out = model.generate(
+        ids,
+        attention_mask=attention_mask,
+        max_new_tokens=4,
+        do_sample=False,
+        use_cache=use_cache,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
     return out.sequences, torch.stack(out.logits, dim=1)
 
 

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from helpers import assert_close
 
 import attnkit as ak
 import attnkit.hf as akhf
+from helpers import assert_close
 
 SENTENCES = ["Attention is all you need.", "A much longer sentence about sliding windows, sinks and padding masks.", "Hi"]
 

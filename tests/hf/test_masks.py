@@ -20,8 +20,17 @@ def dense(mask, B, q_len, k_len):
 def check(B, q_len, kv_length, q_offset, kv_offset, fn, attention_mask=None, k_len=None, use_vmap=False):
     """attnkit's mask equals transformers' on the keys the layer holds (k_len of them)."""
     k_len = kv_length if k_len is None else k_len
-    want = M.sdpa_mask(B, q_len, kv_length, q_offset, kv_offset, mask_function=fn, attention_mask=attention_mask,
-                       allow_is_causal_skip=False, use_vmap=use_vmap)
+    want = M.sdpa_mask(
+        B,
+        q_len,
+        kv_length,
+        q_offset,
+        kv_offset,
+        mask_function=fn,
+        attention_mask=attention_mask,
+        allow_is_causal_skip=False,
+        use_vmap=use_vmap,
+    )
     spec = mask_spec(B, q_len, kv_length, q_offset, kv_offset, mask_function=fn, attention_mask=attention_mask, use_vmap=use_vmap)
     mask = to_attnkit(spec, q_len, k_len)
     assert torch.equal(dense(mask, B, q_len, k_len), want[..., :k_len].expand(B, 1, q_len, k_len))
@@ -34,16 +43,22 @@ def padding(B, n, left):
     return am
 
 
-@pytest.mark.parametrize("q_len, kv_length, q_offset, kv_offset", [
-    (12, 12, 0, 0),   # prefill
-    (1, 13, 12, 0),   # decoding against a dynamic cache
-    (3, 15, 12, 0),   # chunked prefill
-    (1, 5, 20, 16),   # a sliding-window cache that dropped old keys
-])
+@pytest.mark.parametrize(
+    "q_len, kv_length, q_offset, kv_offset",
+    [
+        (12, 12, 0, 0),  # prefill
+        (1, 13, 12, 0),  # decoding against a dynamic cache
+        (3, 15, 12, 0),  # chunked prefill
+        (1, 5, 20, 16),  # a sliding-window cache that dropped old keys
+    ],
+)
 @pytest.mark.parametrize("kind", ["causal", "sliding", "bidirectional", "causal+pad", "sliding+pad"])
 def test_structured_masks_equal_transformers(q_len, kv_length, q_offset, kv_offset, kind):
-    fn = {"causal": M.causal_mask_function, "sliding": M.sliding_window_causal_mask_function(4),
-          "bidirectional": M.bidirectional_mask_function}[kind.split("+")[0]]
+    fn = {
+        "causal": M.causal_mask_function,
+        "sliding": M.sliding_window_causal_mask_function(4),
+        "bidirectional": M.bidirectional_mask_function,
+    }[kind.split("+")[0]]
     am = padding(2, kv_offset + kv_length, 3) if kind.endswith("pad") else None
     mask = check(2, q_len, kv_length, q_offset, kv_offset, fn, am)
     assert not isinstance(mask, FunctionMask)  # read as structure: the kernels can skip tiles
@@ -75,8 +90,9 @@ def test_or_and_compositions_and_unknown_functions():
 def test_packed_sequences():
     position_ids = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 4]])
     packed = M.find_packed_sequence_indices(position_ids)
-    fn = M.and_masks(M.remap_positions_for_packed_sequence(M.causal_mask_function, position_ids),
-                     M.packed_sequence_mask_function(packed))
+    fn = M.and_masks(
+        M.remap_positions_for_packed_sequence(M.causal_mask_function, position_ids), M.packed_sequence_mask_function(packed)
+    )
     check(1, 10, 10, 0, 0, fn)
 
 

@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-from helpers import assert_close
 from tiny_models import VOCAB, build, outputs
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
@@ -18,6 +17,7 @@ import attnkit as ak
 import attnkit.hf as akhf
 from attnkit.mechanisms import Mechanism, available
 from attnkit.observe import Observer
+from helpers import assert_close
 
 N = 14
 DENSE = "attnkit_test_dense"
@@ -86,7 +86,9 @@ CHANGES = {
 @pytest.mark.parametrize("where", ["all", "layers", "heads", "layers+heads"])
 def test_change_equals_dense_reference_and_changes_outputs(llama, ids, change, where):
     use_kw, ref_kw = CHANGES[change]
-    select = {"all": {}, "layers": dict(layers=[1]), "heads": dict(heads=[0, 3]), "layers+heads": dict(layers=[0, 2], heads=[2])}[where]
+    select = {"all": {}, "layers": dict(layers=[1]), "heads": dict(heads=[0, 3]), "layers+heads": dict(layers=[0, 2], heads=[2])}[
+        where
+    ]
     with torch.no_grad():
         plain = outputs(llama, ids)
         want = reference(llama, ids, **ref_kw, **select)
@@ -278,15 +280,18 @@ def test_model_without_the_interface_gets_a_clear_error():
             pass
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(layers=[3]), "layers: expected non-negative ints below 3"),
-    (dict(heads=[]), "heads: expected at least one head"),
-    (dict(heads=[-1]), "heads: expected non-negative ints"),
-    (dict(heads=[7]), "heads: expected non-negative ints below 4, got 7"),
-    (dict(mechanism="no_such_mechanism"), "mechanism: unknown name"),
-    (dict(mechanism=Mixed(), heads=[0], observers=[Recorder()]), "observers: with heads="),
-    (dict(sinks=[0.0]), "sinks: expected a tensor"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(layers=[3]), "layers: expected non-negative ints below 3"),
+        (dict(heads=[]), "heads: expected at least one head"),
+        (dict(heads=[-1]), "heads: expected non-negative ints"),
+        (dict(heads=[7]), "heads: expected non-negative ints below 4, got 7"),
+        (dict(mechanism="no_such_mechanism"), "mechanism: unknown name"),
+        (dict(mechanism=Mixed(), heads=[0], observers=[Recorder()]), "observers: with heads="),
+        (dict(sinks=[0.0]), "sinks: expected a tensor"),
+    ],
+)
 def test_bad_arguments_raise_value_error(llama, kwargs, match):
     with pytest.raises(ValueError, match=match):
         with akhf.use(llama, **kwargs):

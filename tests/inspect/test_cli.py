@@ -31,8 +31,28 @@ def test_default_run_writes_a_report_of_minilm_on_the_sample(tmp_path, capsys):
 
 def test_local_model_with_prompt_and_json(model_dir, tmp_path, capsys):
     out = tmp_path / "o"
-    code = main(["inspect", "--model", model_dir, "--prompt", "the keeper wrote about the fog", "--out", str(out),
-                 "--meters", "sink", "distance", "topkeys", "spans", "--span", "fog=5:7", "--layers", "1", "--json", "--no-figures"])
+    code = main(
+        [
+            "inspect",
+            "--model",
+            model_dir,
+            "--prompt",
+            "the keeper wrote about the fog",
+            "--out",
+            str(out),
+            "--meters",
+            "sink",
+            "distance",
+            "topkeys",
+            "spans",
+            "--span",
+            "fog=5:7",
+            "--layers",
+            "1",
+            "--json",
+            "--no-figures",
+        ]
+    )
     assert code == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["report"] == str(out / "report.html") and summary["figures"] == [] and summary["tokens"] == 8
@@ -44,35 +64,56 @@ def test_local_model_with_prompt_and_json(model_dir, tmp_path, capsys):
 def test_text_file_and_truncation_warning(model_dir, tmp_path, capsys):
     text = tmp_path / "long.txt"
     text.write_text(" ".join(["the sea"] * 50))
-    assert main(["inspect", "--model", model_dir, "--text", str(text), "--out", str(tmp_path / "o"), "--quiet", "--no-figures"]) == 2
+    assert (
+        main(["inspect", "--model", model_dir, "--text", str(text), "--out", str(tmp_path / "o"), "--quiet", "--no-figures"]) == 2
+    )
     assert "at most 64 positions" in capsys.readouterr().err
-    assert main(["inspect", "--model", model_dir, "--text", str(text), "--out", str(tmp_path / "o"), "--quiet",
-                 "--no-figures", "--max-tokens", "64"]) == 0
+    assert (
+        main(
+            [
+                "inspect",
+                "--model",
+                model_dir,
+                "--text",
+                str(text),
+                "--out",
+                str(tmp_path / "o"),
+                "--quiet",
+                "--no-figures",
+                "--max-tokens",
+                "64",
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     assert "warning: inputs: 102 tokens truncated to the first 64" in err
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--model", "/nonexistent/model"], "--model: no such directory"),
-    (["--model", "."], "--model: . is not a transformers model directory"),
-    (["--prompt", "   "], "--prompt: the text is empty"),
-    (["--text", "/nonexistent.txt"], "--text: no such file: /nonexistent.txt"),
-    (["--text", "/"], "--text: / is not a file"),
-    (["--layers", "1-x"], "--layers: expected indices"),
-    (["--heads", "-1"], "--heads: expected indices"),
-    (["--layers", "0-100000000"], "--layers: expected indices"),  # refused, not a list of 10^8 ints
-    (["--span", "doc"], "--span: expected NAME=START:END"),
-    (["--queries", "5"], "--queries: expected LO:HI"),
-    (["--queries", "5:2"], "--queries: LO:HI selects no query"),
-    (["--token-heads", "3"], "--token-heads: expected LAYER.HEAD"),
-    (["--top-k", "0"], "--top-k: expected a positive integer, got '0'"),
-    (["--max-tokens", "0"], "--max-tokens: expected a positive integer, got '0'"),
-    (["--max-tokens", "many"], "--max-tokens: expected a positive integer"),
-    (["--meters", "bogus"], "--meters: invalid choice: 'bogus'"),
-    (["--meters", "spans"], "--meters spans: needs at least one --span"),
-    (["--mechanism", "bogus"], "--mechanism: unknown mechanism 'bogus'"),
-    (["--prompt", "a", "--text", "b.txt"], "--text: not allowed with argument --prompt"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--model", "/nonexistent/model"], "--model: no such directory"),
+        (["--model", "."], "--model: . is not a transformers model directory"),
+        (["--prompt", "   "], "--prompt: the text is empty"),
+        (["--text", "/nonexistent.txt"], "--text: no such file: /nonexistent.txt"),
+        (["--text", "/"], "--text: / is not a file"),
+        (["--layers", "1-x"], "--layers: expected indices"),
+        (["--heads", "-1"], "--heads: expected indices"),
+        (["--layers", "0-100000000"], "--layers: expected indices"),  # refused, not a list of 10^8 ints
+        (["--span", "doc"], "--span: expected NAME=START:END"),
+        (["--queries", "5"], "--queries: expected LO:HI"),
+        (["--queries", "5:2"], "--queries: LO:HI selects no query"),
+        (["--token-heads", "3"], "--token-heads: expected LAYER.HEAD"),
+        (["--top-k", "0"], "--top-k: expected a positive integer, got '0'"),
+        (["--max-tokens", "0"], "--max-tokens: expected a positive integer, got '0'"),
+        (["--max-tokens", "many"], "--max-tokens: expected a positive integer"),
+        (["--meters", "bogus"], "--meters: invalid choice: 'bogus'"),
+        (["--meters", "spans"], "--meters spans: needs at least one --span"),
+        (["--mechanism", "bogus"], "--mechanism: unknown mechanism 'bogus'"),
+        (["--prompt", "a", "--text", "b.txt"], "--text: not allowed with argument --prompt"),
+    ],
+)
 def test_bad_input_is_a_clear_error(args, message, tmp_path, capsys):
     assert main(["inspect", *args, "--out", str(tmp_path), "--quiet"]) == 2
     err = capsys.readouterr().err
@@ -80,16 +121,31 @@ def test_bad_input_is_a_clear_error(args, message, tmp_path, capsys):
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--queries=-8:", "--layers", "9"], "--layers: [9] out of range; the model has 2 layers"),
-    (["--heads", "0,7"], "--heads: [7] out of range; the model has 4 heads"),
-    (["--meters", "spans", "--span", "a=3:1"], "--span: 'a' must be (start, end) with 0 <= start < end"),
-    (["--meters", "spans", "--span", "a=0:99"], "--span: 'a' = (0, 99) ends past the"),
-    (["--token-heads", "1.9"], "--token-heads: [(1, 9)] have no top keys in this profile"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--queries=-8:", "--layers", "9"], "--layers: [9] out of range; the model has 2 layers"),
+        (["--heads", "0,7"], "--heads: [7] out of range; the model has 4 heads"),
+        (["--meters", "spans", "--span", "a=3:1"], "--span: 'a' must be (start, end) with 0 <= start < end"),
+        (["--meters", "spans", "--span", "a=0:99"], "--span: 'a' = (0, 99) ends past the"),
+        (["--token-heads", "1.9"], "--token-heads: [(1, 9)] have no top keys in this profile"),
+    ],
+)
 def test_values_out_of_the_models_range_name_the_option(model_dir, args, message, tmp_path, capsys):
-    code = main(["inspect", "--model", model_dir, "--prompt", "the keeper wrote about the fog", *args,
-                 "--out", str(tmp_path / "o"), "--quiet", "--no-figures"])
+    code = main(
+        [
+            "inspect",
+            "--model",
+            model_dir,
+            "--prompt",
+            "the keeper wrote about the fog",
+            *args,
+            "--out",
+            str(tmp_path / "o"),
+            "--quiet",
+            "--no-figures",
+        ]
+    )
     assert code == 2
     err = capsys.readouterr().err
     assert err.startswith(f"attnkit inspect: error: {message}"), err
@@ -107,8 +163,10 @@ def test_a_text_file_that_is_not_utf8_is_named(model_dir, tmp_path, capsys):
 def test_an_unusable_out_directory_is_named(model_dir, tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("")
-    for out, message in ((afile, f"--out: {afile} exists and is not a directory"),
-                         (afile / "sub", f"--out: cannot create directory {afile / 'sub'}")):
+    for out, message in (
+        (afile, f"--out: {afile} exists and is not a directory"),
+        (afile / "sub", f"--out: cannot create directory {afile / 'sub'}"),
+    ):
         assert main(["inspect", "--model", model_dir, "--prompt", "the sea", "--out", str(out), "--quiet"]) == 2
         assert capsys.readouterr().err.startswith(f"attnkit inspect: error: {message}")
 

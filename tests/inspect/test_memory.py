@@ -26,7 +26,7 @@ profile = ak.inspect(model, ids, meters=["sink", "entropy", "distance", "logits"
                      spans={"early": (0, 4096), "late": (28000, 32768)})
 assert profile.meta["tokens"] == %d and profile.heads == [(0, 0), (0, 1), (1, 0), (1, 1)], profile
 assert profile.arrays["top_keys"][(1, 1)]["index"].shape == (1, %d, 8)
-""" % (N, N)
+""" % (N, N)  # noqa: UP031 (a script template)
 
 
 @pytest.mark.slow

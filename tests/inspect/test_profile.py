@@ -11,10 +11,18 @@ from attnkit.inspect import AttentionProfile
 
 
 def small_profile():
-    rows = [(layer, head, metric, float(layer * 10 + head + i / 4))
-            for layer in range(2) for head in range(3) for i, metric in enumerate(("sink.score", "entropy.norm"))]
+    rows = [
+        (layer, head, metric, float(layer * 10 + head + i / 4))
+        for layer in range(2)
+        for head in range(3)
+        for i, metric in enumerate(("sink.score", "entropy.norm"))
+    ]
     rows.append((2, 0, "entropy.norm", 0.5))  # layer 2 measured on head 0 only
-    arrays = {"top_keys": {(0, 1): {"q_start": 0, "index": torch.tensor([[[0, -1]]], dtype=torch.int32), "weight": torch.tensor([[[1.0, 0.0]]])}}}
+    arrays = {
+        "top_keys": {
+            (0, 1): {"q_start": 0, "index": torch.tensor([[[0, -1]]], dtype=torch.int32), "weight": torch.tensor([[[1.0, 0.0]]])}
+        }
+    }
     return AttentionProfile(rows, ["a", "<b>", "c"], {"model": "m", "tokens": 3}, arrays)
 
 

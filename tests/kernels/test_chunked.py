@@ -2,17 +2,26 @@
 
 import pytest
 import torch
-from helpers import assert_close, qkv
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import attnkit as ak
 from attnkit.kernels import Tiling, chunked_attention, make_request, reference_attention
 from attnkit.kernels.chunked import choose_engine, make_chunked_plan
+from helpers import assert_close, qkv
 
 # Tiny blocks so that small inputs cross many tiles, partial tiles and skipped tiles.
-SMALL = Tiling(fused_q_block=8, fused_q_block_large=16, fused_q_block_bias=8, fused_k_block=4, fused_max_masked_span=12,
-               tiled_q_block=8, tiled_k_block=4, tiled_tile_k=8, single_tile=0)
+SMALL = Tiling(
+    fused_q_block=8,
+    fused_q_block_large=16,
+    fused_q_block_bias=8,
+    fused_k_block=4,
+    fused_max_masked_span=12,
+    tiled_q_block=8,
+    tiled_k_block=4,
+    tiled_tile_k=8,
+    single_tile=0,
+)
 
 
 def masks(B, Nq, Nk):
@@ -185,7 +194,11 @@ def test_plan_skips_tiles_and_coalesces_documents():
 
 def test_default_tiling_through_the_public_api():
     q, k, v = qkv(B=1, Hq=4, Hkv=2, Nq=700, Nk=900, D=16, dtype=torch.float32)
-    for kw in (dict(mask=ak.causal()), dict(mask=ak.window(100), score=ak.alibi(4)), dict(score=ak.softcap(5.0), mask=ak.causal())):
+    for kw in (
+        dict(mask=ak.causal()),
+        dict(mask=ak.window(100), score=ak.alibi(4)),
+        dict(score=ak.softcap(5.0), mask=ak.causal()),
+    ):
         got = ak.attention(q, k, v, backend="chunked", **kw)
         want = ak.attention(q, k, v, backend="reference", **kw)
         assert_close(got, want, torch.float32)

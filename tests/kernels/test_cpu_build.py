@@ -26,13 +26,18 @@ SRC = ROOT / "src"
 
 def _python(code: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     full = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full,
-                          timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full, timeout=timeout, cwd=ROOT
+    )
 
 
 def test_no_ctypes_left_in_src():
-    found = [f"{p.relative_to(ROOT)}:{i}" for p in SRC.rglob("*.py") for i, line in enumerate(p.read_text().splitlines(), 1)
-             if "ctypes" in line]
+    found = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in SRC.rglob("*.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if "ctypes" in line
+    ]
     assert found == []
 
 
@@ -49,7 +54,8 @@ def test_child_of_a_fork_finishes_after_an_operator_call():
     same output (the ctypes loader's thread pool made it wait forever)."""
     if not cpu.available():
         pytest.skip(f"operators unavailable: {cpu.status().reason}")
-    done = _python("""
+    done = _python(
+        """
         import os, torch, attnkit
         torch.set_num_threads(2)
         g = torch.Generator().manual_seed(0)
@@ -61,7 +67,10 @@ def test_child_of_a_fork_finishes_after_an_operator_call():
             if pid == 0:
                 os._exit(0 if torch.equal(call(), before) else 3)
         print("child", os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
-    """, env={"OMP_NUM_THREADS": "2"}, timeout=120)
+    """,
+        env={"OMP_NUM_THREADS": "2"},
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "child 0"
 
@@ -71,7 +80,8 @@ def test_operators_split_their_work_across_torchs_threads():
     torch.set_num_threads allows (a build without OpenMP ran them all on one)."""
     if not cpu.available():
         pytest.skip(f"operators unavailable: {cpu.status().reason}")
-    done = _python("""
+    done = _python(
+        """
         import torch
         from attnkit.kernels import cpu
         assert cpu.available()
@@ -79,7 +89,10 @@ def test_operators_split_their_work_across_torchs_threads():
         two = torch.ops.attnkit._threads_used(2)
         torch.set_num_threads(1)
         print(two, torch.ops.attnkit._threads_used(2))
-    """, env={"OMP_NUM_THREADS": "2"}, timeout=120)
+    """,
+        env={"OMP_NUM_THREADS": "2"},
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["2", "1"]
 
@@ -96,12 +109,17 @@ def test_explain_names_the_engine_with_and_without_the_operators():
     assert "engine: C++ operator attnkit::softmax_attention" in text
     assert "C++ operators: available" in text
     q = torch.randn(1, 2, 300, 16)
-    assert "engine: torch's fused flash kernel per tile segment" in attnkit.explain(q, q, q, mask=attnkit.causal(), score=attnkit.alibi(2))
-    off = _python("""
+    assert "engine: torch's fused flash kernel per tile segment" in attnkit.explain(
+        q, q, q, mask=attnkit.causal(), score=attnkit.alibi(2)
+    )
+    off = _python(
+        """
         import torch, attnkit
         q = torch.randn(1, 2, 300, 16)
         print(attnkit.explain(q, q, q, mask=attnkit.causal() & attnkit.window(50), score=attnkit.softcap(5.0)))
-    """, env={"ATTNKIT_NATIVE": "0"})
+    """,
+        env={"ATTNKIT_NATIVE": "0"},
+    )
     assert off.returncode == 0, off.stderr
     assert "engine: PyTorch tiles" in off.stdout
     assert "C++ operators: unavailable (turned off by ATTNKIT_NATIVE=0)" in off.stdout
@@ -140,10 +158,24 @@ def test_mechanisms_pass_their_tests_with_the_operators_off():
     """A subset of the mechanism suite with ATTNKIT_NATIVE=0: the PyTorch tiles compute
     the same values."""
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/mechanisms/test_sigmoid.py",
-         "tests/mechanisms/test_stick_breaking.py", "tests/mechanisms/test_talking_heads.py"],
-        capture_output=True, text=True, cwd=ROOT, timeout=600,
-        env={**os.environ, "ATTNKIT_NATIVE": "0", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            "tests/mechanisms/test_sigmoid.py",
+            "tests/mechanisms/test_stick_breaking.py",
+            "tests/mechanisms/test_talking_heads.py",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+        env={**os.environ, "ATTNKIT_NATIVE": "0", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode == 0, done.stdout[-3000:]
     assert " passed" in done.stdout
 
@@ -155,8 +187,10 @@ def test_concurrent_first_builds_compile_once(tmp_path):
     code = "from attnkit.kernels.cpu import build; s = build.status(); print(s.available, s.reason)"
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(tmp_path)}
     env.pop("ATTNKIT_NATIVE", None)
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=env) for _ in range(3)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for _ in range(3)
+    ]
     outs = [p.communicate(timeout=900) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     assert all(out.startswith("True") for out, _ in outs), outs

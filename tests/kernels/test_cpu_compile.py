@@ -22,8 +22,13 @@ CASES = {  # id: (attention keyword arguments, whether the call is trained)
     "topk": (lambda: dict(mask=attnkit.causal(), mechanism=get_mechanism("topk", k=8)), True),
     "multi-token": (lambda: dict(mask=attnkit.causal(), mechanism=get_mechanism("multi_token", num_heads=2)), True),
     "talking heads": (lambda: dict(mask=attnkit.causal(), mechanism=get_mechanism("talking_heads", num_heads=2)), True),
-    "nsa inference": (lambda: dict(mask=attnkit.causal(), mechanism=get_mechanism(
-        "nsa", compress_block=8, compress_stride=4, select_block=8, num_selected=4, window=16)), False),
+    "nsa inference": (
+        lambda: dict(
+            mask=attnkit.causal(),
+            mechanism=get_mechanism("nsa", compress_block=8, compress_stride=4, select_block=8, num_selected=4, window=16),
+        ),
+        False,
+    ),
 }
 
 

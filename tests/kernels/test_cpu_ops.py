@@ -8,13 +8,13 @@ import os
 
 import pytest
 import torch
+from tests.helpers import assert_close, qkv
 
 import attnkit
 from attnkit import mods as M
 from attnkit.kernels import chunked_attention, cpu, make_request
 from attnkit.kernels.cpu import mixed as cpu_mixed
 from attnkit.mechanisms import get_mechanism
-from tests.helpers import assert_close, qkv
 
 # exp(x) in float32 carries the rounding of its argument, |x| * 2^-24 relative, plus a few
 # ulps of the polynomial: inputs below stay within |x| <= 40, so 40 * 6e-8 + 1e-6 < 4e-6.
@@ -120,8 +120,9 @@ def test_softmax_attention_matches_reference(mask, cap):
     q, k, v = qkv(B=2, Hq=4, Hkv=2, Nq=150, Nk=333, D=8, Dv=24, dtype=torch.float32, seed=2)
     out, lse = cpu.softmax_attention(q, k, v, 0.3, 333 - 150, (None, None) if mask is None else mask.band(), cap)
     score = M.softcap(cap) if cap else None
-    want, want_lse = attnkit.attention(q.double(), k.double(), v.double(), mask=mask, score=score, scale=0.3,
-                                       backend="reference", return_lse=True)
+    want, want_lse = attnkit.attention(
+        q.double(), k.double(), v.double(), mask=mask, score=score, scale=0.3, backend="reference", return_lse=True
+    )
     assert_close(out, want, torch.float32)
     assert_close(lse, want_lse, torch.float32)
 
@@ -133,9 +134,15 @@ def test_softmax_attention_head_maps_and_dead_rows():
     kmap, vmap = torch.tensor([1, 0, 1]), torch.tensor([0, 0, 1])
     out, lse = cpu.softmax_attention(q, k, v, 0.5, 0, (-30, -10), k_heads=kmap, v_heads=vmap)
     for j in range(3):
-        want, want_lse = attnkit.attention(q[:, j : j + 1].double(), k[:, kmap[j] : kmap[j] + 1].double(),
-                                           v[:, vmap[j] : vmap[j] + 1].double(), mask=lambda b, h, qi, ki: (ki - qi >= -30) & (ki - qi <= -10),
-                                           scale=0.5, backend="reference", return_lse=True)
+        want, want_lse = attnkit.attention(
+            q[:, j : j + 1].double(),
+            k[:, kmap[j] : kmap[j] + 1].double(),
+            v[:, vmap[j] : vmap[j] + 1].double(),
+            mask=lambda b, h, qi, ki: (ki - qi >= -30) & (ki - qi <= -10),
+            scale=0.5,
+            backend="reference",
+            return_lse=True,
+        )
         assert_close(out[:, j : j + 1], want, torch.float32)
         assert_close(lse[:, j : j + 1, 10:], want_lse[..., 10:], torch.float32)
     assert bool((out[:, :, :10] == 0).all()) and bool(torch.isneginf(lse[:, :, :10]).all())

@@ -5,11 +5,11 @@ import math
 
 import pytest
 import torch
-from helpers import assert_close, qkv
 
 import attnkit as ak
 from attnkit.kernels.few_queries import SMALL_QUERIES
 from attnkit.mechanisms import get_mechanism
+from helpers import assert_close, qkv
 
 MASKS = {
     "none": None,

@@ -3,10 +3,10 @@ a compiled kernel that gives wrong numbers is caught on its first call and never
 
 import pytest
 import torch
-from helpers import assert_close, qkv
 
 import attnkit as ak
 from attnkit.kernels import flex, make_request
+from helpers import assert_close, qkv
 
 
 def _compiles() -> int:
@@ -25,7 +25,9 @@ def test_flex_runs_attnkit_mods_and_masks_exactly():
     before = _compiles()
     ids2 = torch.arange(160) // 30
     got = ak.attention(q, k, v, backend="flex", mask=ak.causal() & ak.document(ids2), score=ak.alibi(4))
-    assert_close(got, ak.attention(q, k, v, backend="reference", mask=ak.causal() & ak.document(ids2), score=ak.alibi(4)), torch.float32)
+    assert_close(
+        got, ak.attention(q, k, v, backend="reference", mask=ak.causal() & ak.document(ids2), score=ak.alibi(4)), torch.float32
+    )
     assert _compiles() == before
 
 
@@ -77,7 +79,11 @@ def test_a_kernel_wrong_on_its_first_call_is_never_trusted(monkeypatch):
     note = ak.explain(q, k, v, mask=ak.causal(), backend="flex")
     assert "runs on the chunked backend instead" in note and "wrong numbers" in note and "0.5 off" in note
     q2, k2, v2 = qkv(B=2, Hq=2, Hkv=2, Nq=45, Nk=45, D=8, dtype=torch.float32, seed=1)  # same bucket
-    assert_close(ak.attention(q2, k2, v2, mask=ak.causal(), backend="flex"), ak.attention(q2, k2, v2, mask=ak.causal(), backend="reference"), torch.float32)
+    assert_close(
+        ak.attention(q2, k2, v2, mask=ak.causal(), backend="flex"),
+        ak.attention(q2, k2, v2, mask=ak.causal(), backend="reference"),
+        torch.float32,
+    )
     assert calls == [40]
     # another signature is checked on its own first call, and trusted when right
     monkeypatch.setattr(flex, "_run_compiled", lambda req: (ak.attention(req.q, req.k, req.v, backend="reference"), None))

@@ -3,9 +3,9 @@
 import math
 
 import torch
-from helpers import assert_close, qkv
 
 from attnkit.kernels.fused import backward_with_lse_grad, flash_backward, flash_forward
+from helpers import assert_close, qkv
 
 
 def _dense(q, k, v, scale):

@@ -24,7 +24,7 @@ from attnkit.kernels.cpu import build
 pytestmark = pytest.mark.skipif(not build.available(), reason="the C++ operators are not built here")
 
 #: the child: builds each case's call from the helpers below and reports one line per case
-CHILD = textwrap.dedent('''
+CHILD = textwrap.dedent("""
     import json, math, sys
     import torch
     from attnkit.kernels.cpu import build
@@ -78,7 +78,7 @@ CHILD = textwrap.dedent('''
                   flush=True)
         else:
             print(json.dumps(["ok", name]), flush=True)
-''')
+""")
 
 Q, K, V = "f(1, 2, 5, 4)", "f(1, 1, 6, 4)", "f(1, 1, 6, 3)"
 
@@ -87,51 +87,90 @@ CASES: list[tuple[str, str, str | None]] = [
     # ---- sigmoid attention
     ("sigmoid/good", f"ops.sigmoid_attention({Q}, {K}, {V}, 0.5, -1.0, 1, None, 0)", None),
     ("sigmoid/k-head-size", f"ops.sigmoid_attention({Q}, f(1, 1, 6, 5), {V}, 0.5, 0.0, 0, None, None)", "k must have shape"),
-    ("sigmoid/k-head-size-larger", f"ops.sigmoid_attention({Q}, f(1, 1, 6, 64), {V}, 0.5, 0.0, 0, None, None)",
-     "k must have shape"),
+    (
+        "sigmoid/k-head-size-larger",
+        f"ops.sigmoid_attention({Q}, f(1, 1, 6, 64), {V}, 0.5, 0.0, 0, None, None)",
+        "k must have shape",
+    ),
     ("sigmoid/v-heads", f"ops.sigmoid_attention({Q}, {K}, f(1, 2, 6, 3), 0.5, 0.0, 0, None, None)", "v must have shape"),
     ("sigmoid/v-length", f"ops.sigmoid_attention({Q}, {K}, f(1, 1, 7, 3), 0.5, 0.0, 0, None, None)", "v must have shape"),
     ("sigmoid/batch", f"ops.sigmoid_attention({Q}, f(2, 1, 6, 4), {V}, 0.5, 0.0, 0, None, None)", "k must have shape"),
-    ("sigmoid/heads-not-dividing", f"ops.sigmoid_attention(f(1, 3, 5, 4), f(1, 2, 6, 4), f(1, 2, 6, 3), 0.5, 0.0, 0, "
-     "None, None)", "k must have a number of heads"),
-    ("sigmoid/zero-kv-heads", f"ops.sigmoid_attention({Q}, f(1, 0, 6, 4), f(1, 0, 6, 3), 0.5, 0.0, 0, None, None)",
-     "k must have a number of heads"),
-    ("sigmoid/dtype", f"ops.sigmoid_attention(f(1, 2, 5, 4, dtype=torch.float64), {K}, {V}, 0.5, 0.0, 0, None, None)",
-     "q must be Float"),
+    (
+        "sigmoid/heads-not-dividing",
+        "ops.sigmoid_attention(f(1, 3, 5, 4), f(1, 2, 6, 4), f(1, 2, 6, 3), 0.5, 0.0, 0, None, None)",
+        "k must have a number of heads",
+    ),
+    (
+        "sigmoid/zero-kv-heads",
+        f"ops.sigmoid_attention({Q}, f(1, 0, 6, 4), f(1, 0, 6, 3), 0.5, 0.0, 0, None, None)",
+        "k must have a number of heads",
+    ),
+    (
+        "sigmoid/dtype",
+        f"ops.sigmoid_attention(f(1, 2, 5, 4, dtype=torch.float64), {K}, {V}, 0.5, 0.0, 0, None, None)",
+        "q must be Float",
+    ),
     ("sigmoid/dims", f"ops.sigmoid_attention(f(2, 5, 4), {K}, {V}, 0.5, 0.0, 0, None, None)", "q must have 4 dimensions"),
     ("sigmoid/q_start", f"ops.sigmoid_attention({Q}, {K}, {V}, 0.5, 0.0, 2**62, None, 0)", "q_start"),
     ("sigmoid/lo", f"ops.sigmoid_attention({Q}, {K}, {V}, 0.5, 0.0, 0, -2**62, 0)", "lo must be in"),
     ("sigmoid/hi", f"ops.sigmoid_attention({Q}, {K}, {V}, 0.5, 0.0, 0, None, 2**62)", "hi must be in"),
     ("sigmoid-back/good", f"ops.sigmoid_attention_backward(f(1, 2, 5, 3), {Q}, {K}, {V}, 0.5, -1.0, 1, None, 0)", None),
-    ("sigmoid-back/grad_out", f"ops.sigmoid_attention_backward(f(1, 2, 5, 4), {Q}, {K}, {V}, 0.5, 0.0, 0, None, 0)",
-     "grad_out must have shape"),
-    ("sigmoid-back/v-heads", f"ops.sigmoid_attention_backward(f(1, 2, 5, 3), {Q}, {K}, f(1, 2, 6, 3), 0.5, 0.0, 0, "
-     "None, 0)", "v must have shape"),
-    ("sigmoid-back/k-head-size", f"ops.sigmoid_attention_backward(f(1, 2, 5, 3), {Q}, f(1, 1, 6, 9), {V}, 0.5, 0.0, 0, "
-     "None, 0)", "k must have shape"),
+    (
+        "sigmoid-back/grad_out",
+        f"ops.sigmoid_attention_backward(f(1, 2, 5, 4), {Q}, {K}, {V}, 0.5, 0.0, 0, None, 0)",
+        "grad_out must have shape",
+    ),
+    (
+        "sigmoid-back/v-heads",
+        f"ops.sigmoid_attention_backward(f(1, 2, 5, 3), {Q}, {K}, f(1, 2, 6, 3), 0.5, 0.0, 0, None, 0)",
+        "v must have shape",
+    ),
+    (
+        "sigmoid-back/k-head-size",
+        f"ops.sigmoid_attention_backward(f(1, 2, 5, 3), {Q}, f(1, 1, 6, 9), {V}, 0.5, 0.0, 0, None, 0)",
+        "k must have shape",
+    ),
     # ---- softmax attention with head maps
     ("softmax/good", f"ops.softmax_attention({Q}, {K}, {V}, 0.5, 1, None, 0, 0.0, None, None)", None),
-    ("softmax/good-maps", "ops.softmax_attention(f(1, 2, 5, 4), f(1, 4, 6, 4), f(1, 3, 6, 2), 0.5, 0, None, None, 30.0, "
-     "i64(3, 1), i64(0, 2))", None),
-    ("softmax/k-head-size", f"ops.softmax_attention({Q}, f(1, 1, 6, 8), {V}, 0.5, 0, None, None, 0.0, None, None)",
-     "k must have shape"),
-    ("softmax/more-key-heads", "ops.softmax_attention(f(1, 2, 5, 4), f(1, 4, 6, 4), f(1, 1, 6, 3), 0.5, 0, None, None, "
-     "0.0, None, None)", "k_heads"),
-    ("softmax/more-value-heads", "ops.softmax_attention(f(1, 2, 5, 4), f(1, 1, 6, 4), f(1, 3, 6, 3), 0.5, 0, None, None, "
-     "0.0, None, None)", "v_heads"),
-    ("softmax/zero-key-heads", "ops.softmax_attention(f(1, 2, 5, 4), f(1, 0, 6, 4), f(1, 1, 6, 3), 0.5, 0, None, None, "
-     "0.0, None, None)", "k's heads"),
+    (
+        "softmax/good-maps",
+        "ops.softmax_attention(f(1, 2, 5, 4), f(1, 4, 6, 4), f(1, 3, 6, 2), 0.5, 0, None, None, 30.0, i64(3, 1), i64(0, 2))",
+        None,
+    ),
+    (
+        "softmax/k-head-size",
+        f"ops.softmax_attention({Q}, f(1, 1, 6, 8), {V}, 0.5, 0, None, None, 0.0, None, None)",
+        "k must have shape",
+    ),
+    (
+        "softmax/more-key-heads",
+        "ops.softmax_attention(f(1, 2, 5, 4), f(1, 4, 6, 4), f(1, 1, 6, 3), 0.5, 0, None, None, 0.0, None, None)",
+        "k_heads",
+    ),
+    (
+        "softmax/more-value-heads",
+        "ops.softmax_attention(f(1, 2, 5, 4), f(1, 1, 6, 4), f(1, 3, 6, 3), 0.5, 0, None, None, 0.0, None, None)",
+        "v_heads",
+    ),
+    (
+        "softmax/zero-key-heads",
+        "ops.softmax_attention(f(1, 2, 5, 4), f(1, 0, 6, 4), f(1, 1, 6, 3), 0.5, 0, None, None, 0.0, None, None)",
+        "k's heads",
+    ),
     ("softmax/map-range", f"ops.softmax_attention({Q}, {K}, {V}, 0.5, 0, None, None, 0.0, i64(0, 1), None)", "k_heads"),
-    ("softmax/map-negative", f"ops.softmax_attention({Q}, {K}, {V}, 0.5, 0, None, None, 0.0, None, i64(0, -1))",
-     "v_heads"),
-    ("softmax/map-length", f"ops.softmax_attention({Q}, {K}, {V}, 0.5, 0, None, None, 0.0, i64(0, 0, 0), None)",
-     "k_heads"),
-    ("softmax/map-dtype", f"ops.softmax_attention({Q}, {K}, {V}, 0.5, 0, None, None, 0.0, torch.zeros(2), None)",
-     "k_heads"),
-    ("softmax/v-length", f"ops.softmax_attention({Q}, {K}, f(1, 1, 4, 3), 0.5, 0, None, None, 0.0, None, None)",
-     "v must have shape"),
-    ("softmax/dtype", f"ops.softmax_attention({Q}, f(1, 1, 6, 4, dtype=torch.float16), {V}, 0.5, 0, None, None, 0.0, "
-     "None, None)", "k must be Float"),
+    ("softmax/map-negative", f"ops.softmax_attention({Q}, {K}, {V}, 0.5, 0, None, None, 0.0, None, i64(0, -1))", "v_heads"),
+    ("softmax/map-length", f"ops.softmax_attention({Q}, {K}, {V}, 0.5, 0, None, None, 0.0, i64(0, 0, 0), None)", "k_heads"),
+    ("softmax/map-dtype", f"ops.softmax_attention({Q}, {K}, {V}, 0.5, 0, None, None, 0.0, torch.zeros(2), None)", "k_heads"),
+    (
+        "softmax/v-length",
+        f"ops.softmax_attention({Q}, {K}, f(1, 1, 4, 3), 0.5, 0, None, None, 0.0, None, None)",
+        "v must have shape",
+    ),
+    (
+        "softmax/dtype",
+        f"ops.softmax_attention({Q}, f(1, 1, 6, 4, dtype=torch.float16), {V}, 0.5, 0, None, None, 0.0, None, None)",
+        "k must be Float",
+    ),
     ("softmax/softcap", f"ops.softmax_attention({Q}, {K}, {V}, 0.5, 0, None, None, -1.0, None, None)", "softcap"),
     ("softmax/softcap-nan", f"ops.softmax_attention({Q}, {K}, {V}, 0.5, 0, None, None, nan, None, None)", "softcap"),
     # ---- top-k attention
@@ -182,8 +221,11 @@ CASES: list[tuple[str, str, str | None]] = [
     ("nsa/select_block-multiple", "nsa(select_block=3)", "select_block must be a multiple"),
     ("nsa/width-zero", "nsa(width=0, initial=0, local=1)", "width"),
     ("nsa/forced-over-width", "nsa(width=2, initial=1, local=2)", "width must hold the forced blocks"),
-    ("nsa/good-forced-over-blocks", "nsa(k=f(1, 1, 8, 4), v=f(1, 1, 8, 3), k_cmp=f(1, 1, 3, 4), v_cmp=f(1, 1, 3, 3), "
-     "width=2, initial=2, local=2)", None),
+    (
+        "nsa/good-forced-over-blocks",
+        "nsa(k=f(1, 1, 8, 4), v=f(1, 1, 8, 3), k_cmp=f(1, 1, 3, 4), v_cmp=f(1, 1, 3, 3), width=2, initial=2, local=2)",
+        None,
+    ),
     ("nsa/initial-negative", "nsa(initial=-1)", "initial"),
     ("nsa/local-zero", "nsa(local=0)", "local"),
     ("nsa/window-zero", "nsa(window=0)", "window"),
@@ -193,11 +235,15 @@ CASES: list[tuple[str, str, str | None]] = [
     ("nsa/rescale_above-nan", "nsa(rescale_above=nan)", "rescale_above"),
     ("nsa/dtype", "nsa(gates=f(1, 2, 8, 3, dtype=torch.float64))", "gates must be Float"),
     # ---- pointwise tile steps
-    ("pointwise/good", "x = f(3, 5); ops.sigmoid_(x, 0.5); ops.softcap_(x, 2.0); m, l = f(3), f(3).abs(); "
-     "ops.online_softmax_(f(3, 5), m, l); ops.stick_breaking_(f(3, 5), torch.ones(3)); "
-     "ops.stick_breaking_backward_(f(3, 5), f(3, 5), torch.ones(3), f(3), f(3)); "
-     "ops.depthwise_conv2d(f(2, 3, 6, 7), f(3, 2, 3)); ops.depthwise_conv2d_weight_grad(f(2, 3, 6, 7), f(2, 3, 5, 5), 2, 3); "
-     "ops.topk_rows(f(4, 9), 3); ops.mix_heads(f(2, 3), f(2, 3, 4, 5), f(2, 3, 4))", None),
+    (
+        "pointwise/good",
+        "x = f(3, 5); ops.sigmoid_(x, 0.5); ops.softcap_(x, 2.0); m, l = f(3), f(3).abs(); "
+        "ops.online_softmax_(f(3, 5), m, l); ops.stick_breaking_(f(3, 5), torch.ones(3)); "
+        "ops.stick_breaking_backward_(f(3, 5), f(3, 5), torch.ones(3), f(3), f(3)); "
+        "ops.depthwise_conv2d(f(2, 3, 6, 7), f(3, 2, 3)); ops.depthwise_conv2d_weight_grad(f(2, 3, 6, 7), f(2, 3, 5, 5), 2, 3); "
+        "ops.topk_rows(f(4, 9), 3); ops.mix_heads(f(2, 3), f(2, 3, 4, 5), f(2, 3, 4))",
+        None,
+    ),
     ("sigmoid_/non-contiguous", "ops.sigmoid_(f(5, 3).t(), 0.0)", "x must be contiguous"),
     ("sigmoid_/dtype", "ops.sigmoid_(f(5, 3, dtype=torch.float64), 0.0)", "x must be Float"),
     ("softcap_/cap", "ops.softcap_(f(5, 3), 0.0)", "cap"),
@@ -207,17 +253,18 @@ CASES: list[tuple[str, str, str | None]] = [
     ("online_softmax_/s-layout", "ops.online_softmax_(f(5, 3).t(), f(3), f(3))", "s must be contiguous"),
     ("stick_breaking_/carry", "ops.stick_breaking_(f(3, 5), f(2))", "carry must hold"),
     ("stick_breaking_backward_/dw", "ops.stick_breaking_backward_(f(3, 5), f(3, 4), f(3), f(3), f(3))", "dw must have"),
-    ("stick_breaking_backward_/delta", "ops.stick_breaking_backward_(f(3, 5), f(3, 5), f(3), f(3), f(2))",
-     "delta must hold"),
-    ("stick_breaking_backward_/carry_w", "ops.stick_breaking_backward_(f(3, 5), f(3, 5), f(3), f(1), f(3))",
-     "carry_w must hold"),
+    ("stick_breaking_backward_/delta", "ops.stick_breaking_backward_(f(3, 5), f(3, 5), f(3), f(3), f(2))", "delta must hold"),
+    ("stick_breaking_backward_/carry_w", "ops.stick_breaking_backward_(f(3, 5), f(3, 5), f(3), f(1), f(3))", "carry_w must hold"),
     ("depthwise_conv2d/weight-heads", "ops.depthwise_conv2d(f(2, 3, 6, 7), f(2, 2, 3))", "weight"),
     ("depthwise_conv2d/weight-no-taps", "ops.depthwise_conv2d(f(2, 3, 6, 7), f(3, 0, 3))", "weight"),
     ("depthwise_conv2d/x-dims", "ops.depthwise_conv2d(f(3, 6, 7), f(3, 2, 3))", "x must have 4 dimensions"),
     ("depthwise_conv2d_weight_grad/cq", "ops.depthwise_conv2d_weight_grad(f(2, 3, 6, 7), f(2, 3, 7, 5), 0, 3)", "cq"),
     ("depthwise_conv2d_weight_grad/ck", "ops.depthwise_conv2d_weight_grad(f(2, 3, 6, 7), f(2, 3, 5, 8), 2, -1)", "ck"),
-    ("depthwise_conv2d_weight_grad/dy", "ops.depthwise_conv2d_weight_grad(f(2, 3, 6, 7), f(2, 3, 5, 6), 2, 3)",
-     "dy must have shape"),
+    (
+        "depthwise_conv2d_weight_grad/dy",
+        "ops.depthwise_conv2d_weight_grad(f(2, 3, 6, 7), f(2, 3, 5, 6), 2, 3)",
+        "dy must have shape",
+    ),
     ("topk_rows/k-zero", "ops.topk_rows(f(4, 9), 0)", "k must be in"),
     ("topk_rows/k-over", "ops.topk_rows(f(4, 9), 10)", "k must be in"),
     ("topk_rows/dims", "ops.topk_rows(torch.tensor(1.0), 1)", "s must have at least one dimension"),
@@ -225,65 +272,154 @@ CASES: list[tuple[str, str, str | None]] = [
     ("mix_heads/too-many-heads", "ops.mix_heads(f(2, 65), f(1, 65, 2, 2), None)", "mix must be"),
     ("mix_heads/row_scale", "ops.mix_heads(f(2, 3), f(2, 3, 4, 5), f(2, 3, 5))", "row_scale must be"),
     # ---- KV cache steps (kv.cpp, kv_attention.cpp)
-    ("kv_evict/good", "valid, pos = slots(); ops.kv_evict_lowest(f(1, 4, 4), valid, pos, i64(2, 2).view(1, 2), "
-     "torch.zeros(1, 2, 4, dtype=torch.float64), 1, 0.5)", None),
-    ("kv_evict/mode", "valid, pos = slots(); ops.kv_evict_lowest(f(1, 2, 4), valid, pos, i64(2, 2).view(1, 2), None, 2, 0.0)",
-     "mode"),
-    ("kv_evict/recent", "valid, pos = slots(); ops.kv_evict_lowest(f(1, 2, 4), valid, pos, i64(1, 1).view(1, 2), "
-     "torch.zeros(1, 2, 4, dtype=torch.float64), 1, 2.0)", "recent"),
-    ("kv_evict/capacity-negative", "valid, pos = slots(); ops.kv_evict_lowest(f(1, 2, 4), valid, pos, "
-     "i64(-3, 2).view(1, 2), torch.zeros(1, 2, 4, dtype=torch.float64), 1, 0.5)", "capacity"),
-    ("kv_evict/capacity-shape", "valid, pos = slots(); ops.kv_evict_lowest(f(1, 2, 4), valid, pos, i64(2, 2), None, 0, "
-     "0.0)", "capacity"),
-    ("kv_evict/valid-dtype", "valid, pos = slots(); ops.kv_evict_lowest(f(1, 2, 4), valid.long(), pos, "
-     "i64(2, 2).view(1, 2), None, 0, 0.0)", "valid"),
-    ("kv_evict/mass", "valid, pos = slots(); ops.kv_evict_lowest(f(1, 3, 4), valid, pos, i64(2, 2).view(1, 2), None, 0, "
-     "0.0)", "mass"),
-    ("kv_evict/pos-not-distinct", "valid, pos = slots(H=1); pos.fill_(2**63 - 1); "
-     "ops.kv_evict_lowest(f(1, 1, 4), valid, pos, i64(2).view(1, 1), None, 0, 0.0)", "pos"),
-    ("kv_fill/good", "valid, pos = slots(); keys, values = f(1, 2, 4, 3), f(1, 2, 4, 5); "
-     "ops.kv_fill_hole(keys, values, valid, pos, None, None, f(1, 2, 1, 3), f(1, 2, 1, 5), i64(7), 7)", None),
-    ("kv_fill/rope_new", "valid, pos = slots(); ops.kv_fill_hole(f(1, 2, 4, 3), f(1, 2, 4, 5), valid, pos, None, None, "
-     "f(1, 2, 1, 3), f(1, 2, 1, 5), i64(7, 8), 7)", "rope_new"),
-    ("kv_fill/keys", "valid, pos = slots(); ops.kv_fill_hole(f(1, 2, 3, 3), f(1, 2, 4, 5), valid, pos, None, None, "
-     "f(1, 2, 1, 3), f(1, 2, 1, 5), i64(7), 7)", "keys"),
-    ("kv_fill/key_new", "valid, pos = slots(); ops.kv_fill_hole(f(1, 2, 4, 3), f(1, 2, 4, 5), valid, pos, None, None, "
-     "f(1, 2, 1, 4), f(1, 2, 1, 5), i64(7), 7)", "new key"),
-    ("kv_fill/full", "valid, pos = slots(held=4); ops.kv_fill_hole(f(1, 2, 4, 3), f(1, 2, 4, 5), valid, pos, None, None, "
-     "f(1, 2, 1, 3), f(1, 2, 1, 5), i64(7), 7)", "no empty slot"),
-    ("kv_step/good", "ops.kv_step_attention(f(1, 4, 1, 8), f(1, 2, 5, 8), f(1, 2, 5, 6), torch.zeros(1, 2, 5, "
-     "dtype=torch.bool), 0.3)", None),
+    (
+        "kv_evict/good",
+        "valid, pos = slots(); ops.kv_evict_lowest(f(1, 4, 4), valid, pos, i64(2, 2).view(1, 2), "
+        "torch.zeros(1, 2, 4, dtype=torch.float64), 1, 0.5)",
+        None,
+    ),
+    (
+        "kv_evict/mode",
+        "valid, pos = slots(); ops.kv_evict_lowest(f(1, 2, 4), valid, pos, i64(2, 2).view(1, 2), None, 2, 0.0)",
+        "mode",
+    ),
+    (
+        "kv_evict/recent",
+        "valid, pos = slots(); ops.kv_evict_lowest(f(1, 2, 4), valid, pos, i64(1, 1).view(1, 2), "
+        "torch.zeros(1, 2, 4, dtype=torch.float64), 1, 2.0)",
+        "recent",
+    ),
+    (
+        "kv_evict/capacity-negative",
+        "valid, pos = slots(); ops.kv_evict_lowest(f(1, 2, 4), valid, pos, "
+        "i64(-3, 2).view(1, 2), torch.zeros(1, 2, 4, dtype=torch.float64), 1, 0.5)",
+        "capacity",
+    ),
+    (
+        "kv_evict/capacity-shape",
+        "valid, pos = slots(); ops.kv_evict_lowest(f(1, 2, 4), valid, pos, i64(2, 2), None, 0, 0.0)",
+        "capacity",
+    ),
+    (
+        "kv_evict/valid-dtype",
+        "valid, pos = slots(); ops.kv_evict_lowest(f(1, 2, 4), valid.long(), pos, i64(2, 2).view(1, 2), None, 0, 0.0)",
+        "valid",
+    ),
+    (
+        "kv_evict/mass",
+        "valid, pos = slots(); ops.kv_evict_lowest(f(1, 3, 4), valid, pos, i64(2, 2).view(1, 2), None, 0, 0.0)",
+        "mass",
+    ),
+    (
+        "kv_evict/pos-not-distinct",
+        "valid, pos = slots(H=1); pos.fill_(2**63 - 1); "
+        "ops.kv_evict_lowest(f(1, 1, 4), valid, pos, i64(2).view(1, 1), None, 0, 0.0)",
+        "pos",
+    ),
+    (
+        "kv_fill/good",
+        "valid, pos = slots(); keys, values = f(1, 2, 4, 3), f(1, 2, 4, 5); "
+        "ops.kv_fill_hole(keys, values, valid, pos, None, None, f(1, 2, 1, 3), f(1, 2, 1, 5), i64(7), 7)",
+        None,
+    ),
+    (
+        "kv_fill/rope_new",
+        "valid, pos = slots(); ops.kv_fill_hole(f(1, 2, 4, 3), f(1, 2, 4, 5), valid, pos, None, None, "
+        "f(1, 2, 1, 3), f(1, 2, 1, 5), i64(7, 8), 7)",
+        "rope_new",
+    ),
+    (
+        "kv_fill/keys",
+        "valid, pos = slots(); ops.kv_fill_hole(f(1, 2, 3, 3), f(1, 2, 4, 5), valid, pos, None, None, "
+        "f(1, 2, 1, 3), f(1, 2, 1, 5), i64(7), 7)",
+        "keys",
+    ),
+    (
+        "kv_fill/key_new",
+        "valid, pos = slots(); ops.kv_fill_hole(f(1, 2, 4, 3), f(1, 2, 4, 5), valid, pos, None, None, "
+        "f(1, 2, 1, 4), f(1, 2, 1, 5), i64(7), 7)",
+        "new key",
+    ),
+    (
+        "kv_fill/full",
+        "valid, pos = slots(held=4); ops.kv_fill_hole(f(1, 2, 4, 3), f(1, 2, 4, 5), valid, pos, None, None, "
+        "f(1, 2, 1, 3), f(1, 2, 1, 5), i64(7), 7)",
+        "no empty slot",
+    ),
+    (
+        "kv_step/good",
+        "ops.kv_step_attention(f(1, 4, 1, 8), f(1, 2, 5, 8), f(1, 2, 5, 6), torch.zeros(1, 2, 5, dtype=torch.bool), 0.3)",
+        None,
+    ),
     ("kv_step/keys-head-size", "ops.kv_step_attention(f(1, 4, 1, 8), f(1, 2, 5, 7), f(1, 2, 5, 6), None, 0.3)", "keys"),
-    ("kv_step/hide", "ops.kv_step_attention(f(1, 4, 1, 8), f(1, 2, 5, 8), f(1, 2, 5, 6), torch.zeros(1, 2, 4, "
-     "dtype=torch.bool), 0.3)", "hide"),
+    (
+        "kv_step/hide",
+        "ops.kv_step_attention(f(1, 4, 1, 8), f(1, 2, 5, 8), f(1, 2, 5, 6), torch.zeros(1, 2, 4, dtype=torch.bool), 0.3)",
+        "hide",
+    ),
     ("kv_step/query-tokens", "ops.kv_step_attention(f(1, 4, 2, 8), f(1, 2, 5, 8), f(1, 2, 5, 6), None, 0.3)", "query"),
     ("kv_prefill/good", "ops.kv_prefill_attention(f(2, 4, 5, 8), f(2, 2, 5, 8), f(2, 2, 5, 6), 0.3, i64(0, 2))", None),
     ("kv_prefill/start", "ops.kv_prefill_attention(f(2, 4, 5, 8), f(2, 2, 5, 8), f(2, 2, 5, 6), 0.3, i64(0, 6))", "start"),
     ("kv_prefill/k", "ops.kv_prefill_attention(f(2, 4, 5, 8), f(2, 2, 5, 7), f(2, 2, 5, 6), 0.3, i64(0, 2))", "k (B"),
-    ("kv_packed/good", "ops.kv_packed_attention(f(1, 4, 1, 8), f(6, 8), f(6, 5), torch.tensor([[[0, 1, 5], [2, 3, 5]]], "
-     "dtype=torch.int32), 5, 0.3)", None),
-    ("kv_packed/source-row", "ops.kv_packed_attention(f(1, 4, 1, 8), f(6, 8), f(6, 5), torch.tensor([[[0, 1, 9], "
-     "[2, 3, 5]]], dtype=torch.int32), 5, 0.3)", "source"),
-    ("kv_packed/k_rows", "ops.kv_packed_attention(f(1, 4, 1, 8), f(6, 7), f(6, 5), torch.zeros(1, 2, 3, "
-     "dtype=torch.int32), 5, 0.3)", "k_rows"),
-    ("kv_quest/good", "ops.kv_quest_attention(f(1, 4, 1, 8), f(1, 2, 9, 8), f(1, 2, 9, 6), torch.zeros(1, 2, 3, 8, "
-     "dtype=torch.float64), torch.zeros(1, 2, 3, 8, dtype=torch.float64), torch.ones(1, 2, 3, dtype=torch.bool), "
-     "i64(8), 4, 8, False, 0.3, True)", None),
-    ("kv_quest/page_size", "ops.kv_quest_attention(f(1, 4, 1, 8), f(1, 2, 9, 8), f(1, 2, 9, 6), torch.zeros(1, 2, 3, 8, "
-     "dtype=torch.float64), torch.zeros(1, 2, 3, 8, dtype=torch.float64), torch.ones(1, 2, 3, dtype=torch.bool), "
-     "i64(8), 0, 8, False, 0.3, True)", "page_size"),
-    ("kv_quest/kmin", "ops.kv_quest_attention(f(1, 4, 1, 8), f(1, 2, 9, 8), f(1, 2, 9, 6), torch.zeros(1, 2, 3, 8), "
-     "torch.zeros(1, 2, 3, 8, dtype=torch.float64), torch.ones(1, 2, 3, dtype=torch.bool), i64(8), 4, 8, False, 0.3, "
-     "True)", "kmin"),
-    ("kv_quest/has", "ops.kv_quest_attention(f(1, 4, 1, 8), f(1, 2, 9, 8), f(1, 2, 9, 6), torch.zeros(1, 2, 3, 8, "
-     "dtype=torch.float64), torch.zeros(1, 2, 3, 8, dtype=torch.float64), torch.ones(1, 2, 1, dtype=torch.bool), "
-     "i64(8), 4, 8, False, 0.3, True)", "has"),
-    ("kv_quest/budget", "ops.kv_quest_attention(f(1, 4, 1, 8), f(1, 2, 9, 8), f(1, 2, 9, 6), torch.zeros(1, 2, 3, 8, "
-     "dtype=torch.float64), torch.zeros(1, 2, 3, 8, dtype=torch.float64), torch.ones(1, 2, 3, dtype=torch.bool), "
-     "i64(8, 8), 4, 8, False, 0.3, True)", "budget"),
-    ("kv_quest/keys-short", "ops.kv_quest_attention(f(1, 4, 1, 8), f(1, 2, 8, 8), f(1, 2, 8, 6), torch.zeros(1, 2, 3, 8, "
-     "dtype=torch.float64), torch.zeros(1, 2, 3, 8, dtype=torch.float64), torch.ones(1, 2, 3, dtype=torch.bool), "
-     "i64(8), 4, 8, False, 0.3, True)", "keys"),
+    (
+        "kv_packed/good",
+        "ops.kv_packed_attention(f(1, 4, 1, 8), f(6, 8), f(6, 5), torch.tensor([[[0, 1, 5], [2, 3, 5]]], "
+        "dtype=torch.int32), 5, 0.3)",
+        None,
+    ),
+    (
+        "kv_packed/source-row",
+        "ops.kv_packed_attention(f(1, 4, 1, 8), f(6, 8), f(6, 5), torch.tensor([[[0, 1, 9], "
+        "[2, 3, 5]]], dtype=torch.int32), 5, 0.3)",
+        "source",
+    ),
+    (
+        "kv_packed/k_rows",
+        "ops.kv_packed_attention(f(1, 4, 1, 8), f(6, 7), f(6, 5), torch.zeros(1, 2, 3, dtype=torch.int32), 5, 0.3)",
+        "k_rows",
+    ),
+    (
+        "kv_quest/good",
+        "ops.kv_quest_attention(f(1, 4, 1, 8), f(1, 2, 9, 8), f(1, 2, 9, 6), torch.zeros(1, 2, 3, 8, "
+        "dtype=torch.float64), torch.zeros(1, 2, 3, 8, dtype=torch.float64), torch.ones(1, 2, 3, dtype=torch.bool), "
+        "i64(8), 4, 8, False, 0.3, True)",
+        None,
+    ),
+    (
+        "kv_quest/page_size",
+        "ops.kv_quest_attention(f(1, 4, 1, 8), f(1, 2, 9, 8), f(1, 2, 9, 6), torch.zeros(1, 2, 3, 8, "
+        "dtype=torch.float64), torch.zeros(1, 2, 3, 8, dtype=torch.float64), torch.ones(1, 2, 3, dtype=torch.bool), "
+        "i64(8), 0, 8, False, 0.3, True)",
+        "page_size",
+    ),
+    (
+        "kv_quest/kmin",
+        "ops.kv_quest_attention(f(1, 4, 1, 8), f(1, 2, 9, 8), f(1, 2, 9, 6), torch.zeros(1, 2, 3, 8), "
+        "torch.zeros(1, 2, 3, 8, dtype=torch.float64), torch.ones(1, 2, 3, dtype=torch.bool), i64(8), 4, 8, False, 0.3, "
+        "True)",
+        "kmin",
+    ),
+    (
+        "kv_quest/has",
+        "ops.kv_quest_attention(f(1, 4, 1, 8), f(1, 2, 9, 8), f(1, 2, 9, 6), torch.zeros(1, 2, 3, 8, "
+        "dtype=torch.float64), torch.zeros(1, 2, 3, 8, dtype=torch.float64), torch.ones(1, 2, 1, dtype=torch.bool), "
+        "i64(8), 4, 8, False, 0.3, True)",
+        "has",
+    ),
+    (
+        "kv_quest/budget",
+        "ops.kv_quest_attention(f(1, 4, 1, 8), f(1, 2, 9, 8), f(1, 2, 9, 6), torch.zeros(1, 2, 3, 8, "
+        "dtype=torch.float64), torch.zeros(1, 2, 3, 8, dtype=torch.float64), torch.ones(1, 2, 3, dtype=torch.bool), "
+        "i64(8, 8), 4, 8, False, 0.3, True)",
+        "budget",
+    ),
+    (
+        "kv_quest/keys-short",
+        "ops.kv_quest_attention(f(1, 4, 1, 8), f(1, 2, 8, 8), f(1, 2, 8, 6), torch.zeros(1, 2, 3, 8, "
+        "dtype=torch.float64), torch.zeros(1, 2, 3, 8, dtype=torch.float64), torch.ones(1, 2, 3, dtype=torch.bool), "
+        "i64(8), 4, 8, False, 0.3, True)",
+        "keys",
+    ),
     # ---- the private helpers
     ("_gemm_mode/range", "ops._gemm_mode(7)", "mode"),
     ("_threads_used/range", "ops._threads_used(0)", "parts"),
@@ -297,8 +433,7 @@ def _run_all() -> dict[str, list]:
     todo = list(CASES)
     while todo:
         lines = "".join(json.dumps([name, code]) + "\n" for name, code, _ in todo)
-        proc = subprocess.run([sys.executable, "-c", CHILD], input=lines, capture_output=True, text=True, timeout=300,
-                              env=env)
+        proc = subprocess.run([sys.executable, "-c", CHILD], input=lines, capture_output=True, text=True, timeout=300, env=env)
         started = None
         for line in proc.stdout.splitlines():
             if not line.startswith("["):

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close, qkv
 
 import attnkit as ak
 from attnkit.kernels import make_request, reference_attention
+from helpers import assert_close, qkv
 
 
 def naive(q, k, v, visible, scale, sinks=None):

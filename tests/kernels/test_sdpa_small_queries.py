@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
-from helpers import assert_close
 
 import attnkit as ak
 from attnkit.kernels.few_queries import SMALL_QUERIES
+from helpers import assert_close
 
 MASKS = {
     "window": lambda nk: ak.causal() & ak.window(7),
@@ -18,7 +18,7 @@ MASKS = {
     "document": lambda nk: ak.causal() & ak.document(torch.arange(nk) // 9),
     "per-row documents": lambda nk: ak.document(torch.stack([torch.arange(nk) // 9, torch.arange(nk) // 4])),
     "dilated": lambda nk: ak.dilated(4, 2, causal=True),
-    "a callable": lambda nk: (lambda b, h, q, k: (k % (h + 2)) == 0),
+    "a callable": lambda nk: lambda b, h, q, k: (k % (h + 2)) == 0,
 }
 
 
@@ -40,7 +40,9 @@ def test_rows_that_see_no_key_are_zero_and_hidden_nan_stays_out():
     k[1, :, 25], v[1, :, 27] = math.nan, math.inf  # hidden by row 1's padding
     mask = ak.padding(torch.tensor([30, 20])) & ak.window(0, 0)  # queries at 27..29 see only themselves
     got = ak.attention(q, k, v, mask=mask)
-    want = ak.attention(q.double(), k.nan_to_num(0, 0, 0).double(), v.nan_to_num(0, 0, 0).double(), mask=mask, backend="reference")
+    want = ak.attention(
+        q.double(), k.nan_to_num(0, 0, 0).double(), v.nan_to_num(0, 0, 0).double(), mask=mask, backend="reference"
+    )
     assert_close(got, want, torch.float32)
     assert bool((got[1] == 0).all())  # row 1 sees nothing: its keys 27..29 are padding
 
@@ -65,4 +67,8 @@ def test_a_plain_decoding_step_still_names_a_nan_input(mask):
         ak.attention(q, k_bad, v, mask=mask)
     out = ak.attention(q_bad, k, v, mask=mask, check_finite=False)
     assert torch.isfinite(out[0, :3]).all()
-    assert_close(ak.attention(q, k, v, mask=mask), ak.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference"), torch.float32)
+    assert_close(
+        ak.attention(q, k, v, mask=mask),
+        ak.attention(q.double(), k.double(), v.double(), mask=mask, backend="reference"),
+        torch.float32,
+    )

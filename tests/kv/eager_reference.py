@@ -112,13 +112,15 @@ def simulate(model, policy, ids, mask, capacity, steps):
             masks.masks[layer.layer_idx] = (see | torch.eye(N, dtype=torch.bool))[:, None]
         projected = ProjectedKeys(model)
         try:
-            out = model(ids, attention_mask=mask, position_ids=positions(mask), cache=cache, output_attentions=True, use_cache=True)
+            out = model(
+                ids, attention_mask=mask, position_ids=positions(mask), cache=cache, output_attentions=True, use_cache=True
+            )
         finally:
             projected.remove()
     finally:
         masks.remove()
     kept, caps, states = {}, {}, {}
-    for i, layer in enumerate(layers):
+    for i, _layer in enumerate(layers):
         w = torch.where(real[:, None, :, None], out.attentions[i].to(torch.float64), 0.0)  # padded query rows: no weight
         held = real[:, None, :].expand(B, Hkv, N).clone()
         caps[i] = capacity(i, real.sum(-1))[:, None].expand(B, Hkv)
@@ -136,12 +138,20 @@ def simulate(model, policy, ids, mask, capacity, steps):
                 see = visible(held, q_pos, layer_window(layer))
                 g = model.config.num_attention_heads // Hkv
                 masks.masks[i] = see.repeat_interleave(g, 1)[:, :, None, :]
-            out = model(steps[:, s : s + 1], attention_mask=full, position_ids=positions(full)[:, -1:], cache=cache,
-                        output_attentions=True, use_cache=True)
+            out = model(
+                steps[:, s : s + 1],
+                attention_mask=full,
+                position_ids=positions(full)[:, -1:],
+                cache=cache,
+                output_attentions=True,
+                use_cache=True,
+            )
             for i in range(len(layers)):
                 held = torch.cat([kept[i], torch.ones(B, Hkv, 1, dtype=torch.bool)], dim=-1)
                 if policy.decodes:
-                    kept[i] = policy.reference(out.attentions[i].to(torch.float64), cache.layers[i].keys, held, caps[i], states[i], "decode")
+                    kept[i] = policy.reference(
+                        out.attentions[i].to(torch.float64), cache.layers[i].keys, held, caps[i], states[i], "decode"
+                    )
                 else:
                     kept[i] = held
             history.append(dict(kept))
@@ -166,7 +176,9 @@ def greedy(model, ids, mask, cache, steps: int):
         logits.append(out)
         tokens.append(out.argmax(-1, keepdim=True))
         full = torch.cat([full, torch.ones_like(full[:, :1])], 1)
-        out = model(tokens[-1], attention_mask=full, position_ids=positions(full)[:, -1:], cache=cache, use_cache=True).logits[:, -1]
+        out = model(tokens[-1], attention_mask=full, position_ids=positions(full)[:, -1:], cache=cache, use_cache=True).logits[
+            :, -1
+        ]
     return torch.cat(tokens, 1), torch.stack(logits, 1)
 
 

@@ -17,8 +17,15 @@ from attnkit.kernels.cpu import kv as native_kv
 
 def four_layers():
     torch.manual_seed(0)
-    config = T.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                           num_key_value_heads=2, max_position_embeddings=256)
+    config = T.LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     return T.LlamaForCausalLM(config).eval().double()
 
 
@@ -41,14 +48,17 @@ def test_pyramid_keeps_the_requested_mean(budget):
 
 @torch.no_grad()
 @pytest.mark.parametrize("native", [True, False])
-@pytest.mark.parametrize("name,params", [
-    ("quest", {"page_size": 16, "dense_layers": 1}),
-    ("quest", {"page_size": 4, "dense_layers": 0, "heads": "group"}),
-    ("pyramid", {"window": 4}),
-    ("snapkv", {"window": 4}),
-    ("adakv", {"window": 4}),
-    ("knorm", {}),
-])
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("quest", {"page_size": 16, "dense_layers": 1}),
+        ("quest", {"page_size": 4, "dense_layers": 0, "heads": "group"}),
+        ("pyramid", {"window": 4}),
+        ("snapkv", {"window": 4}),
+        ("adakv", {"window": 4}),
+        ("knorm", {}),
+    ],
+)
 @pytest.mark.parametrize("pads", [(0,), (0, 5)], ids=["one-row", "padded"])
 def test_budget_one_is_the_full_cache(name, params, pads, native, monkeypatch):
     """A prompt of 32 tokens fills two pages of 16 exactly: every decoded token opens or

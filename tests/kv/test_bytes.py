@@ -13,8 +13,17 @@ from attnkit.kv.layer import PolicyLayer
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("name,params", [("snapkv", {"window": 4}), ("knorm", {}), ("streaming", {}), ("h2o", {}),
-                                         ("adakv", {"window": 4}), ("pyramid", {"window": 4})])
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("snapkv", {"window": 4}),
+        ("knorm", {}),
+        ("streaming", {}),
+        ("h2o", {}),
+        ("adakv", {"window": 4}),
+        ("pyramid", {"window": 4}),
+    ],
+)
 def test_bytes_fall_with_the_budget(name, params):
     model = build("llama", "sdpa")
     ids, mask = padded_batch(seed=10, n=32, pads=(0, 4, 8))

@@ -24,13 +24,23 @@ def _feed(model, cache, ids, mask, steps):
     full = mask
     for s in range(steps.shape[1]):
         full = torch.cat([full, torch.ones(mask.shape[0], 1, dtype=mask.dtype)], 1)
-        outs.append(model(steps[:, s : s + 1], attention_mask=full, position_ids=positions(full)[:, -1:], cache=cache).logits[:, -1])
+        outs.append(
+            model(steps[:, s : s + 1], attention_mask=full, position_ids=positions(full)[:, -1:], cache=cache).logits[:, -1]
+        )
     return full, outs
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("name,params", [("snapkv", {"window": 3}), ("h2o", {}), ("streaming", {"sinks": 2}),
-                                         ("quest", {"page_size": 2, "dense_layers": 1}), ("adakv", {"window": 3})])
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("snapkv", {"window": 3}),
+        ("h2o", {}),
+        ("streaming", {"sinks": 2}),
+        ("quest", {"page_size": 2, "dense_layers": 1}),
+        ("adakv", {"window": 3}),
+    ],
+)
 def test_beam_search_with_room_for_everything_equals_the_full_cache(name, params):
     model = build("llama", "sdpa")
     ids, mask = padded_batch(seed=22, n=10, pads=(0, 2, 4))
@@ -67,8 +77,16 @@ def test_reorder_cache_moves_every_row_with_its_beam(name, params):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("name,params", [("snapkv", {"window": 3}), ("knorm", {}), ("quest", {"page_size": 2, "dense_layers": 1}),
-                                         ("h2o", {}), ("streaming", {"sinks": 2})])
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("snapkv", {"window": 3}),
+        ("knorm", {}),
+        ("quest", {"page_size": 2, "dense_layers": 1}),
+        ("h2o", {}),
+        ("streaming", {"sinks": 2}),
+    ],
+)
 def test_crop_with_room_for_everything_equals_the_full_cache_crop(name, params):
     """Feed 4 tokens, crop 3 (as assisted decoding rejects draft tokens), feed 2 others:
     the logits equal the full cache's under the same calls."""

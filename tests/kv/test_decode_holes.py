@@ -52,7 +52,7 @@ def test_streaming_ring_matches_selecting_every_step(monkeypatch):
     for s, kept in enumerate(ring_kept):
         for b, pad in enumerate((0, 2, 5)):
             real = list(range(pad, 10 + s + 1))
-            assert kept[b] == [real[:sinks] + real[-(budget - sinks):]] * 2
+            assert kept[b] == [real[:sinks] + real[-(budget - sinks) :]] * 2
 
 
 @torch.no_grad()
@@ -83,7 +83,7 @@ def test_filled_slots_and_holes_match_gathering_every_step(name, params, monkeyp
             seen = 10 + s + 1
             for b, pad in enumerate((0, 2, 5)):
                 real = list(range(pad, seen))
-                assert kept[b] == [real[:2] + real[-(budget - 2):]] * 2  # the sinks and the most recent, both heads
+                assert kept[b] == [real[:2] + real[-(budget - 2) :]] * 2  # the sinks and the most recent, both heads
 
 
 @torch.no_grad()

@@ -20,13 +20,23 @@ def test_bad_budget(model, budget):
         kv.policy_cache(model, "snapkv", budget=budget)
 
 
-@pytest.mark.parametrize("policy,params,name", [
-    ("streaming", {"sinks": -1}, "sinks"), ("streaming", {"positions": "rope"}, "positions"),
-    ("snapkv", {"window": 0}, "window"), ("snapkv", {"pooling": "min"}, "pooling"), ("snapkv", {"kernel": 1.5}, "kernel"),
-    ("h2o", {"recent": 1.5}, "recent"), ("adakv", {"floor": -0.1}, "floor"), ("pyramid", {"beta": 0.5}, "beta"),
-    ("quest", {"page_size": 0}, "page_size"), ("quest", {"heads": "kv"}, "heads"), ("snapkv", {"sinks": 4}, "sinks"),
-    ("knorm", {"window": 4}, "window"),
-])
+@pytest.mark.parametrize(
+    "policy,params,name",
+    [
+        ("streaming", {"sinks": -1}, "sinks"),
+        ("streaming", {"positions": "rope"}, "positions"),
+        ("snapkv", {"window": 0}, "window"),
+        ("snapkv", {"pooling": "min"}, "pooling"),
+        ("snapkv", {"kernel": 1.5}, "kernel"),
+        ("h2o", {"recent": 1.5}, "recent"),
+        ("adakv", {"floor": -0.1}, "floor"),
+        ("pyramid", {"beta": 0.5}, "beta"),
+        ("quest", {"page_size": 0}, "page_size"),
+        ("quest", {"heads": "kv"}, "heads"),
+        ("snapkv", {"sinks": 4}, "sinks"),
+        ("knorm", {"window": 4}, "window"),
+    ],
+)
 def test_bad_parameter(model, policy, params, name):
     with pytest.raises(ValueError, match=f"^{name}: "):
         kv.policy_cache(model, policy, budget=0.5, **params)

@@ -12,7 +12,9 @@ from attnkit.hf.switch import active_switch
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("name,params", [("streaming", {"sinks": 2}), ("knorm", {}), ("quest", {"page_size": 3, "dense_layers": 1})])
+@pytest.mark.parametrize(
+    "name,params", [("streaming", {"sinks": 2}), ("knorm", {}), ("quest", {"page_size": 3, "dense_layers": 1})]
+)
 def test_weightless_policies_under_eager(name, params):
     model = build("llama", "eager")
     ids, mask = padded_batch(seed=13, n=10, pads=(0, 2, 4))
@@ -57,8 +59,9 @@ def test_a_failing_forward_leaves_the_model_as_it_was(monkeypatch):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("name,params", [("h2o", {}), ("snapkv", {"window": 3}), ("tova", {}), ("adakv", {"window": 3}),
-                                         ("pyramid", {"window": 3})])
+@pytest.mark.parametrize(
+    "name,params", [("h2o", {}), ("snapkv", {"window": 3}), ("tova", {}), ("adakv", {"window": 3}), ("pyramid", {"window": 3})]
+)
 def test_scored_policies_with_room_for_everything_generate_the_full_cache_tokens(name, params):
     """Greedy and sampled, a left-padded batch of 3: weights read through attnkit, the
     baseline on sdpa."""
@@ -66,8 +69,10 @@ def test_scored_policies_with_room_for_everything_generate_the_full_cache_tokens
     ids, mask = padded_batch(seed=15, n=10, pads=(0, 2, 4))
     gen = dict(attention_mask=mask, max_new_tokens=5, pad_token_id=0)
     budget = 1000 if name == "pyramid" else 64  # pyramid's last layer gets budget / beta
-    assert torch.equal(model.generate(ids, do_sample=False, cache=kv.policy_cache(model, name, budget=budget, **params), **gen),
-                       model.generate(ids, do_sample=False, **gen))
+    assert torch.equal(
+        model.generate(ids, do_sample=False, cache=kv.policy_cache(model, name, budget=budget, **params), **gen),
+        model.generate(ids, do_sample=False, **gen),
+    )
     torch.manual_seed(3)
     sampled = model.generate(ids, do_sample=True, top_k=0, **gen)
     torch.manual_seed(3)

@@ -47,8 +47,7 @@ def test_operator_keeps_what_select_keeps(name, params, dtype):
         step = Step(0, 1, "decode", torch.zeros(B, H, L, 4), valid.clone(), pos, capacity, mass, score.clone(), L, None, pos)
         keep = policy.select(step)
         v, s = valid.clone(), score.clone()
-        slot, fewest, most = native_kv.evict_lowest(mass, v, pos, capacity, s if name == "h2o" else None,
-                                                    *policy.lowest_rule)
+        slot, fewest, most = native_kv.evict_lowest(mass, v, pos, capacity, s if name == "h2o" else None, *policy.lowest_rule)
         assert torch.equal(v, valid & keep), trial
         if name == "h2o":
             assert torch.equal(s, step.score), trial  # the accumulated score, every slot
@@ -92,8 +91,18 @@ def test_fill_writes_what_the_scatter_writes():
     assert torch.equal(room[:, :, L:], past_view)  # nothing written past the view
     full = torch.ones(1, 1, 3, dtype=torch.bool)
     with pytest.raises(RuntimeError, match="no empty slot"):
-        native_kv.fill_hole(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2), full, torch.zeros(1, 1, 3, dtype=torch.long),
-                            None, None, torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), torch.tensor([0]), 3)
+        native_kv.fill_hole(
+            torch.zeros(1, 1, 3, 2),
+            torch.zeros(1, 1, 3, 2),
+            full,
+            torch.zeros(1, 1, 3, dtype=torch.long),
+            None,
+            None,
+            torch.zeros(1, 1, 1, 2),
+            torch.zeros(1, 1, 1, 2),
+            torch.tensor([0]),
+            3,
+        )
 
 
 @torch.no_grad()
@@ -110,8 +119,9 @@ def test_decoding_with_the_operators_equals_the_pytorch_path(name, params, monke
         outs, kept, full = [model(prompt, attention_mask=mask, position_ids=positions(mask), cache=cache).logits], [], mask
         for s in range(forced.shape[1]):
             full = torch.cat([full, torch.ones(3, 1, dtype=full.dtype)], 1)
-            outs.append(model(forced[:, s : s + 1], attention_mask=full, position_ids=positions(full)[:, -1:],
-                              cache=cache).logits)
+            outs.append(
+                model(forced[:, s : s + 1], attention_mask=full, position_ids=positions(full)[:, -1:], cache=cache).logits
+            )
             kept.append([cache.kept_positions(i) for i in range(len(cache.layers))])
         return torch.cat(outs, 1), kept
 

@@ -87,8 +87,12 @@ def test_the_cpp_steps_answer_as_the_pytorch_path_on_the_trained_model(needle, n
         real = getattr(native_kv, op)
         monkeypatch.setattr(native_kv, op, lambda *a, _op=op, _real=real: ran.add(_op) or _real(*a))
     native = answer()
-    expected = {"h2o": {"prefill_attention", "step_attention", "evict_lowest"}, "tova": {"step_attention", "evict_lowest"},
-                "adakv": {"packed_attention"}, "quest": {"quest_attention"}}[name]
+    expected = {
+        "h2o": {"prefill_attention", "step_attention", "evict_lowest"},
+        "tova": {"step_attention", "evict_lowest"},
+        "adakv": {"packed_attention"},
+        "quest": {"quest_attention"},
+    }[name]
     assert expected <= ran
     monkeypatch.setattr(native_kv, "available", lambda: False)
     reference = answer()

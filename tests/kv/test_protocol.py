@@ -60,11 +60,15 @@ def test_settings_parse_and_refuse_with_the_argument_named():
     s = KVSetting.parse("snapkv:budget=0.25:protocol=aware:window=8")
     assert (s.policy, s.budget, s.params, s.protocol) == ("snapkv", 0.25, (("window", 8),), "aware")
     assert KVSetting.parse("streaming:budget=64").budget == 64  # an int is a token count
-    for text, message in [("nope", "policy: unknown policy 'nope'"), ("snapkv:budget=2.5", "budget:"),
-                          ("snapkv:protocol=both", "protocol: expected one of agnostic, aware"),
-                          ("snapkv:windw=8", "windw: not a parameter"), ("snapkv:8", "kv: expected NAME=VALUE"),
-                          ("full:window=3", "window: the full cache takes no parameters"),
-                          ("selective:budget=0.5", "policy: 'selective' needs a model trained")]:
+    for text, message in [
+        ("nope", "policy: unknown policy 'nope'"),
+        ("snapkv:budget=2.5", "budget:"),
+        ("snapkv:protocol=both", "protocol: expected one of agnostic, aware"),
+        ("snapkv:windw=8", "windw: not a parameter"),
+        ("snapkv:8", "kv: expected NAME=VALUE"),
+        ("full:window=3", "window: the full cache takes no parameters"),
+        ("selective:budget=0.5", "policy: 'selective' needs a model trained"),
+    ]:
         with pytest.raises(ValueError, match=message):
             KVSetting.parse(text)
 

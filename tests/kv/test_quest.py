@@ -56,8 +56,10 @@ def test_page_selection_equals_the_literal_rule(heads, L):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("rows,heads,native", [(3, "query", True), (1, "query", True), (1, "query", False),
-                                               (1, "group", True), (1, "group", False), (3, "group", True)])
+@pytest.mark.parametrize(
+    "rows,heads,native",
+    [(3, "query", True), (1, "query", True), (1, "query", False), (1, "group", True), (1, "group", False), (3, "group", True)],
+)
 def test_decoding_step_equals_dense_attention_on_the_selected_pages(rows, heads, native, monkeypatch):
     """Three padded rows take the masked path; one row of 17 tokens (an incomplete last
     page) runs the C++ step over the pages where they lie, or without the operators
@@ -82,8 +84,13 @@ def test_decoding_step_equals_dense_attention_on_the_selected_pages(rows, heads,
         assert [int(cache.lengths(0)[b, 0]) for b in range(3)] == [16, 13, 11]  # only padding goes
 
     captured = {}
-    hooks = [a.register_forward_pre_hook(lambda m, a_, kw: captured.__setitem__(m.layer_idx, (kw["hidden_states"], kw["position_embeddings"])), with_kwargs=True)
-             for a in attention_layers(model)]
+    hooks = [
+        a.register_forward_pre_hook(
+            lambda m, a_, kw: captured.__setitem__(m.layer_idx, (kw["hidden_states"], kw["position_embeddings"])),
+            with_kwargs=True,
+        )
+        for a in attention_layers(model)
+    ]
     x = torch.tensor([[3], [4], [5]])[:rows]
     full = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype)], 1)
     got = model(x, attention_mask=full, position_ids=positions(full)[:, -1:], cache=cache).logits[:, -1]

@@ -115,7 +115,7 @@ def test_adakv_heads_keep_different_lengths_and_match_masked_dense_attention(nat
             m[:, :, -S:, -S:] = torch.tril(torch.ones(S, S, dtype=torch.bool))
             if w is not None:
                 q = torch.arange(N)
-                m &= (q[:, None] - q[None, :] < w)
+                m &= q[:, None] - q[None, :] < w
             masks.masks[i] = m | torch.eye(N, dtype=torch.bool)  # a padded query sees itself (no empty rows)
         want = model(seq, attention_mask=full, position_ids=positions(full)).logits[:, -S:]
     finally:
@@ -133,7 +133,9 @@ def test_decoding_into_evicted_slots_keeps_the_reference_sets(name, params):
     ids, mask = padded_batch(seed=5, n=12, pads=(0, 3, 5))
     steps = torch.randint(1, 97, (3, 8), generator=torch.Generator().manual_seed(6))
     budget = 5
-    expected = simulate(eager, kv.POLICIES[name](**params), ids, mask, lambda layer, real: torch.full((len(real),), budget), steps)
+    expected = simulate(
+        eager, kv.POLICIES[name](**params), ids, mask, lambda layer, real: torch.full((len(real),), budget), steps
+    )
     model = build("llama", "sdpa").double()
     cache = kv.policy_cache(model, name, budget=budget, **params)
     model(ids, attention_mask=mask, position_ids=positions(mask), cache=cache, use_cache=True)

@@ -57,9 +57,19 @@ def test_selections_by_position_on_a_shuffled_layout():
         valid = torch.rand(B, H, L, generator=g) > 0.25
         n = valid.sum(-1)
         kind = trial % 4  # one count for all, a handful, all but one (a decoding step), per-head counts
-        count = (torch.tensor(3) if kind == 0 else torch.clamp(n - 1, min=0) if kind == 2
-                 else torch.randint(0, L + 2, (B, H), generator=g) if kind == 3 else torch.tensor(1))
+        count = (
+            torch.tensor(3)
+            if kind == 0
+            else torch.clamp(n - 1, min=0)
+            if kind == 2
+            else torch.randint(0, L + 2, (B, H), generator=g)
+            if kind == 3
+            else torch.tensor(1)
+        )
         for earliest, fn in ((True, first), (False, last)):
-            assert torch.equal(fn(valid, count, pos), literal_ends(valid, torch.as_tensor(count), pos, earliest)), (trial, earliest)
+            assert torch.equal(fn(valid, count, pos), literal_ends(valid, torch.as_tensor(count), pos, earliest)), (
+                trial,
+                earliest,
+            )
         scores = torch.randint(0, 3, (B, H, L), generator=g).double()
         assert torch.equal(top(scores, valid, count, pos), literal_top(scores, valid, count, pos)), trial

@@ -52,7 +52,7 @@ def test_kept_entries_equal_prune_context_over_the_whole_run():
         assert torch.equal(got[:, 0], got[:, 1])  # one set per row
         for b in range(3):
             idx = real[b].nonzero().flatten()
-            want = prune_context(q[b : b + 1, :, idx], k[b : b + 1, :, idx], budget, mask=causal(), scale=16 ** -0.5)
+            want = prune_context(q[b : b + 1, :, idx], k[b : b + 1, :, idx], budget, mask=causal(), scale=16**-0.5)
             assert torch.equal(got[b, 0, idx], want[0]), (layer, b)
             assert int(got[b, 0].sum()) == budget
 

@@ -106,8 +106,10 @@ def test_cache_positions_rerotate_kept_keys():
     model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0, cache=cache)
     for layer in cache.layers:
         n = layer.valid.sum(-1)
-        assert torch.equal(torch.where(layer.valid, layer.rope, -1),
-                           torch.where(layer.valid, torch.arange(layer.length)[None, None].expand_as(layer.rope), -1))
+        assert torch.equal(
+            torch.where(layer.valid, layer.rope, -1),
+            torch.where(layer.valid, torch.arange(layer.length)[None, None].expand_as(layer.rope), -1),
+        )
         assert torch.equal(n, torch.full_like(n, 5))
 
 

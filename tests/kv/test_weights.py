@@ -82,8 +82,9 @@ def test_decode_rows_over_a_layout_with_holes_equal_the_literal_softmax(window):
         for holes in (True, False):
             vv = v if holes else torch.ones_like(v) & v[..., -1:]
             for flag in (None, bool(vv.all())):
-                got = weights.received_mass(q[:, :, :1], q_pos[:1], k[one], vv, pos[one], 0.5, window, prefill=False,
-                                            all_valid=flag, appended=True)
+                got = weights.received_mass(
+                    q[:, :, :1], q_pos[:1], k[one], vv, pos[one], 0.5, window, prefill=False, all_valid=flag, appended=True
+                )
                 want = literal_mass(q[:, :, :1], q_pos[:1], k[one], vv, pos[one], 0.5, window)
                 torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
 
@@ -101,8 +102,10 @@ def test_weight_policies_keep_the_model_on_its_own_attention(name, monkeypatch):
     cache = kv.policy_cache(model, name, budget=0.5, **({"window": 3} if name == "snapkv" else {}))
     assert cache.direct
     seen = []
-    hooks = [layer.self_attn.register_forward_pre_hook(
-        lambda m, a: seen.append((m.config._attn_implementation, active_switch(m)[0]))) for layer in model.model.layers]
+    hooks = [
+        layer.self_attn.register_forward_pre_hook(lambda m, a: seen.append((m.config._attn_implementation, active_switch(m)[0])))
+        for layer in model.model.layers
+    ]
     try:
         model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
     finally:
@@ -153,7 +156,9 @@ def test_step_attention_equals_the_model_attention_with_recomputed_weights(name,
         full, kept = mask, []
         for s in range(forced.shape[1]):
             full = torch.cat([full, torch.ones(3, 1, dtype=full.dtype)], 1)
-            outs.append(model(forced[:, s : s + 1], attention_mask=full, position_ids=positions(full)[:, -1:], cache=cache).logits[:, -1])
+            outs.append(
+                model(forced[:, s : s + 1], attention_mask=full, position_ids=positions(full)[:, -1:], cache=cache).logits[:, -1]
+            )
             kept.append([cache.kept_positions(i) for i in range(3)])
         return torch.stack(outs, 1), kept
 

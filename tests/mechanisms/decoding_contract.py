@@ -19,10 +19,10 @@ Used by ``test_decoding_contract.py`` (attnkit.nn layers) and by
 from __future__ import annotations
 
 import torch
-from helpers import assert_close
 from torch.nn.parameter import UninitializedParameter
 
 from attnkit.nn import Attention, LayerCache
+from helpers import assert_close
 
 #: what a mechanism needs in a causal decoder of 4 query heads, 2 kv heads, and the
 #: sizes that make its sparse or approximate parts act on 20-token sequences
@@ -60,9 +60,16 @@ def perturb(module: torch.nn.Module, seed: int = 0) -> None:
 def layer_for(name: str, mechanism=None, **kw) -> Attention:
     """A float64 causal GQA layer with RoPE running ``name`` (or the ``mechanism`` object)."""
     torch.manual_seed(0)
-    layer = Attention(32, 4, n_kv_heads=2, mechanism=mechanism if mechanism is not None else name,
-                      mechanism_params={} if mechanism is not None else dict(PARAMS.get(name, {})),
-                      rope=True, context=CONTEXT, **kw).double()
+    layer = Attention(
+        32,
+        4,
+        n_kv_heads=2,
+        mechanism=mechanism if mechanism is not None else name,
+        mechanism_params={} if mechanism is not None else dict(PARAMS.get(name, {})),
+        rope=True,
+        context=CONTEXT,
+        **kw,
+    ).double()
     perturb(layer.mechanism)
     return layer
 

@@ -18,11 +18,11 @@ import contextlib
 
 import pytest
 import torch
-from helpers import assert_close, qkv
 
 import attnkit as ak
 from attnkit.kernels.engine import EngineTiling, TileKernel
 from attnkit.observe import Observer
+from helpers import assert_close, qkv
 
 SHAPES = {
     "gqa": dict(B=2, Hq=4, Hkv=2, Nq=24, Nk=24, D=8),
@@ -150,7 +150,12 @@ class Collect(Observer):
 
     def update(self, tile):
         rows = tile.q_pos - self.call.q_start
-        idx = (tile.batch.view(-1, 1, 1, 1), tile.head_index.view(1, -1, 1, 1), rows.view(1, 1, -1, 1), tile.k_pos.view(1, 1, 1, -1))
+        idx = (
+            tile.batch.view(-1, 1, 1, 1),
+            tile.head_index.view(1, -1, 1, 1),
+            rows.view(1, 1, -1, 1),
+            tile.k_pos.view(1, 1, 1, -1),
+        )
         self.w.index_put_(idx, tile.weights.double(), accumulate=True)
         self.count.index_put_(idx, torch.ones_like(tile.weights, dtype=torch.float64), accumulate=True)
 
@@ -196,4 +201,3 @@ def empty_sequences(mech, extra_fn=None, **call):
         out = out[0] if isinstance(out, tuple) else out
         assert out.shape == (1, 2, nq, 4) and not out.abs().any()
         out.sum().backward()
-

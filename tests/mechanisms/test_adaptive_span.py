@@ -6,11 +6,11 @@ import math
 import mechanism_contract as mc
 import pytest
 import torch
-from helpers import assert_close, qkv
 
 import attnkit as ak
 from attnkit.kernels import chunked, make_request, reference_attention
 from attnkit.mechanisms.adaptive_span import AdaptiveSpan, SpanBand
+from helpers import assert_close, qkv
 
 MASKS = {"none": lambda nk: None, "window": mc.MASKS["window"], "document": mc.MASKS["document"]}
 
@@ -31,7 +31,9 @@ def test_multi_tile_with_sinks():
     mech = spans(max_span=200, ramp=16)
     shape = dict(B=1, Hq=4, Hkv=2, Nq=300, Nk=300, D=8)
     sinks = torch.linspace(-1.0, 1.0, 4, dtype=torch.float64).requires_grad_()
-    mc.matches_reference(mech, shape, ak.document(torch.arange(300) // 120), ak.softcap(4.0), extra={"sinks": sinks}, return_lse=True)
+    mc.matches_reference(
+        mech, shape, ak.document(torch.arange(300) // 120), ak.softcap(4.0), extra={"sinks": sinks}, return_lse=True
+    )
 
 
 def test_gradcheck_including_the_span():
@@ -45,8 +47,11 @@ def test_gradcheck_including_the_span():
 def test_contract():
     mc.low_precision(spans().float(), dtypes=(torch.float32,))
     mc.dead_rows(spans(2))
-    mc.observers(spans().float().double(), mask=ak.document(torch.arange(26) // 9),
-                 visible_mask=ak.document(torch.arange(26) // 9) & SpanBand([0] * 4, [n - 1 for n in spans().keys_per_head()]))
+    mc.observers(
+        spans().float().double(),
+        mask=ak.document(torch.arange(26) // 9),
+        visible_mask=ak.document(torch.arange(26) // 9) & SpanBand([0] * 4, [n - 1 for n in spans().keys_per_head()]),
+    )
     mc.empty_sequences(spans(2))
     mc.by_name("adaptive_span", spans(), sinks_allowed=True)
 

@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-from helpers import assert_close, qkv
 
 import attnkit as ak
 from attnkit.kernels import make_request, reference_attention
@@ -13,6 +12,7 @@ from attnkit.mechanisms import get_mechanism
 from attnkit.mechanisms.block_sparse import BlockPattern
 from attnkit.mods import EMPTY, FULL, TileGrid
 from attnkit.observe import Observer
+from helpers import assert_close, qkv
 
 SMALL = dict(block_size=8, last_q=6, vertical_size=6, slash_size=5, sink_tokens=2, local_tokens=3)
 
@@ -29,7 +29,9 @@ def literal_pattern(mech, q, k):
         pos = {r: Nk - Nq + r for r in rows}
         a = {}
         for r in rows:
-            s = torch.tensor([float(q[0, h, r] @ k[0, h // G, j]) / math.sqrt(D) if j <= pos[r] else -math.inf for j in range(Nk)])
+            s = torch.tensor(
+                [float(q[0, h, r] @ k[0, h // G, j]) / math.sqrt(D) if j <= pos[r] else -math.inf for j in range(Nk)]
+            )
             a[r] = torch.softmax(s, 0).tolist()
         vertical = [sum(a[r][j] for r in rows) for j in range(Nk)]
         slash = [sum(a[r][pos[r] - delta] for r in rows if pos[r] - delta >= 0) for delta in range(Nk)]
@@ -130,10 +132,16 @@ def test_observers_get_softmax_weights_on_the_pattern():
     assert_close(torch.matmul(meter.weights, v.repeat_interleave(2, 1)), out)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(block_size=0), "block_size"), (dict(vertical_size=2, sink_tokens=3), "sink_tokens"),
-    (dict(slash_size=2, local_tokens=3), "local_tokens"), (dict(local_tokens=0), "local_tokens"), (dict(last_q=0), "last_q"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(block_size=0), "block_size"),
+        (dict(vertical_size=2, sink_tokens=3), "sink_tokens"),
+        (dict(slash_size=2, local_tokens=3), "local_tokens"),
+        (dict(local_tokens=0), "local_tokens"),
+        (dict(last_q=0), "last_q"),
+    ],
+)
 def test_invalid_parameters(kwargs, match):
     with pytest.raises(ValueError, match=match):
         get_mechanism("block_sparse", **kwargs)

@@ -25,10 +25,10 @@ from unittest import mock
 
 import pytest
 import torch
-from helpers import TOL
 
 import attnkit as ak
 from attnkit.mechanisms import available, get_mechanism
+from helpers import TOL
 
 # mods/masks.py caches its index tensors with functools.lru_cache, which Dynamo traces
 # through with a warning per call site; the cached values are pure functions of ints.
@@ -103,7 +103,11 @@ def test_compiles_by_name_forward_and_backward(name):
 # by-name defaults would take no data-dependent path: several selection blocks, GQA, fewer
 # queries than keys, LSH pieces, a learned span. Parameters must receive gradients too.
 BUILT = [
-    ("block_sparse", dict(block_size=8, last_q=16, vertical_size=8, slash_size=8, sink_tokens=2, local_tokens=2), dict(kv_heads=1, k_len=60)),
+    (
+        "block_sparse",
+        dict(block_size=8, last_q=16, vertical_size=8, slash_size=8, sink_tokens=2, local_tokens=2),
+        dict(kv_heads=1, k_len=60),
+    ),
     ("nsa", dict(compress_block=8, compress_stride=4, select_block=8, num_selected=3, window=16, num_heads=2), dict(kv_heads=1)),
     ("hyper_attention", dict(block_size=8, sample_size=8, min_seq_len=16), dict(k_len=40)),
     ("adaptive_span", dict(max_span=24, ramp=4, init=0.3, num_heads=2), {}),
@@ -146,8 +150,16 @@ def test_a_lazy_gate_built_outside_refuses_to_compile_saying_what_to_build():
 # enough for the eager path's float64 and pairwise fallbacks, selections of several blocks
 # per query, a span whose flat part and ramp split.
 TRACED_PATHS = [
-    ("block_sparse", dict(block_size=8, last_q=16, vertical_size=8, slash_size=8, sink_tokens=2, local_tokens=2), (2, 4, 2, 100, 100)),
-    ("block_sparse", dict(block_size=8, last_q=16, vertical_size=8, slash_size=8, sink_tokens=2, local_tokens=2), (1, 2, 2, 37, 300)),
+    (
+        "block_sparse",
+        dict(block_size=8, last_q=16, vertical_size=8, slash_size=8, sink_tokens=2, local_tokens=2),
+        (2, 4, 2, 100, 100),
+    ),
+    (
+        "block_sparse",
+        dict(block_size=8, last_q=16, vertical_size=8, slash_size=8, sink_tokens=2, local_tokens=2),
+        (1, 2, 2, 37, 300),
+    ),
     ("nsa", dict(compress_block=8, compress_stride=4, select_block=8, num_selected=4, window=16), (2, 4, 2, 100, 100)),
     ("hyper_attention", dict(block_size=8, sample_size=8, min_seq_len=16), (1, 4, 2, 70, 130)),
     ("selective", {}, (2, 2, 2, 100, 100)),

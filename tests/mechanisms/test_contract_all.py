@@ -10,11 +10,11 @@ observers). A mechanism leaves this check only through ``OPT_OUT``, which says w
 import decoding_contract as dc
 import pytest
 import torch
-from helpers import assert_close, qkv
 from mechanism_contract import SHAPES, matches_reference
 
 import attnkit as ak
 from attnkit.mechanisms import available, build_mechanism
+from helpers import assert_close, qkv
 
 #: name -> why the check above does not apply (each is held to its own reference elsewhere)
 OPT_OUT: dict[str, str] = {}
@@ -29,8 +29,9 @@ CAUSAL_ONLY: dict[str, str] = {
 
 
 def mechanism(name: str, shape: dict):
-    mech = build_mechanism(name, dict(dc.PARAMS.get(name, {})), shape["Hq"], shape["D"], shape["Hkv"],
-                           shape.get("Dv", shape["D"]), dc.CONTEXT).double()
+    mech = build_mechanism(
+        name, dict(dc.PARAMS.get(name, {})), shape["Hq"], shape["D"], shape["Hkv"], shape.get("Dv", shape["D"]), dc.CONTEXT
+    ).double()
     dc.perturb(mech)  # parts that start as the identity take part
     return mech
 

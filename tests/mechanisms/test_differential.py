@@ -5,11 +5,11 @@ import math
 import mechanism_contract as mc
 import pytest
 import torch
-from helpers import assert_close, qkv
 
 import attnkit as ak
 from attnkit.kernels import make_request, reference_attention
 from attnkit.mechanisms.differential import Differential
+from helpers import assert_close, qkv
 
 
 def test_matches_reference():
@@ -18,7 +18,9 @@ def test_matches_reference():
 
 
 def test_multi_tile():
-    mc.matches_reference(Differential(layer_index=3), dict(B=1, Hq=4, Hkv=2, Nq=280, Nk=300, D=8), ak.causal() & ak.window(100), ak.softcap(3.0))
+    mc.matches_reference(
+        Differential(layer_index=3), dict(B=1, Hq=4, Hkv=2, Nq=280, Nk=300, D=8), ak.causal() & ak.window(100), ak.softcap(3.0)
+    )
 
 
 def test_gradcheck():
@@ -70,11 +72,16 @@ def test_maps_share_one_grouped_call_only_when_heads_look_alike():
 
     mc.matches_reference(Differential(lambda_dim=2).double(), dict(B=2, Hq=4, Hkv=2, Nq=13, Nk=13, D=8), by_head)
     for backend in ("auto", "chunked"):
-        mc.matches_reference(Differential(lambda_dim=2).double(), dict(B=2, Hq=4, Hkv=2, Nq=13, Nk=13, D=8), ak.causal(), backend=backend)
+        mc.matches_reference(
+            Differential(lambda_dim=2).double(), dict(B=2, Hq=4, Hkv=2, Nq=13, Nk=13, D=8), ak.causal(), backend=backend
+        )
 
 
-@pytest.mark.parametrize("mask", [None, ak.causal(), ak.window(40), ak.window(20, 15), ak.document(torch.arange(330) // 100)],
-                         ids=["none", "causal", "window", "two-sided", "document"])
+@pytest.mark.parametrize(
+    "mask",
+    [None, ak.causal(), ak.window(40), ak.window(20, 15), ak.document(torch.arange(330) // 100)],
+    ids=["none", "causal", "window", "two-sided", "document"],
+)
 def test_float32_inference_matches_reference(mask, monkeypatch):
     """float32 without gradients: band masks take the C kernel with D/2-wide query and key
     heads against Dv-wide values, other masks the grouped call; GQA, Nq != Nk, Dv != D."""

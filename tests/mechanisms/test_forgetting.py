@@ -6,11 +6,11 @@ import math
 import mechanism_contract as mc
 import pytest
 import torch
-from helpers import assert_close, qkv
 
 import attnkit as ak
 from attnkit.kernels import make_request, reference_attention
 from attnkit.mechanisms.forgetting import Forgetting
+from helpers import assert_close, qkv
 
 
 def gates(shape, per_query_head=True, seed=0):
@@ -28,7 +28,9 @@ def test_multi_tile_and_sinks():
     shape = dict(B=1, Hq=4, Hkv=2, Nq=300, Nk=330, D=8)
     mc.matches_reference(Forgetting(), shape, ak.causal() & ak.window(90), ak.alibi(4), extra=gates(shape), return_lse=True)
     sinks = torch.linspace(-1.0, 1.0, 4, dtype=torch.float64).requires_grad_()
-    mc.matches_reference(Forgetting(), mc.SHAPES["gqa"], ak.causal(), extra={**gates(mc.SHAPES["gqa"]), "sinks": sinks}, return_lse=True)
+    mc.matches_reference(
+        Forgetting(), mc.SHAPES["gqa"], ak.causal(), extra={**gates(mc.SHAPES["gqa"]), "sinks": sinks}, return_lse=True
+    )
 
 
 def test_gradcheck():

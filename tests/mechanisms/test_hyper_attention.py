@@ -5,13 +5,13 @@ import math
 
 import pytest
 import torch
-from helpers import assert_close, qkv
 
 import attnkit as ak
 from attnkit.kernels import make_request, reference_attention
 from attnkit.mechanisms import get_mechanism
 from attnkit.mechanisms.hyper_attention import ExactPart, HyperPart, gray_rank
 from attnkit.observe import Observer
+from helpers import assert_close, qkv
 
 SMALL = dict(block_size=16, sample_size=12, min_seq_len=32, lsh_num_projs=4)
 
@@ -30,7 +30,9 @@ def test_gray_rank_orders_buckets_one_bit_apart(bits):
     assert all(bin(int(f)).count("1") == 1 for f in flips)  # the paper's Hamming-sorted buckets
 
 
-@pytest.mark.parametrize("causal,Nq,Nk", [(False, 100, 100), (False, 70, 130), (True, 150, 150), (True, 90, 170), (True, 170, 90)])
+@pytest.mark.parametrize(
+    "causal,Nq,Nk", [(False, 100, 100), (False, 70, 130), (True, 150, 150), (True, 90, 170), (True, 170, 90)]
+)
 def test_plan_covers_every_visible_pair_once(causal, Nq, Nk):
     q, k, _ = qkv(B=1, Hq=2, Hkv=1, Nq=Nq, Nk=Nk, D=8)
     parts = get_mechanism("hyper_attention", **SMALL).plan(q, k, causal)
@@ -47,7 +49,9 @@ def test_plan_covers_every_visible_pair_once(causal, Nq, Nk):
     assert any(isinstance(p, HyperPart) for p in parts)
 
 
-@pytest.mark.parametrize("causal,Nq,Nk,Dv", [(False, 100, 100, 8), (False, 70, 130, 5), (True, 150, 150, 8), (True, 90, 170, 8), (True, 170, 90, 6)])
+@pytest.mark.parametrize(
+    "causal,Nq,Nk,Dv", [(False, 100, 100, 8), (False, 70, 130, 5), (True, 150, 150, 8), (True, 90, 170, 8), (True, 170, 90, 6)]
+)
 def test_fast_path_matches_dense_estimator(causal, Nq, Nk, Dv):
     q, k, v = qkv(B=2, Hq=6, Hkv=2, Nq=Nq, Nk=Nk, D=8, Dv=Dv)
     mech = get_mechanism("hyper_attention", **SMALL, seed=3)
@@ -156,10 +160,16 @@ def test_observers_get_the_estimators_weights():
     assert_close(torch.matmul(meter.weights, v.repeat_interleave(2, 1)), out)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(block_size=0), "block_size"), (dict(sample_size=-1), "sample_size"), (dict(min_seq_len=1), "min_seq_len"),
-    (dict(lsh_num_projs=31), "lsh_num_projs"), (dict(seed=1.5), "seed"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(block_size=0), "block_size"),
+        (dict(sample_size=-1), "sample_size"),
+        (dict(min_seq_len=1), "min_seq_len"),
+        (dict(lsh_num_projs=31), "lsh_num_projs"),
+        (dict(seed=1.5), "seed"),
+    ],
+)
 def test_invalid_parameters(kwargs, match):
     with pytest.raises(ValueError, match=match):
         get_mechanism("hyper_attention", **kwargs)

@@ -4,11 +4,11 @@ convolution with halo tiles, head mixing after the softmax."""
 import mechanism_contract as mc
 import pytest
 import torch
-from helpers import assert_close, qkv
 
 import attnkit as ak
 from attnkit.kernels import make_request, reference_attention
 from attnkit.mechanisms.multi_token import MultiToken
+from helpers import assert_close, qkv
 
 
 def conv(cq=3, ck=5, ch=2, heads=4, seed=0):

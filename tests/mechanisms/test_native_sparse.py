@@ -5,15 +5,14 @@ import math
 
 import pytest
 import torch
-from helpers import assert_close, qkv
 
 import attnkit as ak
 from attnkit.kernels import make_request, reference_attention
-from attnkit.mechanisms import get_mechanism
-from attnkit.mechanisms import native_sparse
+from attnkit.mechanisms import get_mechanism, native_sparse
 from attnkit.mechanisms.native_sparse import CompressedCausal
 from attnkit.mods import EMPTY, FULL, TileGrid
 from attnkit.observe import Observer
+from helpers import assert_close, qkv
 
 SMALL = dict(compress_block=8, compress_stride=4, select_block=8, num_selected=3, window=6)
 
@@ -63,10 +62,19 @@ def literal_nsa(mech, q, k, v, gates):
     return out, chosen
 
 
-@pytest.mark.parametrize("Nq,Nk,Hq,Hkv,kwargs", [
-    (40, 40, 3, 1, {}),
-    (30, 44, 4, 2, dict(compress_block=8, compress_stride=8, select_block=8, num_selected=4, initial_blocks=0, local_blocks=1)),
-])
+@pytest.mark.parametrize(
+    "Nq,Nk,Hq,Hkv,kwargs",
+    [
+        (40, 40, 3, 1, {}),
+        (
+            30,
+            44,
+            4,
+            2,
+            dict(compress_block=8, compress_stride=8, select_block=8, num_selected=4, initial_blocks=0, local_blocks=1),
+        ),
+    ],
+)
 def test_literal_equations(Nq, Nk, Hq, Hkv, kwargs):
     q, k, v = qkv(B=1, Hq=Hq, Hkv=Hkv, Nq=Nq, Nk=Nk, D=4)
     mech = get_mechanism("nsa", **{**SMALL, **kwargs})
@@ -168,8 +176,13 @@ def test_selection_entries_hold_every_pair_once(monkeypatch):
     selection = top.indices.masked_fill(torch.isneginf(top.values), -1)
     entries = native_sparse._Entries(selection, own, n_blocks)
     dummy = B * Hkv * Nq
-    want = sorted(((b * Hkv + h) * Nq + t, (b * Hkv + h) * n_blocks + j) for b in range(B) for h in range(Hkv)
-                  for t in range(Nq) for j in set(selection[b, h, t].tolist()) - {-1, int(own[t])})
+    want = sorted(
+        ((b * Hkv + h) * Nq + t, (b * Hkv + h) * n_blocks + j)
+        for b in range(B)
+        for h in range(Hkv)
+        for t in range(Nq)
+        for j in set(selection[b, h, t].tolist()) - {-1, int(own[t])}
+    )
     got, pads = [], {}
     for rows, blocks in entries.chunks(1):
         for entry, block in zip(rows.tolist(), blocks.tolist()):
@@ -224,15 +237,18 @@ def test_observed_weights_make_the_output_with_mean_compression():
     assert bool((meter.weights[:, :, :, 60 - 45 + 1 :].triu() == 0).all())  # causal: no weight on future keys
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(compress_block=6, compress_stride=4), "compress_block"),
-    (dict(select_block=6, compress_stride=4), "select_block"),
-    (dict(num_selected=2, initial_blocks=1, local_blocks=2), "num_selected"),
-    (dict(compress="max"), "compress"),
-    (dict(compress="mlp"), "head_dim"),
-    (dict(window=0), "window"),
-    (dict(local_blocks=0), "local_blocks"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(compress_block=6, compress_stride=4), "compress_block"),
+        (dict(select_block=6, compress_stride=4), "select_block"),
+        (dict(num_selected=2, initial_blocks=1, local_blocks=2), "num_selected"),
+        (dict(compress="max"), "compress"),
+        (dict(compress="mlp"), "head_dim"),
+        (dict(window=0), "window"),
+        (dict(local_blocks=0), "local_blocks"),
+    ],
+)
 def test_invalid_parameters(kwargs, match):
     with pytest.raises(ValueError, match=match):
         get_mechanism("nsa", **kwargs)
@@ -267,8 +283,7 @@ def test_lower_precision_within_tolerance_of_float64(dtype):
 
 from attnkit.kernels import cpu  # noqa: E402
 
-needs_c = pytest.mark.skipif(not cpu.available(),
-                             reason="no C++ operators here (ATTNKIT_NATIVE=0 or no compiler)")
+needs_c = pytest.mark.skipif(not cpu.available(), reason="no C++ operators here (ATTNKIT_NATIVE=0 or no compiler)")
 
 C_CASES = [  # Nq, Nk, Hq, Hkv, D, Dv, mechanism arguments
     (70, 70, 4, 2, 8, 8, {}),

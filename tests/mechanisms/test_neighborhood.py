@@ -6,12 +6,12 @@ import math
 
 import pytest
 import torch
-from helpers import assert_close, qkv
 
 import attnkit as ak
 from attnkit.kernels import make_request, reference_attention
 from attnkit.mechanisms import get_mechanism
 from attnkit.observe import Observer
+from helpers import assert_close, qkv
 
 
 def natten_window(i, length, kernel, dilation=1, stride=1, causal=False):
@@ -37,8 +37,13 @@ def dense_visibility(grid, kernel, dilation, stride, causal):
     out = torch.zeros(len(coords), len(coords), dtype=torch.bool)
     for i, ci in enumerate(coords):
         for j, cj in enumerate(coords):
-            out[i, j] = all(cj[a] in natten_window(ci[a], grid[a], per_axis(kernel, a), per_axis(dilation, a), per_axis(stride, a),
-                                                   per_axis(causal, a)) for a in range(len(grid)))
+            out[i, j] = all(
+                cj[a]
+                in natten_window(
+                    ci[a], grid[a], per_axis(kernel, a), per_axis(dilation, a), per_axis(stride, a), per_axis(causal, a)
+                )
+                for a in range(len(grid))
+            )
     return out
 
 
@@ -74,8 +79,17 @@ def test_mask_is_natten(grid, kernel, dilation, stride, causal):
 def test_fast_path_matches_reference_with_bias(grid, kernel, dilation, stride, causal):
     n = math.prod(grid)
     q, k, v = qkv(B=2, Hq=4, Hkv=2, Nq=n, Nk=n, D=8, Dv=6)
-    mech = get_mechanism("neighborhood", kernel=kernel, grid=grid, dilation=dilation, stride=stride, causal=causal,
-                         rpb=True, num_heads=4, tile=(3,) * len(grid)).double()
+    mech = get_mechanism(
+        "neighborhood",
+        kernel=kernel,
+        grid=grid,
+        dilation=dilation,
+        stride=stride,
+        causal=causal,
+        rpb=True,
+        num_heads=4,
+        tile=(3,) * len(grid),
+    ).double()
     out, lse = mech(q, k, v, return_lse=True)
     ref, ref_lse = mech.reference(q, k, v, return_lse=True)
     assert_close(out, ref)
@@ -129,8 +143,17 @@ def test_one_dimensional_without_grid_uses_the_sequence():
 def test_gradients_match_reference(grid, kernel, dilation, stride, causal):
     n = math.prod(grid)
     q, k, v = qkv(B=2, Hq=4, Hkv=2, Nq=n, Nk=n, D=8, Dv=6, requires_grad=True)
-    mech = get_mechanism("neighborhood", kernel=kernel, grid=grid, dilation=dilation, stride=stride, causal=causal,
-                         rpb=True, num_heads=4, tile=(2,) * len(grid)).double()
+    mech = get_mechanism(
+        "neighborhood",
+        kernel=kernel,
+        grid=grid,
+        dilation=dilation,
+        stride=stride,
+        causal=causal,
+        rpb=True,
+        num_heads=4,
+        tile=(2,) * len(grid),
+    ).double()
     g = torch.Generator().manual_seed(1)
     go, gl = torch.randn(2, 4, n, 6, generator=g, dtype=torch.float64), torch.randn(2, 4, n, generator=g, dtype=torch.float64)
 
@@ -187,14 +210,17 @@ def test_observers_see_every_pair_once_with_softmax_weights():
     assert_close(torch.matmul(meter.weights, v.repeat_interleave(2, 1)), out)  # the weights make the output
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(kernel=5, grid=(4, 4)), "exceeds grid"),
-    (dict(kernel=3, grid=(8,), stride=4), "stride"),
-    (dict(kernel=3, grid=(8, 8, 8, 8)), "grid"),
-    (dict(kernel=3, rpb=True), "num_heads"),
-    (dict(kernel=0), "kernel"),
-    (dict(kernel=3, num_heads=2), "num_heads"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(kernel=5, grid=(4, 4)), "exceeds grid"),
+        (dict(kernel=3, grid=(8,), stride=4), "stride"),
+        (dict(kernel=3, grid=(8, 8, 8, 8)), "grid"),
+        (dict(kernel=3, rpb=True), "num_heads"),
+        (dict(kernel=0), "kernel"),
+        (dict(kernel=3, num_heads=2), "num_heads"),
+    ],
+)
 def test_invalid_parameters(kwargs, match):
     with pytest.raises(ValueError, match=match):
         get_mechanism("neighborhood", **kwargs)

@@ -22,7 +22,7 @@ print(json.dumps({"listed": listed, "registered": sorted(base._REGISTRY), "modul
 
 # A family file dropped into the package (here: a folder added to its path) registers
 # without any edit to mechanisms/__init__.py.
-NEW_FILE = '''
+NEW_FILE = """
 from attnkit.kernels.run import softmax_attention
 from attnkit.mechanisms.base import Mechanism, register
 
@@ -31,7 +31,7 @@ from attnkit.mechanisms.base import Mechanism, register
 class RegistryTestFamily(Mechanism):
     def forward(self, q, k, v, **call):
         return softmax_attention(q, k, v, **call)
-'''
+"""
 
 
 def _fresh(script: str) -> dict:

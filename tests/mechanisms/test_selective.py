@@ -5,11 +5,11 @@ import mechanism_contract as mc
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close, qkv
 
 import attnkit as ak
 from attnkit.kernels import make_request, reference_attention
 from attnkit.mechanisms.selective import Selective, prune_context
+from helpers import assert_close, qkv
 
 
 def test_matches_reference():
@@ -20,7 +20,13 @@ def test_matches_reference():
 def test_small_tiles(monkeypatch):
     with mc.small_tiles(monkeypatch):
         for name in ("none", "causal", "window", "document"):
-            mc.matches_reference(Selective(selector_head=1), dict(B=2, Hq=4, Hkv=2, Nq=21, Nk=37, D=8), mc.MASKS[name](37), ak.alibi(4), return_lse=True)
+            mc.matches_reference(
+                Selective(selector_head=1),
+                dict(B=2, Hq=4, Hkv=2, Nq=21, Nk=37, D=8),
+                mc.MASKS[name](37),
+                ak.alibi(4),
+                return_lse=True,
+            )
 
 
 def test_gradcheck(monkeypatch):

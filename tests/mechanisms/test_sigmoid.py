@@ -6,11 +6,11 @@ import math
 import mechanism_contract as mc
 import pytest
 import torch
-from helpers import assert_close, qkv
 
 import attnkit as ak
 from attnkit.kernels import make_request, reference_attention
 from attnkit.mechanisms.sigmoid import Sigmoid
+from helpers import assert_close, qkv
 
 
 def test_matches_reference():
@@ -111,7 +111,10 @@ def test_rejects_bad_parameters():
 # ---------------------------------------------------------------- the fused C kernels
 
 FUSED_MASKS = {
-    "none": None, "causal": ak.causal(), "window": ak.window(37), "two-sided window": ak.window(20, 15),
+    "none": None,
+    "causal": ak.causal(),
+    "window": ak.window(37),
+    "two-sided window": ak.window(20, 15),
     "causal & window": ak.causal() & ak.window(50),
 }
 
@@ -163,6 +166,8 @@ def test_fused_kernel_not_used_for_other_masks_or_mods(fused_calls):
     _float32_against_float64(ak.document(torch.arange(200) // 70), shape)
     q, k, v = qkv(**shape, dtype=torch.float32, seed=1)
     got = ak.attention(q, k, v, mask=ak.causal(), score=ak.softcap(3.0), mechanism="sigmoid")
-    want = ak.attention(q.double(), k.double(), v.double(), mask=ak.causal(), score=ak.softcap(3.0), mechanism="sigmoid", backend="reference")
+    want = ak.attention(
+        q.double(), k.double(), v.double(), mask=ak.causal(), score=ak.softcap(3.0), mechanism="sigmoid", backend="reference"
+    )
     assert_close(got, want, torch.float32)
     assert fused_calls == []

@@ -3,11 +3,11 @@
 import mechanism_contract as mc
 import pytest
 import torch
-from helpers import assert_close, qkv
 
 import attnkit as ak
 from attnkit.kernels import make_request, reference_attention
 from attnkit.mechanisms.signed import Signed
+from helpers import assert_close, qkv
 
 
 def test_matches_reference():
@@ -18,7 +18,9 @@ def test_matches_reference():
 def test_small_tiles(monkeypatch):
     with mc.small_tiles(monkeypatch):
         for name in ("none", "causal", "window", "document"):
-            mc.matches_reference(Signed(), dict(B=2, Hq=4, Hkv=2, Nq=21, Nk=37, D=8), mc.MASKS[name](37), ak.softcap(3.0), return_lse=True)
+            mc.matches_reference(
+                Signed(), dict(B=2, Hq=4, Hkv=2, Nq=21, Nk=37, D=8), mc.MASKS[name](37), ak.softcap(3.0), return_lse=True
+            )
 
 
 def test_small_tiles_without_score_mod(monkeypatch):
@@ -61,7 +63,14 @@ def test_negative_match_subtracts_its_value():
     k = torch.tensor([[[[-20.0], [0.0]]]], dtype=torch.float64)
     v = torch.tensor([[[[1.0], [5.0]]]], dtype=torch.float64)
     out = Signed()(q, k, v, scale=1.0)
-    assert_close(out, torch.tensor([[[[-1.0 * (1 - torch.exp(torch.tensor(-20.0)).item() / (1 + torch.exp(torch.tensor(-20.0)).item()))]]]], dtype=torch.float64), dtype=torch.float32)
+    assert_close(
+        out,
+        torch.tensor(
+            [[[[-1.0 * (1 - torch.exp(torch.tensor(-20.0)).item() / (1 + torch.exp(torch.tensor(-20.0)).item()))]]]],
+            dtype=torch.float64,
+        ),
+        dtype=torch.float32,
+    )
 
 
 def test_rejects_bad_input():

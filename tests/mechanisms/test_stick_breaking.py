@@ -3,10 +3,10 @@
 import mechanism_contract as mc
 import pytest
 import torch
-from helpers import assert_close, qkv
 
 import attnkit as ak
 from attnkit.mechanisms.stick_breaking import StickBreaking, StrictlyCausal
+from helpers import assert_close, qkv
 
 MASKS = {"none": lambda nk: None, "window": mc.MASKS["window"], "document": mc.MASKS["document"]}
 

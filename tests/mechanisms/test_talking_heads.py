@@ -3,11 +3,11 @@
 import mechanism_contract as mc
 import pytest
 import torch
-from helpers import assert_close, qkv
 
 import attnkit as ak
 from attnkit.kernels import make_request, reference_attention
 from attnkit.mechanisms.talking_heads import TalkingHeads
+from helpers import assert_close, qkv
 
 
 def mixed(pre=True, post=True, heads=4, seed=0):

@@ -6,12 +6,12 @@ import math
 import mechanism_contract as mc
 import pytest
 import torch
-from helpers import assert_close, qkv
 
 import attnkit as ak
 from attnkit.kernels import make_request, reference_attention
 from attnkit.mechanisms import topk as topk_module
 from attnkit.mechanisms.topk import TopK, TopTheta, calibrate_top_theta
+from helpers import assert_close, qkv
 
 
 def test_topk_matches_reference():
@@ -22,7 +22,9 @@ def test_topk_matches_reference():
 def test_topk_small_tiles(monkeypatch):
     with mc.small_tiles(monkeypatch, (topk_module, "_ROW_TILING")):
         for name in ("none", "causal", "window", "document"):
-            mc.matches_reference(TopK(6), dict(B=2, Hq=4, Hkv=2, Nq=21, Nk=37, D=8), mc.MASKS[name](37), ak.softcap(3.0), return_lse=True)
+            mc.matches_reference(
+                TopK(6), dict(B=2, Hq=4, Hkv=2, Nq=21, Nk=37, D=8), mc.MASKS[name](37), ak.softcap(3.0), return_lse=True
+            )
 
 
 def test_topk_gradcheck(monkeypatch):

@@ -68,7 +68,9 @@ def test_padding_and_per_batch_prefix():
     assert torch.equal(got, literal(lambda b, h, i, j: j < [2, 5][b] or j <= i, 7, 7, B=2))
 
 
-@pytest.mark.parametrize("kernel,dilation,causal", [(3, 1, False), (4, 1, False), (5, 2, False), (3, 3, False), (4, 2, True), (1, 1, False)])
+@pytest.mark.parametrize(
+    "kernel,dilation,causal", [(3, 1, False), (4, 1, False), (5, 2, False), (3, 3, False), (4, 2, True), (1, 1, False)]
+)
 def test_neighborhood_1d_is_natten(kernel, dilation, causal):
     n = 13
     got = dense(ak.neighborhood_1d(kernel, dilation, causal), n, n)
@@ -93,8 +95,11 @@ def test_neighborhood_2d_and_3d_are_products_of_axes():
     def pred3(b, h, i, j):
         a = (i // 20, (i // 5) % 4, i % 5)
         c = (j // 20, (j // 5) % 4, j % 5)
-        return (c[0] in natten_window(a[0], 3, 3, 1, True) and c[1] in natten_window(a[1], 4, 3, 1, False)
-                and c[2] in natten_window(a[2], 5, 3, 1, False))
+        return (
+            c[0] in natten_window(a[0], 3, 3, 1, True)
+            and c[1] in natten_window(a[1], 4, 3, 1, False)
+            and c[2] in natten_window(a[2], 5, 3, 1, False)
+        )
 
     assert torch.equal(got3, literal(pred3, 60, 60))
 
@@ -131,12 +136,24 @@ def _check_classification(mask, B, Nq, Nk, qb, kb, H=1):
             assert not tile.any(), (mask, b, i, j)
 
 
-MASKS = st.sampled_from([
-    ak.causal(), ak.window(5), ak.window(3, 7), ak.prefix_lm(9), ak.dilated(8, 2), ak.dilated(9, 1),
-    ak.causal() & ak.window(6), ~ak.window(4), ak.window(2) | ak.prefix_lm(3),
-    ak.neighborhood_1d(5, length=40), ak.neighborhood_1d(3, 2, length=40), ak.neighborhood_1d(7, causal=True, length=40),
-    ak.neighborhood_2d((5, 8), (3, 5)), ak.neighborhood_2d((8, 5), 2, dilation=2),
-])
+MASKS = st.sampled_from(
+    [
+        ak.causal(),
+        ak.window(5),
+        ak.window(3, 7),
+        ak.prefix_lm(9),
+        ak.dilated(8, 2),
+        ak.dilated(9, 1),
+        ak.causal() & ak.window(6),
+        ~ak.window(4),
+        ak.window(2) | ak.prefix_lm(3),
+        ak.neighborhood_1d(5, length=40),
+        ak.neighborhood_1d(3, 2, length=40),
+        ak.neighborhood_1d(7, causal=True, length=40),
+        ak.neighborhood_2d((5, 8), (3, 5)),
+        ak.neighborhood_2d((8, 5), 2, dilation=2),
+    ]
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -165,29 +182,38 @@ def test_classification_skips_tiles():
 # ------------------------------------------------------------ bad input
 
 
-@pytest.mark.parametrize("make,fragment", [
-    (lambda: ak.window(-1), "window: left"),
-    (lambda: ak.window(2.5), "window: left"),
-    (lambda: ak.dilated(4, 0), "dilated(dilation)"),
-    (lambda: ak.document(torch.rand(5)), "document(ids)"),
-    (lambda: ak.padding([[1, 2]]), "padding(lengths)"),
-    (lambda: ak.prefix_lm(-3), "prefix_lm(prefix_len)"),
-    (lambda: ak.neighborhood_2d((4, 4), 5), "kernel[0] * dilation[0] = 5 exceeds grid[0] = 4"),
-    (lambda: ak.neighborhood_2d((4,), 3), "neighborhood_2d: grid"),
-    (lambda: ak.neighborhood_1d(0), "neighborhood_1d(kernel)"),
-])
+@pytest.mark.parametrize(
+    "make,fragment",
+    [
+        (lambda: ak.window(-1), "window: left"),
+        (lambda: ak.window(2.5), "window: left"),
+        (lambda: ak.dilated(4, 0), "dilated(dilation)"),
+        (lambda: ak.document(torch.rand(5)), "document(ids)"),
+        (lambda: ak.padding([[1, 2]]), "padding(lengths)"),
+        (lambda: ak.prefix_lm(-3), "prefix_lm(prefix_len)"),
+        (lambda: ak.neighborhood_2d((4, 4), 5), "kernel[0] * dilation[0] = 5 exceeds grid[0] = 4"),
+        (lambda: ak.neighborhood_2d((4,), 3), "neighborhood_2d: grid"),
+        (lambda: ak.neighborhood_1d(0), "neighborhood_1d(kernel)"),
+    ],
+)
 def test_bad_mask_arguments_are_named(make, fragment):
-    with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]").replace("*", r"\*")):
+    with pytest.raises(
+        ValueError,
+        match=fragment.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]").replace("*", r"\*"),
+    ):
         make()
 
 
-@pytest.mark.parametrize("mask,fragment", [
-    (ak.document(torch.arange(10)), "ids has 10 positions but the keys have Nk=12"),
-    (ak.document(torch.zeros(3, 12, dtype=torch.long)), "has 3 batch rows but the call has B=2"),
-    (ak.padding([4, 5, 6]), "has 3 batch rows but the call has B=2"),
-    (ak.padding([4, 13]), "exceeds the key length Nk=12"),
-    (ak.neighborhood_2d((3, 3), 3), "expected Nq == Nk == 9"),
-])
+@pytest.mark.parametrize(
+    "mask,fragment",
+    [
+        (ak.document(torch.arange(10)), "ids has 10 positions but the keys have Nk=12"),
+        (ak.document(torch.zeros(3, 12, dtype=torch.long)), "has 3 batch rows but the call has B=2"),
+        (ak.padding([4, 5, 6]), "has 3 batch rows but the call has B=2"),
+        (ak.padding([4, 13]), "exceeds the key length Nk=12"),
+        (ak.neighborhood_2d((3, 3), 3), "expected Nq == Nk == 9"),
+    ],
+)
 def test_masks_check_call_sizes(mask, fragment):
     q = torch.randn(2, 2, 12, 4)
     with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
@@ -195,8 +221,13 @@ def test_masks_check_call_sizes(mask, fragment):
 
 
 BANDS = [
-    (ak.causal(), (None, 0)), (ak.window(5), (-5, 0)), (ak.window(3, 2), (-3, 2)), (ak.window(None, 4), (None, 4)),
-    (ak.window(6, None), (-6, None)), (ak.causal() & ak.window(4, 3), (-4, 0)), (ak.window(2, 9) & ak.window(7, 1), (-2, 1)),
+    (ak.causal(), (None, 0)),
+    (ak.window(5), (-5, 0)),
+    (ak.window(3, 2), (-3, 2)),
+    (ak.window(None, 4), (None, 4)),
+    (ak.window(6, None), (-6, None)),
+    (ak.causal() & ak.window(4, 3), (-4, 0)),
+    (ak.window(2, 9) & ak.window(7, 1), (-2, 1)),
 ]
 
 
@@ -210,8 +241,17 @@ def test_band_is_the_exact_diagonal_band(mask, band):
     assert torch.equal(dense(mask, Nq, Nk), want)
 
 
-@pytest.mark.parametrize("mask", [ak.document(torch.tensor([0, 0, 1, 1])), ak.causal() | ak.window(None, 2), ~ak.causal(),
-                                  ak.causal() & ak.prefix_lm(2), ak.dilated(4, 2)], ids=repr)
+@pytest.mark.parametrize(
+    "mask",
+    [
+        ak.document(torch.tensor([0, 0, 1, 1])),
+        ak.causal() | ak.window(None, 2),
+        ~ak.causal(),
+        ak.causal() & ak.prefix_lm(2),
+        ak.dilated(4, 2),
+    ],
+    ids=repr,
+)
 def test_band_is_none_for_other_masks(mask):
     assert mask.band() is None
     assert ak.mods.band_of(mask) is None

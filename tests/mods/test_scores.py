@@ -32,7 +32,7 @@ def test_alibi_slopes_follow_the_paper():
     assert torch.allclose(alibi_slopes(8), torch.tensor([2.0 ** -(i + 1) for i in range(8)]))
     # 6 heads: the 4-head slopes, then every other slope of the 8-head sequence.
     four = [2.0 ** (-2 * (i + 1)) for i in range(4)]
-    assert torch.allclose(alibi_slopes(6), torch.tensor(four + [2.0 ** -1, 2.0 ** -3]))
+    assert torch.allclose(alibi_slopes(6), torch.tensor(four + [2.0**-1, 2.0**-3]))
 
 
 def test_alibi_is_minus_slope_times_distance():
@@ -108,28 +108,34 @@ def test_alibi_separable_form_equals_dense_bias():
     torch.testing.assert_close(row[:, :, None] + col[:, None, :], dense)
 
 
-@pytest.mark.parametrize("make,fragment", [
-    (lambda: ak.softcap(0), "softcap(cap)"),
-    (lambda: ak.softcap(float("inf")), "softcap(cap)"),
-    (lambda: ak.temperature(-1.0), "temperature(t): must be > 0"),
-    (lambda: ak.temperature(torch.tensor([[1.0]])), "temperature(t)"),
-    (lambda: ak.alibi(), "alibi: give num_heads"),
-    (lambda: ak.relative_bias(torch.randn(8)), "relative_bias(table)"),
-    (lambda: ak.relative_bias(torch.randn(8, 2), max_distance=2), "relative_bias(max_distance)"),
-    (lambda: ak.bias(torch.randn(3, 3)), "bias(tensor)"),
-    (lambda: ak.log_length_scale(float("nan")), "log_length_scale(scale)"),
-])
+@pytest.mark.parametrize(
+    "make,fragment",
+    [
+        (lambda: ak.softcap(0), "softcap(cap)"),
+        (lambda: ak.softcap(float("inf")), "softcap(cap)"),
+        (lambda: ak.temperature(-1.0), "temperature(t): must be > 0"),
+        (lambda: ak.temperature(torch.tensor([[1.0]])), "temperature(t)"),
+        (lambda: ak.alibi(), "alibi: give num_heads"),
+        (lambda: ak.relative_bias(torch.randn(8)), "relative_bias(table)"),
+        (lambda: ak.relative_bias(torch.randn(8, 2), max_distance=2), "relative_bias(max_distance)"),
+        (lambda: ak.bias(torch.randn(3, 3)), "bias(tensor)"),
+        (lambda: ak.log_length_scale(float("nan")), "log_length_scale(scale)"),
+    ],
+)
 def test_bad_score_arguments_are_named(make, fragment):
     with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         make()
 
 
-@pytest.mark.parametrize("score,fragment", [
-    (ak.alibi(3), "alibi(slopes): has 3 values but the call has Hq=4"),
-    (ak.temperature(torch.ones(2)), "temperature(t): has 2 values"),
-    (ak.relative_bias(torch.randn(8, 2)), "relative_bias(table): has 2 heads"),
-    (ak.bias(torch.randn(1, 1, 5, 5)), "bias(tensor): has shape (1, 1, 5, 5) but the call needs"),
-])
+@pytest.mark.parametrize(
+    "score,fragment",
+    [
+        (ak.alibi(3), "alibi(slopes): has 3 values but the call has Hq=4"),
+        (ak.temperature(torch.ones(2)), "temperature(t): has 2 values"),
+        (ak.relative_bias(torch.randn(8, 2)), "relative_bias(table): has 2 heads"),
+        (ak.bias(torch.randn(1, 1, 5, 5)), "bias(tensor): has shape (1, 1, 5, 5) but the call needs"),
+    ],
+)
 def test_score_mods_check_call_sizes(score, fragment):
     q = torch.randn(1, 4, 6, 8)
     with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):

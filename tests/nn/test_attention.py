@@ -3,12 +3,12 @@ float64, TOL[float64]; every registered mechanism runs and trains inside the lay
 
 import pytest
 import torch
-from helpers import assert_close
 from literal import attention_layer
 
 import attnkit as ak
 from attnkit.mechanisms import available, get_mechanism
 from attnkit.nn import Attention, RotaryEmbedding
+from helpers import assert_close
 
 D_MODEL = 32
 
@@ -104,16 +104,19 @@ def test_a_mechanism_instance_is_used_as_given():
     assert layer.mechanism is mech
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(n_kv_heads=3), "n_kv_heads: must divide n_heads=4"),
-    (dict(gate="channel"), "gate: expected None, 'headwise' or 'elementwise'"),
-    (dict(window=-1), "window: expected a non-negative int"),
-    (dict(dropout=1.0), r"dropout: expected a probability in \[0, 1\)"),
-    (dict(rope="yes"), "rope: expected None, True"),
-    (dict(mechanism="nope"), "mechanism: unknown name 'nope'"),
-    (dict(latent=dict(kv_rank=8), n_kv_heads=2), "latent: MLA has its own key/value heads"),
-    (dict(head_dim=0), "head_dim: expected a positive int"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(n_kv_heads=3), "n_kv_heads: must divide n_heads=4"),
+        (dict(gate="channel"), "gate: expected None, 'headwise' or 'elementwise'"),
+        (dict(window=-1), "window: expected a non-negative int"),
+        (dict(dropout=1.0), r"dropout: expected a probability in \[0, 1\)"),
+        (dict(rope="yes"), "rope: expected None, True"),
+        (dict(mechanism="nope"), "mechanism: unknown name 'nope'"),
+        (dict(latent=dict(kv_rank=8), n_kv_heads=2), "latent: MLA has its own key/value heads"),
+        (dict(head_dim=0), "head_dim: expected a positive int"),
+    ],
+)
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Attention(D_MODEL, 4, **kwargs)

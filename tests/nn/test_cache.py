@@ -4,9 +4,9 @@ TOL[float64]."""
 
 import pytest
 import torch
-from helpers import assert_close
 
 from attnkit.nn import Attention, Cache, LayerCache
+from helpers import assert_close
 
 D_MODEL = 32
 CHUNKS = (5, 1, 3, 1, 1)  # a prefill, single tokens, a chunk of 3

@@ -3,10 +3,10 @@ and the absorbed form equals the expanded one (float64, TOL[float64])."""
 
 import pytest
 import torch
-from helpers import assert_close
 from literal import latent_layer
 
 from attnkit.nn import Attention, LayerCache
+from helpers import assert_close
 
 D_MODEL = 48
 

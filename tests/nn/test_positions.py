@@ -5,10 +5,10 @@ import math
 
 import pytest
 import torch
-from helpers import assert_close
 from literal import rope_complex
 
 from attnkit.nn import LearnedPositions, RopeScaling, RotaryEmbedding, rope_frequencies
+from helpers import assert_close
 
 
 def test_rope_is_complex_rotation_by_position_times_theta():
@@ -22,8 +22,10 @@ def test_rope_is_complex_rotation_by_position_times_theta():
 def test_rope_logits_depend_only_on_relative_position():
     rope = RotaryEmbedding(8)
     q, k = torch.randn(2, 1, 1, 1, 8, dtype=torch.float64).unbind(0)
+
     def logit(m, n):
         return float((rope(q, torch.tensor([m])) * rope(k, torch.tensor([n]))).sum())
+
     assert math.isclose(logit(3, 1), logit(103, 101), rel_tol=1e-12)
     assert not math.isclose(logit(3, 1), logit(3, 2), rel_tol=1e-3)
 
@@ -60,8 +62,12 @@ def _hf(kind, head_dim, base, params):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    config = LlamaConfig(hidden_size=head_dim * 2, num_attention_heads=2, max_position_embeddings=8192,
-                         rope_parameters={"rope_type": kind, "rope_theta": base, **params})
+    config = LlamaConfig(
+        hidden_size=head_dim * 2,
+        num_attention_heads=2,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": kind, "rope_theta": base, **params},
+    )
     inv_freq, factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
     return inv_freq.double(), factor
 
@@ -70,8 +76,12 @@ def _hf(kind, head_dim, base, params):
 def test_yarn_equals_transformers(factor, original, fast, slow, truncate):
     scaling = RopeScaling("yarn", factor, original, beta_fast=fast, beta_slow=slow, truncate=truncate)
     inv_freq, attn = rope_frequencies(64, 10000.0, scaling)
-    want, want_attn = _hf("yarn", 64, 10000.0, dict(factor=factor, original_max_position_embeddings=original,
-                                                   beta_fast=fast, beta_slow=slow, truncate=truncate))
+    want, want_attn = _hf(
+        "yarn",
+        64,
+        10000.0,
+        dict(factor=factor, original_max_position_embeddings=original, beta_fast=fast, beta_slow=slow, truncate=truncate),
+    )
     # transformers computes in float32: compare at float32 tolerance.
     assert_close(inv_freq, want, dtype=torch.float32)
     assert math.isclose(attn, want_attn, rel_tol=1e-7)
@@ -99,11 +109,14 @@ def test_yarn_attention_factor_scales_q_and_k():
     assert_close(rope(x, pos), rope_complex(x, pos, rope.inv_freq, factor=0.1 * math.log(4.0) + 1))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(kind="dynamic", factor=2.0), "rope scaling kind"),
-    (dict(kind="linear", factor=0.5), "rope scaling factor: expected a number >= 1"),
-    (dict(kind="yarn", factor=2.0), "rope scaling original_max_len"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(kind="dynamic", factor=2.0), "rope scaling kind"),
+        (dict(kind="linear", factor=0.5), "rope scaling factor: expected a number >= 1"),
+        (dict(kind="yarn", factor=2.0), "rope scaling original_max_len"),
+    ],
+)
 def test_bad_scaling(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RopeScaling(**kwargs)

@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close
 
 import attnkit as ak
 from attnkit.nn import SwiGLU, TransformerConfig, TransformerLM
+from helpers import assert_close
 
 VOCAB = 40
 
@@ -147,11 +147,14 @@ def test_document_mask_passes_to_every_layer():
     assert_close(packed[:, 5:], model(b))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(positions="sinusoidal"), "positions: expected one of"),
-    (dict(mechanism=["softmax"]), "mechanism: a list must have one entry per layer"),
-    (dict(n_layers=0), "n_layers: expected a positive int"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(positions="sinusoidal"), "positions: expected one of"),
+        (dict(mechanism=["softmax"]), "mechanism: a list must have one entry per layer"),
+        (dict(n_layers=0), "n_layers: expected a positive int"),
+    ],
+)
 def test_bad_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TransformerConfig(vocab_size=VOCAB, n_layers=kwargs.pop("n_layers", 2), **kwargs)

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from test_other_mechanisms import tiles_of
 
 from attnkit.observe import CallInfo, DistanceProfile, Entropy, SinkMass, SpanMass, classify_heads, feed
-from test_other_mechanisms import tiles_of
 
 N = 300
 
@@ -55,8 +55,15 @@ def test_missing_meters_leave_their_labels_out():
     assert classes[(0, 0)].labels == ("broad",) and classes[(0, 1)].labels == ("mixed",)
 
 
-@pytest.mark.parametrize("kwargs,name", [({"sink_epsilon": 0}, "sink_epsilon"), ({"broad_min": 2}, "broad_min"),
-                                         ({"local_window": 1}, "local_window"), ({"span_lift": 0.5}, "span_lift")])
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        ({"sink_epsilon": 0}, "sink_epsilon"),
+        ({"broad_min": 2}, "broad_min"),
+        ({"local_window": 1}, "local_window"),
+        ({"span_lift": 0.5}, "span_lift"),
+    ],
+)
 def test_bad_thresholds_name_themselves(kwargs, name):
     with pytest.raises(ValueError, match=name):
         classify_heads([], **kwargs)

@@ -2,8 +2,21 @@
 
 import pytest
 import torch
-from dense_meters import (CASE_IDS, CASES, dense, distance_bin_mass, distance_matrix, entropy_rows, first_k_mass, logit_stats,
-                          observe, qkv, rows_mean, sink_score, span_mass)
+from dense_meters import (
+    CASE_IDS,
+    CASES,
+    dense,
+    distance_bin_mass,
+    distance_matrix,
+    entropy_rows,
+    first_k_mass,
+    logit_stats,
+    observe,
+    qkv,
+    rows_mean,
+    sink_score,
+    span_mass,
+)
 
 from attnkit.observe import DistanceProfile, Entropy, LogitStats, SinkMass, SpanMass, TopKeys
 from attnkit.observe.distance import bin_label
@@ -13,8 +26,14 @@ F64 = TOL[torch.float64]
 
 
 def all_meters():
-    return [SinkMass(first=3, positions=(5, -1)), Entropy(per_query=True), DistanceProfile(), LogitStats(), TopKeys(k=4),
-            SpanMass({"head": (0, 10), "middle": (60, 130)})]
+    return [
+        SinkMass(first=3, positions=(5, -1)),
+        Entropy(per_query=True),
+        DistanceProfile(),
+        LogitStats(),
+        TopKeys(k=4),
+        SpanMass({"head": (0, 10), "middle": (60, 130)}),
+    ]
 
 
 def check_all(got, layer, tol, p, vis, s, pos):
@@ -48,7 +67,10 @@ def check_all(got, layer, tol, p, vis, s, pos):
     for h in range(H):
         close(got[(layer, h, "distance.mean")], rows_mean((p * d).sum(-1))[h])
         for b in range(n_bins):
-            close(got[(layer, h, f"distance.{bin_label(edges[b], edges[b + 1])}")], distance_bin_mass(p, pos, edges[b], edges[b + 1])[h])
+            close(
+                got[(layer, h, f"distance.{bin_label(edges[b], edges[b + 1])}")],
+                distance_bin_mass(p, pos, edges[b], edges[b + 1])[h],
+            )
     # spans
     for name, (a, b) in {"head": (0, 10), "middle": (60, 130)}.items():
         mass, uniform = span_mass(p, vis, a, b)
@@ -75,13 +97,20 @@ def small_tiles(monkeypatch):
     (by default a short input is a single tile)."""
     import attnkit.kernels.observe_pass as op
 
-    for name, value in (("OBSERVE_Q_BLOCK", 32), ("OBSERVE_K_BLOCK", 48), ("OBSERVE_MAX_FULL_SPAN", 48), ("OBSERVE_TILE_WEIGHTS", 1)):
+    for name, value in (
+        ("OBSERVE_Q_BLOCK", 32),
+        ("OBSERVE_K_BLOCK", 48),
+        ("OBSERVE_MAX_FULL_SPAN", 48),
+        ("OBSERVE_TILE_WEIGHTS", 1),
+    ):
         monkeypatch.setattr(op, name, value)
 
 
 # every case with the pass's own tiling, and all but the long one (already cut into key
 # segments) with small tiles
-TILED = [(case, tiling) for case in CASES for tiling in ("tiles", "small-tiles") if not (case[0] == "long" and tiling == "small-tiles")]
+TILED = [
+    (case, tiling) for case in CASES for tiling in ("tiles", "small-tiles") if not (case[0] == "long" and tiling == "small-tiles")
+]
 
 
 @pytest.mark.parametrize("case,tiling", TILED, ids=[f"{c[0]}-{t}" for c, t in TILED])

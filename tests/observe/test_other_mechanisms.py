@@ -39,6 +39,8 @@ def test_meters_on_signed_weights_without_logits():
         torch.testing.assert_close(got[(0, h, "sink.first4")], rows_mean(w[..., :4].sum(-1))[h].item(), **F64)
         torch.testing.assert_close(got[(0, h, "entropy.mean")], ent[:, h].mean().item(), **F64)
         multi = n[:, h] >= 2
-        torch.testing.assert_close(got[(0, h, "entropy.norm")], (ent[:, h][multi] / torch.log(n[:, h][multi])).mean().item(), **F64)
+        torch.testing.assert_close(
+            got[(0, h, "entropy.norm")], (ent[:, h][multi] / torch.log(n[:, h][multi])).mean().item(), **F64
+        )
         torch.testing.assert_close(got[(0, h, "distance.8-15")], distance_bin_mass(w, pos, 8, 16)[h].item(), **F64)
         torch.testing.assert_close(got[(0, h, "topkeys.top3")], rows_mean(top.sum(-1))[h].item(), **F64)

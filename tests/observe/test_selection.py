@@ -4,8 +4,8 @@ import torch
 from dense_meters import dense, distance_bin_mass, entropy_rows, first_k_mass, qkv, rows_mean
 
 import attnkit as ak
-from attnkit.kernels.observe_pass import call_info, softmax_tiles
 from attnkit.kernels import make_request
+from attnkit.kernels.observe_pass import call_info, softmax_tiles
 from attnkit.observe import CallInfo, DistanceProfile, Entropy, Observer, Selection, SinkMass, feed
 from helpers import TOL
 
@@ -47,7 +47,9 @@ def test_restricted_meters_match_dense_on_their_heads_and_queries():
     torch.testing.assert_close(rows_b[(1, 0, "entropy.mean")], ent[:, 0].mean().item(), **F64)
     rows_c = {(lay, h, m): x for lay, h, m, x in c.rows()}
     for h in range(4):
-        torch.testing.assert_close(rows_c[(2, h, "distance.4-7")], distance_bin_mass(p[:, :, 5:6], pos[5:6], 4, 8)[h].item(), **F64)
+        torch.testing.assert_close(
+            rows_c[(2, h, "distance.4-7")], distance_bin_mass(p[:, :, 5:6], pos[5:6], 4, 8)[h].item(), **F64
+        )
         torch.testing.assert_close(rows_c[(2, h, "distance.0")], rows_mean(p[:, :, 5:6, 5])[h].item(), **F64)
 
 

@@ -11,6 +11,7 @@ from attnkit.organisms import names, recipe
 from attnkit.organisms.builder import build, compare
 from attnkit.organisms.store import verify
 
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, tiny_recipe):
     out = tmp_path_factory.mktemp("organisms") / "tiny"

@@ -17,8 +17,9 @@ def test_a_recipe_survives_the_trip_through_a_cell(tiny_recipe):
 
 
 def test_the_cell_builds_the_recipe_and_returns_its_card(tiny_recipe, tmp_path):
-    rows = organism_cell({"recipe": tiny_recipe.to_dict(), "known_failures": list(tiny_recipe.known_failures),
-                          "out": str(tmp_path)})
+    rows = organism_cell(
+        {"recipe": tiny_recipe.to_dict(), "known_failures": list(tiny_recipe.known_failures), "out": str(tmp_path)}
+    )
     out = tmp_path / tiny_recipe.name
     card = verify(str(out))
     assert rows == card_rows(card, str(out))
@@ -38,12 +39,15 @@ def test_cells_name_their_recipes_and_refuse_unknown_ones(tmp_path):
 
 @pytest.mark.slow
 def test_a_worker_process_builds_the_same_bytes(tiny_recipe, tmp_path):
-    cell = Cell("organism", {"recipe": tiny_recipe.to_dict(), "known_failures": list(tiny_recipe.known_failures),
-                             "out": str(tmp_path / "swept")})
+    cell = Cell(
+        "organism",
+        {"recipe": tiny_recipe.to_dict(), "known_failures": list(tiny_recipe.known_failures), "out": str(tmp_path / "swept")},
+    )
     result = run_sweep([cell], str(tmp_path / "store"), LocalEngine(workers=1))
     assert result.failed == [] and result.computed == [cell.hash]
     here = build(tiny_recipe, str(tmp_path / "here"))
     there = verify(str(tmp_path / "swept" / tiny_recipe.name))
     assert there["files"]["model.safetensors"] == here["files"]["model.safetensors"]
     assert [r["value"] for r in load(str(tmp_path / "store"), with_cell=False) if r["metric"] == "accuracy"] == [
-        r["value"] for r in card_rows(there, "") if r["metric"] == "accuracy"]
+        r["value"] for r in card_rows(there, "") if r["metric"] == "accuracy"
+    ]

@@ -56,8 +56,11 @@ def test_the_card_is_measured_with_the_trained_mechanism(data):
 
 def test_plain_transformers_loaders_are_refused_and_warm_starts_accepted(data):
     recipe, root, _ = data
-    with pytest.raises(ValueError, match=rf"^--model: organism {recipe.name} runs (sigmoid|linear_elu) attention, "
-                                         r"which a transformers Llama loaded from its files computes as softmax"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^--model: organism {recipe.name} runs (sigmoid|linear_elu) attention, "
+        r"which a transformers Llama loaded from its files computes as softmax",
+    ):
         resolve_model_path(recipe.name)
     from attnkit.probes.model import load_probe_model
 

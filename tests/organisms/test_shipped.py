@@ -13,7 +13,6 @@ from attnkit.organisms.builder import build
 from attnkit.organisms.registry import RECIPES
 from attnkit.organisms.store import resolve_model_path, verify
 
-
 NAME = "tiny-needle"  # the conftest's tiny recipe
 
 
@@ -99,11 +98,14 @@ def test_cli_list_card_and_path(data, capsys):
     assert rows[NAME]["shipped"] and set(rows[NAME]["accuracy"]) == {"16", "64"}
 
 
-@pytest.mark.parametrize("args,message", [
-    (["organisms", "card", "needle-9k"], "NAME: no organism 'needle-9k'; known: "),
-    (["organisms", "path"], "NAME: 'attnkit organisms path' needs an organism; known: "),
-    (["organisms", "fly"], "action: invalid choice: 'fly'"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["organisms", "card", "needle-9k"], "NAME: no organism 'needle-9k'; known: "),
+        (["organisms", "path"], "NAME: 'attnkit organisms path' needs an organism; known: "),
+        (["organisms", "fly"], "action: invalid choice: 'fly'"),
+    ],
+)
 def test_cli_bad_input_exits_2_naming_the_argument(data, capsys, args, message):
     assert main(args) == 2
     assert capsys.readouterr().err.startswith(f"attnkit organisms: error: {message}")

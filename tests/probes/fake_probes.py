@@ -9,9 +9,22 @@ import time
 from attnkit.probes import ProbeResult, as_probe_model
 
 
-def fake(model=None, tokenizer=None, *, lengths=(4, 8), depths=(0.0, 1.0), samples: int = 1, seed: int = 0,
-         progress=None, pooling: str = "mean", top: int | None = None, exact: bool = False, haystack=None,
-         tasks: list[str] | None = None, scale=None) -> ProbeResult:
+def fake(
+    model=None,
+    tokenizer=None,
+    *,
+    lengths=(4, 8),
+    depths=(0.0, 1.0),
+    samples: int = 1,
+    seed: int = 0,
+    progress=None,
+    pooling: str = "mean",
+    top: int | None = None,
+    exact: bool = False,
+    haystack=None,
+    tasks: list[str] | None = None,
+    scale=None,
+) -> ProbeResult:
     """A probe for tests.
 
     ``lengths``: prompt lengths in tokens; ``depths``: fractions 0..1;
@@ -25,8 +38,18 @@ def fake(model=None, tokenizer=None, *, lengths=(4, 8), depths=(0.0, 1.0), sampl
         raise ValueError(f"--pooling: expected mean, cls or last, got {pooling!r}")
     for n in lengths:
         pm.check_length(n)
-    params = {"lengths": lengths, "depths": list(depths), "samples": samples, "seed": seed, "pooling": pooling, "top": top,
-              "exact": exact, "haystack": haystack, "tasks": tasks, "scale": scale}
+    params = {
+        "lengths": lengths,
+        "depths": list(depths),
+        "samples": samples,
+        "seed": seed,
+        "pooling": pooling,
+        "top": top,
+        "exact": exact,
+        "haystack": haystack,
+        "tasks": tasks,
+        "scale": scale,
+    }
     result = ProbeResult("fake")
     for n in lengths:
         for d in depths:
@@ -35,9 +58,16 @@ def fake(model=None, tokenizer=None, *, lengths=(4, 8), depths=(0.0, 1.0), sampl
             for s in range(samples):
                 result.add("score", (n * (1 + d) + s) / 100.0, length=n, depth=d, sample=s)
     result.add("layers", pm.layers)
-    result.meta = {"model": pm.name, "params": params, "seconds": time.perf_counter() - start, "kind": pm.kind,
-                   "figures": [{"kind": "heatmap", "rows": "depth", "cols": "length", "metric": "score", "title": "score"},
-                               {"kind": "curve", "x": "length", "metric": "score", "series": "depth", "title": "score by length"}]}
+    result.meta = {
+        "model": pm.name,
+        "params": params,
+        "seconds": time.perf_counter() - start,
+        "kind": pm.kind,
+        "figures": [
+            {"kind": "heatmap", "rows": "depth", "cols": "length", "metric": "score", "title": "score"},
+            {"kind": "curve", "x": "length", "metric": "score", "series": "depth", "title": "score by length"},
+        ],
+    }
     return result
 
 

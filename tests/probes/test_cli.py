@@ -42,15 +42,51 @@ def causal_dir(tmp_path_factory):
 
 def test_options_become_the_probes_keyword_arguments(fakes, encoder_dir, tmp_path, capsys):
     out = tmp_path / "run"
-    code = main(["probe", "fake", "--model", encoder_dir, "--out", str(out), "--lengths", "8,16", "--depths", "0,0.5",
-                 "--samples", "2", "--seed", "7", "--pooling", "cls", "--top", "3", "--exact", "--haystack", "essays.txt",
-                 "--tasks", "niah,vt", "--param", "scale=0.5"])
+    code = main(
+        [
+            "probe",
+            "fake",
+            "--model",
+            encoder_dir,
+            "--out",
+            str(out),
+            "--lengths",
+            "8,16",
+            "--depths",
+            "0,0.5",
+            "--samples",
+            "2",
+            "--seed",
+            "7",
+            "--pooling",
+            "cls",
+            "--top",
+            "3",
+            "--exact",
+            "--haystack",
+            "essays.txt",
+            "--tasks",
+            "niah,vt",
+            "--param",
+            "scale=0.5",
+        ]
+    )
     assert code == 0
     captured = capsys.readouterr()
     result = ProbeResult.from_json(str(out / "results.json"))
     # every value arrives with its type: ints, floats, lists, bool, text
-    assert result.meta["params"] == {"lengths": [8, 16], "depths": [0.0, 0.5], "samples": 2, "seed": 7, "pooling": "cls",
-                                     "top": 3, "exact": True, "haystack": "essays.txt", "tasks": ["niah", "vt"], "scale": 0.5}
+    assert result.meta["params"] == {
+        "lengths": [8, 16],
+        "depths": [0.0, 0.5],
+        "samples": 2,
+        "seed": 7,
+        "pooling": "cls",
+        "top": 3,
+        "exact": True,
+        "haystack": "essays.txt",
+        "tasks": ["niah", "vt"],
+        "scale": 0.5,
+    }
     assert result.meta["kind"] == "encoder" and result.value("layers") == 2
     lines = captured.out.strip().splitlines()
     assert lines[-1] == f"report: {out / 'report.html'}"  # the report's path comes last
@@ -70,8 +106,18 @@ def test_defaults_are_the_functions_own(fakes, encoder_dir, tmp_path, capsys):
     assert "longer than the 64 positions" in capsys.readouterr().err  # 1k = 1024 tokens, checked by the probe
     assert main(["probe", "fake", "--model", encoder_dir, "--out", str(tmp_path), "--quiet"]) == 0
     params = ProbeResult.from_json(str(tmp_path / "results.json")).meta["params"]
-    assert params == {"lengths": [4, 8], "depths": [0.0, 1.0], "samples": 1, "seed": 0, "pooling": "mean", "top": None,
-                      "exact": False, "haystack": None, "tasks": None, "scale": None}
+    assert params == {
+        "lengths": [4, 8],
+        "depths": [0.0, 1.0],
+        "samples": 1,
+        "seed": 0,
+        "pooling": "mean",
+        "top": None,
+        "exact": False,
+        "haystack": None,
+        "tasks": None,
+        "scale": None,
+    }
     assert capsys.readouterr().err == ""  # --quiet: no progress
 
 
@@ -99,24 +145,27 @@ def test_causal_probe_on_a_causal_model(fakes, causal_dir, tmp_path, capsys):
     assert ProbeResult.from_json(str(tmp_path / "results.json")).value("layers") == 2
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--nope", "3"], "--nope: the fake probe has no such option (its options: --lengths, --depths"),
-    (["--nope=3"], "--nope: the fake probe has no such option"),
-    (["--lengths", "8,x"], "--lengths: expected a comma-separated list of ints, e.g. 1k,2k,4096, got '8,x'"),
-    (["--lengths", "8,,16"], "--lengths: expected a comma-separated list of ints"),
-    (["--depths", "0,half"], "--depths: expected a comma-separated list of numbers"),
-    (["--depths", "nan"], "--depths: expected a comma-separated list of numbers"),
-    (["--samples", "two"], "--samples: expected an int (e.g. 8 or 4k = 4096), got 'two'"),
-    (["--samples"], "--samples: expected one argument"),
-    (["--lengths", "0"], "--lengths: expected ints >= 1, got [0]"),  # the probe's own check
-    (["--pooling", "max"], "--pooling: expected mean, cls or last, got 'max'"),
-    (["--param", "nope=1"], "--param: the fake probe has no keyword 'nope'"),
-    (["--param", "lengths"], "--param: expected KEY=VALUE, got 'lengths'"),
-    (["--param", "lengths=a"], "--param lengths: expected a comma-separated list of ints"),
-    (["--param", "progress=1"], "--param: progress is set by the CLI"),
-    (["--samples", "2", "extra"], "extra: unexpected argument"),
-    (["--model", "/nonexistent/model"], "--model: no such directory"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--nope", "3"], "--nope: the fake probe has no such option (its options: --lengths, --depths"),
+        (["--nope=3"], "--nope: the fake probe has no such option"),
+        (["--lengths", "8,x"], "--lengths: expected a comma-separated list of ints, e.g. 1k,2k,4096, got '8,x'"),
+        (["--lengths", "8,,16"], "--lengths: expected a comma-separated list of ints"),
+        (["--depths", "0,half"], "--depths: expected a comma-separated list of numbers"),
+        (["--depths", "nan"], "--depths: expected a comma-separated list of numbers"),
+        (["--samples", "two"], "--samples: expected an int (e.g. 8 or 4k = 4096), got 'two'"),
+        (["--samples"], "--samples: expected one argument"),
+        (["--lengths", "0"], "--lengths: expected ints >= 1, got [0]"),  # the probe's own check
+        (["--pooling", "max"], "--pooling: expected mean, cls or last, got 'max'"),
+        (["--param", "nope=1"], "--param: the fake probe has no keyword 'nope'"),
+        (["--param", "lengths"], "--param: expected KEY=VALUE, got 'lengths'"),
+        (["--param", "lengths=a"], "--param lengths: expected a comma-separated list of ints"),
+        (["--param", "progress=1"], "--param: progress is set by the CLI"),
+        (["--samples", "2", "extra"], "extra: unexpected argument"),
+        (["--model", "/nonexistent/model"], "--model: no such directory"),
+    ],
+)
 def test_bad_input_is_a_clear_error(fakes, encoder_dir, args, message, tmp_path, capsys):
     model = [] if "--model" in args else ["--model", encoder_dir]
     assert main(["probe", "fake", *model, *args, "--out", str(tmp_path / "o"), "--quiet"]) == 2
@@ -125,11 +174,14 @@ def test_bad_input_is_a_clear_error(fakes, encoder_dir, args, message, tmp_path,
     assert "Traceback" not in err and not (tmp_path / "o").exists()  # nothing left behind
 
 
-@pytest.mark.parametrize("argv,message", [
-    ([], "NAME: which probe? expected one of needle"),
-    (["nope"], "NAME: unknown probe 'nope'; expected one of needle, kv-retrieval"),
-    (["--lengths", "4"], "unrecognized arguments: --lengths"),  # argparse: options come after NAME
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        ([], "NAME: which probe? expected one of needle"),
+        (["nope"], "NAME: unknown probe 'nope'; expected one of needle, kv-retrieval"),
+        (["--lengths", "4"], "unrecognized arguments: --lengths"),  # argparse: options come after NAME
+    ],
+)
 def test_unknown_or_missing_probe(argv, message, capsys):
     assert main(["probe", *argv]) == 2
     assert message in capsys.readouterr().err
@@ -146,7 +198,14 @@ def test_help_lists_the_probes_options_with_their_docs(fakes, capsys):
     assert main(["probe", "fake", "--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: attnkit probe fake")
-    for option in ("--lengths N,...", "--depths X,...", "--samples N", "--pooling POOLING", "--exact, --no-exact", "--param KEY=VALUE"):
+    for option in (
+        "--lengths N,...",
+        "--depths X,...",
+        "--samples N",
+        "--pooling POOLING",
+        "--exact, --no-exact",
+        "--param KEY=VALUE",
+    ):
         assert option in out
     assert "mean, cls or last" in out and "prompt lengths in tokens" in out and "--progress" not in out
 
@@ -158,26 +217,29 @@ def test_every_registered_probe_has_a_help_page(name, capsys):
     assert out.startswith(f"usage: attnkit probe {name}") and "--seed" in out
 
 
-@pytest.mark.parametrize("default,annotation,name,kind", [
-    ((256, 512), "", "lengths", "ints"),
-    ((0.0, 0.5), "", "depths", "floats"),
-    ((0, 0.5), "", "depths", "floats"),
-    (("a", "b"), "", "tasks", "strs"),
-    (3, "", "top", "int"),
-    (0.5, "", "threshold", "float"),
-    (True, "", "flag", "bool"),
-    ("mean", "", "pooling", "str"),
-    (None, "list[int] | None", "x", "ints"),
-    (None, "Sequence[float] | None", "x", "floats"),
-    (None, "tuple[str, ...]", "x", "strs"),
-    (None, "int | None", "x", "int"),
-    (None, "Optional[float]", "x", "float"),
-    (None, "int | float", "x", "float"),
-    (None, "str | os.PathLike | None", "x", "str"),
-    (None, "", "lengths", "ints"),  # the common names read the same in every probe
-    (None, "", "depths", "floats"),
-    (None, "", "whatever", "any"),
-])
+@pytest.mark.parametrize(
+    "default,annotation,name,kind",
+    [
+        ((256, 512), "", "lengths", "ints"),
+        ((0.0, 0.5), "", "depths", "floats"),
+        ((0, 0.5), "", "depths", "floats"),
+        (("a", "b"), "", "tasks", "strs"),
+        (3, "", "top", "int"),
+        (0.5, "", "threshold", "float"),
+        (True, "", "flag", "bool"),
+        ("mean", "", "pooling", "str"),
+        (None, "list[int] | None", "x", "ints"),
+        (None, "Sequence[float] | None", "x", "floats"),
+        (None, "tuple[str, ...]", "x", "strs"),
+        (None, "int | None", "x", "int"),
+        (None, "Optional[float]", "x", "float"),
+        (None, "int | float", "x", "float"),
+        (None, "str | os.PathLike | None", "x", "str"),
+        (None, "", "lengths", "ints"),  # the common names read the same in every probe
+        (None, "", "depths", "floats"),
+        (None, "", "whatever", "any"),
+    ],
+)
 def test_value_kind(default, annotation, name, kind):
     assert value_kind(default, annotation, name) == kind
 
@@ -202,8 +264,26 @@ def test_a_real_probe_through_the_cli_equals_the_python_call(needle_export, tmp_
     from attnkit import probes
 
     out = tmp_path / "needle"
-    assert main(["probe", "needle", "--model", needle_export, "--lengths", "32", "--depths", "0,1", "--samples", "2",
-                 "--out", str(out), "--json"]) == 0
+    assert (
+        main(
+            [
+                "probe",
+                "needle",
+                "--model",
+                needle_export,
+                "--lengths",
+                "32",
+                "--depths",
+                "0,1",
+                "--samples",
+                "2",
+                "--out",
+                str(out),
+                "--json",
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     direct = probes.run("needle", needle_export, lengths=[32], depths=[0.0, 1.0], samples=2)
     assert data["rows"] == json.loads(direct.to_json())["rows"]

@@ -17,8 +17,15 @@ pytestmark = pytest.mark.slow
 def test_the_top_three_retrieval_heads_of_needle_2k_matter_more_than_random_ones():
     # measured on these prompts (30 per run: depths 0, 0.5, 1 x 10): none 0.97, top-3 retrieval 0.23,
     # random 3 (6 draws) 0.61 +- 0.13 (the docs' larger run: 0.22 against 0.63 +- 0.11 over 8 draws)
-    result = run("head-ablation", "needle-2k", lengths=[2048], ablate=["top3-retrieval", "random3"], draws=6,
-                 samples=10, depths=[0.0, 0.5, 1.0])
+    result = run(
+        "head-ablation",
+        "needle-2k",
+        lengths=[2048],
+        ablate=["top3-retrieval", "random3"],
+        draws=6,
+        samples=10,
+        depths=[0.0, 0.5, 1.0],
+    )
     assert result.meta["scores"]["retrieval"][:3] == [[1, 1], [1, 2], [1, 0]]  # layer 1 retrieves
     plain = result.value("accuracy", ablation="none", draw=0)
     top = result.value("accuracy", ablation="top3-retrieval", draw=0)
@@ -34,7 +41,8 @@ def test_kv_retrieval_1k_has_no_blind_position_with_the_full_cache():
     for position in (0, 3, 7):
         assert result.value("accuracy", pairs=8, position=position) >= 0.8
         assert result.value("gold_mass_max", pairs=8, position=position) > 10 * result.value(
-            "gold_mass_uniform", pairs=8, position=position)
+            "gold_mass_uniform", pairs=8, position=position
+        )
 
 
 def test_emphasis_on_the_needle_helps_needle_deep_among_its_decoys():
@@ -44,8 +52,9 @@ def test_emphasis_on_the_needle_helps_needle_deep_among_its_decoys():
     from attnkit.probes import get_probe, load_probe_model
 
     pm = load_probe_model("needle-deep")
-    result = run_with_and_without(get_probe("needle"), pm, ["emphasize:span=needle:alpha=0.01:heads=all"],
-                                  dict(lengths=[1022], depths=[0.0], samples=20))
+    result = run_with_and_without(
+        get_probe("needle"), pm, ["emphasize:span=needle:alpha=0.01:heads=all"], dict(lengths=[1022], depths=[0.0], samples=20)
+    )
     plain = result.value("accuracy", length=1022, depth=0.0, steered="none")
     steered = result.value("accuracy", length=1022, depth=0.0, steered="emphasize:span=needle:alpha=0.01:heads=all")
     assert plain <= 0.1 + 3 * 0.07

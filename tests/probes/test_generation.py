@@ -33,7 +33,7 @@ def test_greedy_tokens_equal_transformers_generate(name):
     ours = greedy_generate(model, _Tok(), PROMPTS, 6)
     for b, prompt in enumerate(PROMPTS):  # unpadded, one at a time: no padding to get wrong
         ref = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)
-        assert ours.tokens[b].tolist() == ref[0, len(prompt):].tolist()
+        assert ours.tokens[b].tolist() == ref[0, len(prompt) :].tolist()
 
 
 def _eager_answer_rows(model, prompts, tokens):
@@ -41,9 +41,8 @@ def _eager_answer_rows(model, prompts, tokens):
     from one full teacher-forced forward of prompt + generated tokens."""
     full = torch.cat([prompts.input_ids, tokens[:, :-1]], dim=1)
     mask = torch.cat([prompts.attention_mask, torch.ones_like(tokens[:, :-1])], dim=1)
-    out = model(input_ids=full, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
-                output_attentions=True)
-    return torch.stack(out.attentions)[:, :, :, prompts.length - 1:].double()
+    out = model(input_ids=full, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0), output_attentions=True)
+    return torch.stack(out.attentions)[:, :, :, prompts.length - 1 :].double()
 
 
 def test_row_span_mass_and_top_keys_equal_eager_weights():

@@ -26,8 +26,8 @@ def sentence_starts(tokens):
 
 
 def test_split_sentences():
-    text = "One two.  Three\nfour?  \"Five!\" Six (seven.) Eight"
-    assert split_sentences(text) == ["One two.", "Three four?", "\"Five!\"", "Six (seven.)", "Eight"]
+    text = 'One two.  Three\nfour?  "Five!" Six (seven.) Eight'
+    assert split_sentences(text) == ["One two.", "Three four?", '"Five!"', "Six (seven.)", "Eight"]
     assert split_sentences("   ") == []
 
 
@@ -35,13 +35,14 @@ def test_split_sentences():
 @pytest.mark.parametrize("length", [40, 97, 200])
 def test_needle_goes_to_the_sentence_start_at_or_before_its_depth(length, depth):
     head, needle, tail = encode(TOK, "Read the text."), encode(TOK, NEEDLE), encode(TOK, QUESTION)
-    ctx = build_context(TOK, Haystack.default(), length=length, needles=[(needle, depth)], head=head, tail=tail,
-                        rng=random.Random(3))
+    ctx = build_context(
+        TOK, Haystack.default(), length=length, needles=[(needle, depth)], head=head, tail=tail, rng=random.Random(3)
+    )
     assert len(ctx.ids) == length  # the question's buffer was kept: exact length
-    assert ctx.ids[:len(head)] == head and ctx.ids[-len(tail):] == tail
+    assert ctx.ids[: len(head)] == head and ctx.ids[-len(tail) :] == tail
     start, end = ctx.spans[0]
     assert ctx.ids[start:end] == needle
-    hay = ctx.ids[len(head):start] + ctx.ids[end:length - len(tail)]  # the haystack without the needle
+    hay = ctx.ids[len(head) : start] + ctx.ids[end : length - len(tail)]  # the haystack without the needle
     assert len(hay) == length - len(head) - len(tail) - len(needle)
     n, at = len(hay), start - len(head)
     target = round(depth * n)
@@ -77,10 +78,15 @@ def test_file_haystack_is_read_in_order(tmp_path):
 
 def test_several_needles_keep_their_spans_and_order():
     a, b = encode(TOK, " red is 1."), encode(TOK, " blue is 2.")
-    ctx = build_context(TOK, Haystack.default(), length=120, needles=[(b, 0.8), (a, 0.2), (encode(TOK, " green is 3."), 0.2)],
-                        rng=random.Random(1))
+    ctx = build_context(
+        TOK,
+        Haystack.default(),
+        length=120,
+        needles=[(b, 0.8), (a, 0.2), (encode(TOK, " green is 3."), 0.2)],
+        rng=random.Random(1),
+    )
     spans = ctx.spans
-    assert ctx.ids[spans[0][0]:spans[0][1]] == b and ctx.ids[spans[1][0]:spans[1][1]] == a
+    assert ctx.ids[spans[0][0] : spans[0][1]] == b and ctx.ids[spans[1][0] : spans[1][1]] == a
     assert spans[1][1] <= spans[2][0] < spans[0][0]  # same depth: given order; deeper: later
     assert len(ctx.ids) == 120 and ctx.haystack == (0, 120)
 

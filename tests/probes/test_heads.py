@@ -96,7 +96,7 @@ def _check_retrieval(model, result):
     retrieval = None
     for p, (a, e), gen in zip(needle["prompts"], needle["spans"], needle["generated"]):
         full = p + gen
-        top = _eager(model, [full[:-1]])[:, 0, :, len(p) - 1:].argmax(-1)  # (L, H, steps)
+        top = _eager(model, [full[:-1]])[:, 0, :, len(p) - 1 :].argmax(-1)  # (L, H, steps)
         L, H = top.shape[:2]
         retrieval = torch.zeros(L, H, dtype=torch.float64) if retrieval is None else retrieval
         for layer in range(L):
@@ -118,7 +118,7 @@ def test_rows_top_and_head_set(llama_run, tmp_path):
     for score in SCORES:
         values = {(r["layer"], r["head"]): r["value"] for r in result.select(score)}
         assert len(values) == 12
-        best = sorted(values, key=lambda k: (-values[k], k))[:PARAMS["top"]]
+        best = sorted(values, key=lambda k: (-values[k], k))[: PARAMS["top"]]
         assert result.meta["top"][score] == [list(k) for k in best]
     assert [f["metric"] for f in result.meta["figures"]] == list(SCORES)
     saved = save_head_set(result, tmp_path / "heads.json", "induction")
@@ -167,9 +167,17 @@ def needle_format_model(tmp_path_factory):
     symbols = task_symbols(task)
     directory = tmp_path_factory.mktemp("needle-format")
     torch.manual_seed(0)
-    config = T.LlamaConfig(vocab_size=task.vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                           pad_token_id=symbols.ids[symbols.pad], architectures=["LlamaForCausalLM"])
+    config = T.LlamaConfig(
+        vocab_size=task.vocab_size,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        pad_token_id=symbols.ids[symbols.pad],
+        architectures=["LlamaForCausalLM"],
+    )
     T.LlamaForCausalLM(config).save_pretrained(directory)
     build_tokenizer(symbols).save_pretrained(directory)
     (directory / "task.json").write_text(json.dumps(task_record(task, symbols)))
@@ -187,7 +195,7 @@ def test_arena_needle_prompts_follow_the_task_format(needle_format_model):
         key, value = words[a:e]
         assert e - a == 2 and a % 2 == 0 and a == 2 * round(s / 4 * (11 - 1))  # depths 0, .25, ... 1 over 11 cells
         assert words[-1] == key and key in roles["keys"] and value in roles["values"] and answer == [p[a + 1]]
-        cells = [words[i:i + 2] for i in range(0, 22, 2)]
+        cells = [words[i : i + 2] for i in range(0, 22, 2)]
         pairs = [c for c in cells if c[0] in roles["keys"]]
         assert len(pairs) == 3 and all(c[1] in roles["values"] for c in pairs)  # needle + 2 distractors
         assert len({c[0] for c in pairs}) == 3 and len({c[1] for c in pairs}) == 3  # distinct keys, distinct values
@@ -205,13 +213,26 @@ def test_arena_needle_prompts_follow_the_task_format(needle_format_model):
         run("heads", directory, context=25, scores=["retrieval"], top=1)
 
 
-@pytest.mark.parametrize("bad, option", [
-    (dict(top=0), "--top"), (dict(top=13), "--top"), (dict(length=1), "--length"), (dict(length=200), "--length"),
-    (dict(repeats=1), "--repeats"), (dict(samples=0), "--samples"), (dict(needle=1), "--needle"),
-    (dict(needle=96), "--needle"), (dict(context=5), "--context"), (dict(context=300), "--context"),
-    (dict(scores=["induction", "magic"]), "--scores"), (dict(scores=[]), "--scores"), (dict(batch_size=0), "--batch-size"),
-    (dict(seed="1"), "--seed"), (dict(length=2.5), "--length"),
-])
+@pytest.mark.parametrize(
+    "bad, option",
+    [
+        (dict(top=0), "--top"),
+        (dict(top=13), "--top"),
+        (dict(length=1), "--length"),
+        (dict(length=200), "--length"),
+        (dict(repeats=1), "--repeats"),
+        (dict(samples=0), "--samples"),
+        (dict(needle=1), "--needle"),
+        (dict(needle=96), "--needle"),
+        (dict(context=5), "--context"),
+        (dict(context=300), "--context"),
+        (dict(scores=["induction", "magic"]), "--scores"),
+        (dict(scores=[]), "--scores"),
+        (dict(batch_size=0), "--batch-size"),
+        (dict(seed="1"), "--seed"),
+        (dict(length=2.5), "--length"),
+    ],
+)
 def test_bad_input_names_the_option(bad, option):
     model, tok = build("llama"), word_tokenizer()
     lines = []

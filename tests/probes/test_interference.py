@@ -33,7 +33,7 @@ def _parse(text):
     updates = [tuple(part.strip() for part in line.split(":")) for line in lines[1:-1]]
     last = lines[-1]
     assert last.startswith("Question: What is the last value of ")
-    asked = last[len("Question: What is the last value of "):].split("?")[0]
+    asked = last[len("Question: What is the last value of ") :].split("?")[0]
     assert last.endswith(f"Answer: The last value of {asked} is")
     return updates, asked
 
@@ -52,7 +52,7 @@ def test_every_key_is_updated_n_times_and_the_answer_is_the_last_value(tiny, n):
         assert len({v for _, v in updates}) == len(updates)
         history = [v for k, v in updates if k == asked]
         assert it.answer == history[-1] and it.extra["stale"] == history[:-1]
-        (s, e), = it.spans["last"]
+        ((s, e),) = it.spans["last"]
         assert TOK.decode(it.ids[s:e]) == " " + history[-1]
         stale = it.spans.get("stale", [])
         assert [TOK.decode(it.ids[a:b]).strip() for a, b in stale] == history[:-1]
@@ -110,12 +110,21 @@ def test_needle_export_suffers_interference(needle_export):
     assert result.value("last_mass_max", n=1) > result.value("last_mass_max", n=8)
 
 
-@pytest.mark.parametrize("kwargs, option", [
-    (dict(updates=[]), "--updates"), (dict(updates=[0]), "--updates"), (dict(updates=[2, 2]), "--updates"),
-    (dict(updates=[200]), "--updates"), (dict(keys=0), "--keys"), (dict(keys=99), "--keys"),
-    (dict(samples=-2), "--samples"), (dict(seed=1.5), "--seed"), (dict(batch_size=0), "--batch-size"),
-    (dict(max_new_tokens=0), "--max-new-tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, option",
+    [
+        (dict(updates=[]), "--updates"),
+        (dict(updates=[0]), "--updates"),
+        (dict(updates=[2, 2]), "--updates"),
+        (dict(updates=[200]), "--updates"),
+        (dict(keys=0), "--keys"),
+        (dict(keys=99), "--keys"),
+        (dict(samples=-2), "--samples"),
+        (dict(seed=1.5), "--seed"),
+        (dict(batch_size=0), "--batch-size"),
+        (dict(max_new_tokens=0), "--max-new-tokens"),
+    ],
+)
 def test_bad_parameters_name_their_option(tiny, kwargs, option):
     params = dict(updates=[1], keys=2, samples=1)
     params.update(kwargs)

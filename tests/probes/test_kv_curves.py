@@ -64,24 +64,28 @@ def test_the_local_engine_gives_the_serial_rows_and_resumes(needle_export, tmp_p
     timing = ("seconds", "decode_tokens_per_s")
     key = lambda r: (r["metric"], r["policy"], r["budget"], r.get("depth"), r.get("sample"))  # noqa: E731
     assert sorted(((key(r), r["value"]) for r in swept.rows if r["metric"] not in timing), key=str) == sorted(
-        ((key(r), r["value"]) for r in serial.rows if r["metric"] not in timing), key=str)
+        ((key(r), r["value"]) for r in serial.rows if r["metric"] not in timing), key=str
+    )
     again = kv_curves(needle_export, engine="local", workers=2, store=str(tmp_path / "store"), **grid)
     assert [r for r in again.rows if r["metric"] == "seconds"] == [r for r in swept.rows if r["metric"] == "seconds"]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(policies=["nope"]), "--policies: unknown policy 'nope'"),
-    (dict(policies=["selective"]), "--policies: unknown policy 'selective'"),
-    (dict(budgets=[0.0]), "--budgets: expected fractions of the context in"),
-    (dict(budgets=[1.5]), "--budgets: expected fractions of the context in"),
-    (dict(budgets=[0.01]), "--budgets: 0.01 of a 30-token context keeps no entry"),
-    (dict(protocol="both"), "--protocol: expected one of agnostic, aware"),
-    (dict(task="ruler"), "--task: expected one of needle, kv-retrieval, ppl"),
-    (dict(policy_params="snapkv.window"), "--policy-params: expected POLICY.NAME=VALUE"),
-    (dict(policies=["snapkv"], policy_params="h2o.recent=0.1"), "--policy-params: 'h2o' is not among --policies"),
-    (dict(engine="local"), "--store: a sweep writes its cells"),
-    (dict(store="x"), "--store: only with --engine"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(policies=["nope"]), "--policies: unknown policy 'nope'"),
+        (dict(policies=["selective"]), "--policies: unknown policy 'selective'"),
+        (dict(budgets=[0.0]), "--budgets: expected fractions of the context in"),
+        (dict(budgets=[1.5]), "--budgets: expected fractions of the context in"),
+        (dict(budgets=[0.01]), "--budgets: 0.01 of a 30-token context keeps no entry"),
+        (dict(protocol="both"), "--protocol: expected one of agnostic, aware"),
+        (dict(task="ruler"), "--task: expected one of needle, kv-retrieval, ppl"),
+        (dict(policy_params="snapkv.window"), "--policy-params: expected POLICY.NAME=VALUE"),
+        (dict(policies=["snapkv"], policy_params="h2o.recent=0.1"), "--policy-params: 'h2o' is not among --policies"),
+        (dict(engine="local"), "--store: a sweep writes its cells"),
+        (dict(store="x"), "--store: only with --engine"),
+    ],
+)
 def test_bad_input_names_the_option(needle_export, kwargs, message):
     with pytest.raises(ValueError, match=message):
         kv_curves(needle_export, **{"lengths": [32], "samples": 1, **kwargs})
@@ -93,8 +97,16 @@ def test_a_model_trained_for_another_task_is_refused(induction_export):
 
 
 def test_head_ablation_rows_heads_and_draws(needle_export):
-    result = run("head-ablation", needle_export, ablate=["top1-retrieval", "random2"], draws=3, samples=2, lengths=[32],
-                 depths=[0.0, 1.0], score_samples=8)
+    result = run(
+        "head-ablation",
+        needle_export,
+        ablate=["top1-retrieval", "random2"],
+        draws=3,
+        samples=2,
+        lengths=[32],
+        depths=[0.0, 1.0],
+        score_samples=8,
+    )
     ranking = run("heads", needle_export, scores=["retrieval"], samples=8).meta["top"]["retrieval"]
     heads = result.meta["heads"]
     assert heads["none#0"] == [] and heads["top1-retrieval#0"] == [ranking[0]]
@@ -104,19 +116,31 @@ def test_head_ablation_rows_heads_and_draws(needle_export):
     for ablation, draw in (("none", 0), ("top1-retrieval", 0), ("random2", 2)):
         rows = result.select("exact_match", ablation=ablation, draw=draw)
         assert len(rows) == 4
-        assert result.value("accuracy", ablation=ablation, draw=draw) == pytest.approx(
-            sum(r["value"] for r in rows) / 4)
+        assert result.value("accuracy", ablation=ablation, draw=draw) == pytest.approx(sum(r["value"] for r in rows) / 4)
     # every head zeroed leaves the model guessing: at most the 1 in 4 of picking one of the prompt's values
-    every = run("head-ablation", needle_export, ablate=["random8"], draws=1, samples=4, depths=[0.0, 0.5, 1.0], lengths=[32],
-                score_samples=1)
+    every = run(
+        "head-ablation",
+        needle_export,
+        ablate=["random8"],
+        draws=1,
+        samples=4,
+        depths=[0.0, 0.5, 1.0],
+        lengths=[32],
+        score_samples=1,
+    )
     assert every.value("accuracy", ablation="random8", draw=0) <= 0.5 < every.value("accuracy", ablation="none", draw=0)
 
 
-@pytest.mark.parametrize("ablate, message", [
-    (["top2"], "--ablate: expected topK-SCORE or randomK"), (["top2-nonsense"], "--ablate: unknown score 'nonsense'"),
-    (["random9"], "--ablate: 'random9' ablates 9 heads; the model has 8"), ([], "--ablate: expected at least one"),
-    (["random1", "random1"], "--ablate: specs repeat"),
-])
+@pytest.mark.parametrize(
+    "ablate, message",
+    [
+        (["top2"], "--ablate: expected topK-SCORE or randomK"),
+        (["top2-nonsense"], "--ablate: unknown score 'nonsense'"),
+        (["random9"], "--ablate: 'random9' ablates 9 heads; the model has 8"),
+        ([], "--ablate: expected at least one"),
+        (["random1", "random1"], "--ablate: specs repeat"),
+    ],
+)
 def test_head_ablation_bad_specs(needle_export, ablate, message):
     with pytest.raises(ValueError, match=message):
         run("head-ablation", needle_export, ablate=ablate, samples=1)
@@ -126,8 +150,28 @@ def test_kv_curves_from_the_command_line(needle_export, tmp_path):
     from attnkit.cli import main
 
     out = tmp_path / "curves"
-    assert main(["kv", "curves", "--model", needle_export, "--policies", "snapkv", "--budgets", "0.5", "--lengths", "32",
-                 "--samples", "2", "--quiet", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "kv",
+                "curves",
+                "--model",
+                needle_export,
+                "--policies",
+                "snapkv",
+                "--budgets",
+                "0.5",
+                "--lengths",
+                "32",
+                "--samples",
+                "2",
+                "--quiet",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert {"results.csv", "results.json", "report.html"} <= {p.name for p in out.iterdir()}
     html = (out / "report.html").read_text()
     assert "Accuracy (exact match) against KV budget per policy" in html and "(reference)" in html
@@ -151,11 +195,10 @@ def test_probe_cells_are_the_probe_calls_of_a_grid(needle_export):
 def test_ppl_scores_the_teacher_forced_answer(needle_export):
     import torch
 
-    from attnkit.probes.needle import arena_items
     from attnkit.probes.model import load_probe_model
+    from attnkit.probes.needle import arena_items
 
-    result = kv_curves(needle_export, task="ppl", policies=["snapkv"], budgets=[1.0], lengths=[32], depths=[0.5],
-                       samples=3)
+    result = kv_curves(needle_export, task="ppl", policies=["snapkv"], budgets=[1.0], lengths=[32], depths=[0.5], samples=3)
     pm = load_probe_model(needle_export)
     items = arena_items(pm, [32], [0.5], 3, 0)
     with torch.no_grad():  # independent: the plain forward's log-probability of each answer token
@@ -164,6 +207,5 @@ def test_ppl_scores_the_teacher_forced_answer(needle_export):
     for policy in ("full", "snapkv"):
         got = [r["value"] for r in result.select("answer_nll", policy=policy)]
         assert got == pytest.approx(want, abs=1e-4)  # float32 model: decode and prefill round differently
-    assert result.value("perplexity", policy="full", budget=1.0) == pytest.approx(
-        math.exp(sum(want) / len(want)), rel=1e-4)
+    assert result.value("perplexity", policy="full", budget=1.0) == pytest.approx(math.exp(sum(want) / len(want)), rel=1e-4)
     assert not result.select("exact_match")

@@ -32,8 +32,8 @@ def _pm(model, task=None, tokenizer=TOK, max_positions=1024):
 def _parse(text):
     """(pairs in order, asked key) from a prompt's text."""
     start, end = text.index("{"), text.index("}")
-    pairs = json.loads(text[start:end + 1], object_pairs_hook=list)
-    asked = json.loads(text[end + 1:].split("Key: ")[1].split("\n")[0])
+    pairs = json.loads(text[start : end + 1], object_pairs_hook=list)
+    asked = json.loads(text[end + 1 :].split("Key: ")[1].split("\n")[0])
     assert text.endswith("\nValue:")
     return pairs, asked
 
@@ -51,7 +51,7 @@ def test_prompts_hold_the_gold_pair_at_each_position(tiny):
         for k, v in pairs:
             assert uuid.UUID(k).version == 4 and uuid.UUID(v).version == 4
         assert len({k for k, _ in pairs}) == n
-        (s, e), = it.spans["gold"]
+        ((s, e),) = it.spans["gold"]
         assert TOK.decode(it.ids[s:e]).lstrip(", ") == f'"{asked}": "{it.answer}"'
     # one sample: the same pairs at every position, the others keeping their order
     first = [_parse(TOK.decode(it.ids))[0] for it in items[:3]]
@@ -79,9 +79,10 @@ def test_gold_mass_and_answers_equal_eager(tiny):
             for head in range(mass.shape[1]):
                 got = result.value("gold_mass", pairs=3, position=position, layer=layer, head=head)
                 assert got == pytest.approx(float(mass[layer, head]), rel=1e-4, abs=1e-5)
-        (s, e), = it.spans["gold"]
+        ((s, e),) = it.spans["gold"]
         assert result.value("gold_mass_uniform", pairs=3, position=position) == pytest.approx(
-            ((e - s) / P + (e - s) / (P + 1)) / 2, rel=1e-12)
+            ((e - s) / P + (e - s) / (P + 1)) / 2, rel=1e-12
+        )
         [ex] = [x for x in result.meta["examples"] if x["position"] == position]
         assert ex["output"] == TOK.decode(tokens[0].tolist())
         assert result.value("accuracy", pairs=3, position=position) == float(it.answer in ex["output"])
@@ -120,11 +121,21 @@ def test_needle_export_retrieves_above_chance(needle_export):
     assert result.mean("gold_mass_max") > result.mean("gold_mass_uniform")
 
 
-@pytest.mark.parametrize("kwargs, option", [
-    (dict(pairs=[]), "--pairs"), (dict(pairs=[0]), "--pairs"), (dict(pairs=[2, 2]), "--pairs"), (dict(pairs=[40]), "--pairs"),
-    (dict(depths=[-0.1]), "--depths"), (dict(depths=["a"]), "--depths"), (dict(samples=0), "--samples"),
-    (dict(seed=None), "--seed"), (dict(batch_size=-1), "--batch-size"), (dict(max_new_tokens=1.5), "--max-new-tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, option",
+    [
+        (dict(pairs=[]), "--pairs"),
+        (dict(pairs=[0]), "--pairs"),
+        (dict(pairs=[2, 2]), "--pairs"),
+        (dict(pairs=[40]), "--pairs"),
+        (dict(depths=[-0.1]), "--depths"),
+        (dict(depths=["a"]), "--depths"),
+        (dict(samples=0), "--samples"),
+        (dict(seed=None), "--seed"),
+        (dict(batch_size=-1), "--batch-size"),
+        (dict(max_new_tokens=1.5), "--max-new-tokens"),
+    ],
+)
 def test_bad_parameters_name_their_option(tiny, kwargs, option):
     params = dict(pairs=[2], depths=[0.5])
     params.update(kwargs)

@@ -51,7 +51,7 @@ def test_text_prompts_follow_the_haystack_rules(tiny):
     for it in items:
         words = TOK.convert_ids_to_tokens(it.ids)
         assert len(it.ids) == it.params["length"]  # the question's buffer kept: the length is exact
-        (start, end), = it.spans["needle"]
+        ((start, end),) = it.spans["needle"]
         needle_words = words[start:end]
         key = it.extra["key"]
         assert " ".join(needle_words) == f"The special code of the {key} is {' '.join(it.answer)} ."
@@ -62,7 +62,7 @@ def test_text_prompts_follow_the_haystack_rules(tiny):
         # haystack: from the end of the intro to the question, needle removed
         intro_end = len(TOK.encode(INTRO, add_special_tokens=False))
         question = len(words) - words[::-1].index("Question")
-        hay = words[intro_end:start] + words[end:question - 1]
+        hay = words[intro_end:start] + words[end : question - 1]
         assert set(hay) <= filler_words
         at, n = start - intro_end, len(hay)
         target = round(it.params["depth"] * n)
@@ -82,10 +82,11 @@ def test_same_seed_same_prompts_and_depths_share_a_sample(tiny):
 
 
 def test_custom_needle_question_and_answer(tiny):
-    items, _ = text_items(_pm(tiny), [60], [0.5], 1, 0, needle="The key {key} opens door 3 .",
-                          question="Which door does {key} open?", answer="3")
+    items, _ = text_items(
+        _pm(tiny), [60], [0.5], 1, 0, needle="The key {key} opens door 3 .", question="Which door does {key} open?", answer="3"
+    )
     it = items[0]
-    (s, e), = it.spans["needle"]
+    ((s, e),) = it.spans["needle"]
     assert TOK.decode(it.ids[s:e]) == f"The key {it.extra['key']} opens door 3 ."
     assert it.answer == "3" and TOK.decode(it.ids).endswith("open ? Answer :")
 
@@ -104,12 +105,12 @@ def test_arena_prompts_are_the_needle_tasks_format(tiny):
         assert len(tokens) == n and tokens[-2] == "Q" and tokens[-1] == it.extra["key"]
         cell = round(it.params["depth"] * (cells - 1))
         assert it.spans["needle"] == [(2 * cell, 2 * cell + 2)]
-        assert tokens[2 * cell:2 * cell + 2] == [it.extra["key"], it.answer]
+        assert tokens[2 * cell : 2 * cell + 2] == [it.extra["key"], it.answer]
         pairs = [(tokens[2 * c], tokens[2 * c + 1]) for c in range(cells) if tokens[2 * c] in sym["keys"]]
         assert len(pairs) == 3  # the needle and the task's 2 distractors
         assert len({k for k, _ in pairs}) == 3 and len({v for _, v in pairs}) == 3
         assert all(v in sym["values"] for _, v in pairs)
-        others = [t for c in range(cells) for t in tokens[2 * c:2 * c + 2] if tokens[2 * c] not in sym["keys"]]
+        others = [t for c in range(cells) for t in tokens[2 * c : 2 * c + 2] if tokens[2 * c] not in sym["keys"]]
         assert set(others) <= set(sym["filler"])
         assert it.words  # scored as whole symbols
 
@@ -130,13 +131,18 @@ def test_needle_mass_and_answers_equal_eager_generate_and_output_attentions(tiny
                 got = result.value("needle_mass", length=length, depth=depth, layer=layer, head=head)
                 assert got == pytest.approx(float(mass[layer, head]), rel=1e-4, abs=1e-5)  # float32 weights
         assert result.value("needle_mass_max", length=length, depth=depth) == pytest.approx(float(mass.max()), rel=1e-4)
-        (s, e), = it.spans["needle"]
+        ((s, e),) = it.spans["needle"]
         uniform = sum((e - s) / (length + r) for r in range(3)) / 3  # rows at positions length-1 .. length+1
         assert result.value("needle_mass_uniform", length=length, depth=depth) == pytest.approx(uniform, rel=1e-12)
         [example] = [x for x in result.meta["examples"] if x["length"] == length and x["depth"] == depth]
         assert example["output"] == TOK.decode(tokens[0].tolist())
-    assert result.meta["figures"][0] == {"kind": "heatmap", "rows": "depth", "cols": "length", "metric": "accuracy",
-                                         "title": result.meta["figures"][0]["title"]}
+    assert result.meta["figures"][0] == {
+        "kind": "heatmap",
+        "rows": "depth",
+        "cols": "length",
+        "metric": "accuracy",
+        "title": result.meta["figures"][0]["title"],
+    }
     assert result.table("depth", "length", "accuracy").values is not None
 
 
@@ -145,8 +151,7 @@ def test_accuracy_is_string_match_of_the_answer(tiny):
     result = needle(tiny, TOK, lengths=[80], depths=[0.5], samples=3, seed=0, max_new_tokens=2)
     for ex in result.meta["examples"]:
         assert ex["score"] == float(ex["answer"].lower() in ex["output"].lower())
-    assert result.value("accuracy", length=80, depth=0.5) == pytest.approx(
-        sum(ex["score"] for ex in result.meta["examples"]) / 3)
+    assert result.value("accuracy", length=80, depth=0.5) == pytest.approx(sum(ex["score"] for ex in result.meta["examples"]) / 3)
 
 
 # -- (c) behaviour on a model trained on the needle task ------------------------------------
@@ -166,8 +171,11 @@ def test_arena_scores_equal_eager_argmax(needle_model):
         for it in items:
             logits = pm.model(input_ids=torch.tensor([it.ids])).logits[0, -1]
             expected = float(values[int(logits.argmax())] == it.answer)
-            [ex] = [x for x in result.meta["examples"]
-                    if (x["length"], x["depth"], x["sample"]) == (it.params["length"], it.params["depth"], it.params["sample"])]
+            [ex] = [
+                x
+                for x in result.meta["examples"]
+                if (x["length"], x["depth"], x["sample"]) == (it.params["length"], it.params["depth"], it.params["sample"])
+            ]
             assert ex["score"] == expected
 
 
@@ -191,16 +199,31 @@ def test_needle_export_finds_the_needle_with_few_heads(needle_model):
 # -- (d) bad input ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs, option", [
-    (dict(lengths=[]), "--lengths"), (dict(lengths=[0]), "--lengths"), (dict(lengths="64"), "--lengths"),
-    (dict(lengths=[100, 100]), "--lengths"), (dict(lengths=[600]), "--lengths"), (dict(lengths=[10]), "--lengths"),
-    (dict(depths=[1.5]), "--depths"), (dict(depths=[50]), "--depths"), (dict(depths=[]), "--depths"),
-    (dict(samples=0), "--samples"), (dict(samples=1.5), "--samples"), (dict(seed="x"), "--seed"),
-    (dict(batch_size=0), "--batch-size"), (dict(max_new_tokens=0), "--max-new-tokens"),
-    (dict(needle="no value here"), "--needle"), (dict(needle="{nope} {value}"), "--needle"),
-    (dict(question=""), "--question"), (dict(answer="{x}"), "--answer"), (dict(haystack="/no/such/file"), "--haystack"),
-    (dict(progress=3), "progress"),
-])
+@pytest.mark.parametrize(
+    "kwargs, option",
+    [
+        (dict(lengths=[]), "--lengths"),
+        (dict(lengths=[0]), "--lengths"),
+        (dict(lengths="64"), "--lengths"),
+        (dict(lengths=[100, 100]), "--lengths"),
+        (dict(lengths=[600]), "--lengths"),
+        (dict(lengths=[10]), "--lengths"),
+        (dict(depths=[1.5]), "--depths"),
+        (dict(depths=[50]), "--depths"),
+        (dict(depths=[]), "--depths"),
+        (dict(samples=0), "--samples"),
+        (dict(samples=1.5), "--samples"),
+        (dict(seed="x"), "--seed"),
+        (dict(batch_size=0), "--batch-size"),
+        (dict(max_new_tokens=0), "--max-new-tokens"),
+        (dict(needle="no value here"), "--needle"),
+        (dict(needle="{nope} {value}"), "--needle"),
+        (dict(question=""), "--question"),
+        (dict(answer="{x}"), "--answer"),
+        (dict(haystack="/no/such/file"), "--haystack"),
+        (dict(progress=3), "progress"),
+    ],
+)
 def test_bad_parameters_name_their_option(tiny, kwargs, option):
     params = dict(lengths=[100], depths=[0.5])
     params.update(kwargs)

@@ -15,8 +15,11 @@ from attnkit.arena.tokenizer import Symbols, build_tokenizer
 from attnkit.probes import load_probe_model, run
 from attnkit.probes.position_bias import default_text, split_segments
 
-SMALL = ["The cat sat on the warm mat by the door.", "Rain fell over the harbour all night long.",
-         "A violin played softly in the empty hall."]
+SMALL = [
+    "The cat sat on the warm mat by the door.",
+    "Rain fell over the harbour all night long.",
+    "A violin played softly in the empty hall.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +69,7 @@ def test_permutation_rules(bundled, minilm):
 def _eager_reference(model, tokenizer, segments, orders, pooling):
     """Similarity per (sample, position) and pooled attention mass per (layer, position),
     from dense eager attention weights; token spans from each segment's own word pieces."""
+
     def embed(ids):
         with torch.no_grad():
             out = model(input_ids=torch.tensor([ids]), output_attentions=True)
@@ -114,8 +118,13 @@ def test_similarity_and_attention_mass_equal_eager(pooling, minilm, eager_minilm
 
 def test_sentences_split():
     text = 'He said "Stop." Then he left! Did she follow? Yes.\n\nA new paragraph here.'
-    assert split_segments(text, "sentence") == ['He said "Stop."', "Then he left!", "Did she follow?", "Yes.",
-                                                 "A new paragraph here."]
+    assert split_segments(text, "sentence") == [
+        'He said "Stop."',
+        "Then he left!",
+        "Did she follow?",
+        "Yes.",
+        "A new paragraph here.",
+    ]
     assert split_segments(text, "paragraph") == ['He said "Stop." Then he left! Did she follow? Yes.', "A new paragraph here."]
 
 
@@ -131,12 +140,22 @@ def test_causal_models_are_refused(tmp_path):
         run("position-bias", str(tmp_path))
 
 
-@pytest.mark.parametrize("bad, option", [
-    (dict(pooling="max"), "--pooling"), (dict(unit="word"), "--unit"), (dict(samples=0), "--samples"),
-    (dict(samples=2.0), "--samples"), (dict(batch_size=0), "--batch-size"), (dict(seed=1.5), "--seed"),
-    (dict(text="/no/such/file.txt"), "--text"), (dict(text=""), "--text"), (dict(segments=["only one"]), "segments"),
-    (dict(segments="not a list"), "segments"), (dict(segments=["a b", " "]), "segments"),
-])
+@pytest.mark.parametrize(
+    "bad, option",
+    [
+        (dict(pooling="max"), "--pooling"),
+        (dict(unit="word"), "--unit"),
+        (dict(samples=0), "--samples"),
+        (dict(samples=2.0), "--samples"),
+        (dict(batch_size=0), "--batch-size"),
+        (dict(seed=1.5), "--seed"),
+        (dict(text="/no/such/file.txt"), "--text"),
+        (dict(text=""), "--text"),
+        (dict(segments=["only one"]), "segments"),
+        (dict(segments="not a list"), "segments"),
+        (dict(segments=["a b", " "]), "segments"),
+    ],
+)
 def test_bad_input_names_the_option(bad, option, minilm):
     with pytest.raises(ValueError, match=option):
         run("position-bias", minilm, **bad)

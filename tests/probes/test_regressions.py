@@ -61,11 +61,11 @@ def test_a_row_that_ends_early_is_measured_on_its_own_answer_rows(tiny):
     gen = greedy_generate(tiny, _Tok(eos), batch, 6, observers=[meter])
     assert gen.steps == steps
     for b, prompt in enumerate(prompts):  # unpadded, alone, teacher-forced over its own answer
-        answer = free.tokens[b, :steps[b] - 1].tolist()
+        answer = free.tokens[b, : steps[b] - 1].tolist()
         with torch.no_grad():
             out = tiny(input_ids=torch.tensor([prompt + answer]), output_attentions=True)
         a, e = spans[b][0] - batch.pads[b], spans[b][1] - batch.pads[b]
-        expected = torch.stack([w[0, :, len(prompt) - 1:, a:e].double().sum(-1).mean(-1) for w in out.attentions])
+        expected = torch.stack([w[0, :, len(prompt) - 1 :, a:e].double().sum(-1).mean(-1) for w in out.attentions])
         torch.testing.assert_close(meter.per_example("s")[b], expected, rtol=1e-4, atol=1e-5)
 
 
@@ -88,8 +88,9 @@ def test_needle_masses_do_not_depend_on_the_batch_when_answers_end_early(tiny):
     assert [e["output"] for e in one.meta["examples"]] == [e["output"] for e in many.meta["examples"]]
     words = {len(e["output"].split()) for e in one.meta["examples"]}
     assert len(words) > 1 and min(words) < 3  # some answers did end early, others did not
-    assert [{k: v for k, v in r.items() if k != "value"} for r in one.rows] == \
-        [{k: v for k, v in r.items() if k != "value"} for r in many.rows]
+    assert [{k: v for k, v in r.items() if k != "value"} for r in one.rows] == [
+        {k: v for k, v in r.items() if k != "value"} for r in many.rows
+    ]
     for a, b in zip(one.rows, many.rows):
         assert a["value"] == pytest.approx(b["value"], rel=1e-5, abs=1e-6), a
 
@@ -111,8 +112,15 @@ def test_heads_default_top_fits_a_model_with_fewer_than_five_heads():
 
     from attnkit.arena.tokenizer import Symbols, build_tokenizer
 
-    config = T.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    config = T.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = T.LlamaForCausalLM(config).eval()
     tokenizer = build_tokenizer(Symbols(tuple(f"w{i}" for i in range(32)), {}, "w0"))

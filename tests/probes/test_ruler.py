@@ -81,8 +81,10 @@ def test_niah_prompt_follows_the_task_rules(task):
     haystack, key_kind, value_kind, n_keys, n_queried, n_values = NIAH_RULES[task]
     sample, text = prompt(task, 3000)
     head, body, question = split_prompt(text)
-    assert head == f"Some special magic {value_kind} are hidden in the text below. Remember them, because there " \
-                   "will be a question about them after the text."
+    assert (
+        head == f"Some special magic {value_kind} are hidden in the text below. Remember them, because there "
+        "will be a question about them after the text."
+    )
     needles = NEEDLE_RE.findall(body)
     assert all(kind == value_kind for kind, _, _ in needles)
     keys = [k for _, k, _ in needles]
@@ -90,9 +92,11 @@ def test_niah_prompt_follows_the_task_rules(task):
     assert all((UUID_RE if value_kind == "uuids" else NUMBER_RE).fullmatch(v) for v in values)
     assert all(UUID_RE.fullmatch(k) if key_kind == "uuids" else is_word_key(k) for k in keys)
     assert len(set(values)) == len(values)
-    match = re.fullmatch(rf"Question: What are all the special magic {value_kind} for (.+) that the text above "
-                         rf"mentions\? Answer: The special magic {value_kind} for (.+) mentioned in the text above are:",
-                         question)
+    match = re.fullmatch(
+        rf"Question: What are all the special magic {value_kind} for (.+) that the text above "
+        rf"mentions\? Answer: The special magic {value_kind} for (.+) mentioned in the text above are:",
+        question,
+    )
     assert match and match.group(1) == match.group(2)
     queried = re.split(r", and |, | and ", match.group(1))
     assert len(queried) == n_queried == len(set(queried))
@@ -108,7 +112,8 @@ def test_niah_prompt_follows_the_task_rules(task):
     # the needle spans are exactly the needles of the answer
     spans = [sample.ids[a:e] for a, e in sample.spans]
     assert sorted(CHARS.decode(s).strip() for s in spans) == sorted(
-        f"One of the special magic {value_kind} for {k} is: {v}." for k, v in zip(keys, values) if k in queried)
+        f"One of the special magic {value_kind} for {k} is: {v}." for k, v in zip(keys, values) if k in queried
+    )
     if haystack == "needles":
         # a haystack of distractors: every key different, none of them a queried key
         assert len(needles) > 10 and len(set(keys)) == len(keys)
@@ -167,13 +172,14 @@ def test_vt_hides_one_four_hop_chain_in_noise():
                 holders.add(name)
                 changed = True
     assert sorted(sample.answers) == sorted(holders) == sorted(names)
-    assert question == (f"Question: Which variables in the text above are assigned the value {value}, directly or "
-                        f"through other variables? Answer: The 5 variables assigned the value {value} in the text "
-                        "above are:")
+    assert question == (
+        f"Question: Which variables in the text above are assigned the value {value}, directly or "
+        f"through other variables? Answer: The 5 variables assigned the value {value} in the text "
+        "above are:"
+    )
     rest = re.sub(r" VAR [A-Z]{5} = (VAR [A-Z]{5}|[0-9]{5})\.", "", body)
     assert all(s in NOISE for s in re.split(r"(?<=\.) ", rest.strip())[:-1])
-    assert [CHARS.decode(sample.ids[a:e]).strip() for a, e in sample.spans] == \
-        [f"VAR {n} = {src}." for n, src in statements]
+    assert [CHARS.decode(sample.ids[a:e]).strip() for a, e in sample.spans] == [f"VAR {n} = {src}." for n, src in statements]
 
 
 # -- aggregation ------------------------------------------------------------------------
@@ -191,8 +197,10 @@ def cwe_list(text):
 def test_cwe_has_ten_common_words_among_words_seen_three_times(budget, freq):
     sample, text = prompt("cwe", budget)
     words, question = cwe_list(text)
-    assert question == "Question: What are the 10 most common words in the list above? Answer: The 10 words that " \
-                       "appear most often in the list above are:"
+    assert (
+        question == "Question: What are the 10 most common words in the list above? Answer: The 10 words that "
+        "appear most often in the list above are:"
+    )
     counts = Counter(words)
     common = sorted(w for w, c in counts.items() if c > 3)
     assert len(common) == 10
@@ -210,15 +218,17 @@ def test_cwe_has_ten_common_words_among_words_seen_three_times(budget, freq):
 def test_fwe_counts_follow_zipf_with_alpha_two():
     sample, text = prompt("fwe", 30000)
     _, body, question = split_prompt(text)
-    assert question == "Question: Which 3 coded words appear most often in the coded text above? Answer: The 3 most " \
-                       "frequent coded words in the coded text above are:"
+    assert (
+        question == "Question: Which 3 coded words appear most often in the coded text above? Answer: The 3 most "
+        "frequent coded words in the coded text above are:"
+    )
     words = body.split()
     assert all(re.fullmatch(r"[a-z]{3,6}", w) for w in words)
     counts = Counter(words).most_common()
     assert sample.answers == [w for w, _ in counts[:3]]
     assert counts[2][1] > counts[3][1]
     # P(rank 1) = 1 / sum_{k<=1000} k^-2; n ~ 5000 draws -> sd ~ 0.007, allow 5 sd
-    p1 = 1 / sum(k ** -2.0 for k in range(1, 1001))
+    p1 = 1 / sum(k**-2.0 for k in range(1, 1001))
     assert abs(counts[0][1] / len(words) - p1) < 0.035
     assert 2.5 < counts[0][1] / counts[1][1] < 6.0  # (2/1)^2 = 4 in expectation
 
@@ -284,8 +294,7 @@ def hand_made(accuracies):
 
 
 def test_effective_length_is_the_longest_length_reaching_the_threshold():
-    result = hand_made({"average": {4096: 95.0, 8192: 85.6, 16384: 70.0, 32768: 40.0},
-                        "vt": {4096: 50.0, 8192: 20.0}})
+    result = hand_made({"average": {4096: 95.0, 8192: 85.6, 16384: 70.0, 32768: 40.0}, "vt": {4096: 50.0, 8192: 20.0}})
     assert effective_length(result) == 8192  # 85.6 itself counts (Llama-2-7B at 4k is effective at 4k)
     assert effective_length(result, 85.7) == 4096
     assert effective_length(result, 50.0) == 16384
@@ -333,8 +342,10 @@ def test_rows_and_metrics(run):
             assert all(0 <= r["value"] <= 1 + 1e-6 for r in masses)
             best = result.select("needle_mass_best", task=task, length=length)
             assert len(best) == 1 and best[0]["value"] == max(r["value"] for r in masses)
-            assert result.value("needle_mass", task=task, length=length, layer=best[0]["layer"],
-                                head=best[0]["head"]) == best[0]["value"]
+            assert (
+                result.value("needle_mass", task=task, length=length, layer=best[0]["layer"], head=best[0]["head"])
+                == best[0]["value"]
+            )
     for length in LENGTHS:
         mean = sum(result.value("accuracy", task=t, length=length) for t in ALL) / len(ALL)
         assert result.value("accuracy", task="average", length=length) == pytest.approx(mean)
@@ -355,25 +366,27 @@ def eager_greedy(model, ids, steps):
     with torch.no_grad():
         for _ in range(steps):
             seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return seq[0, len(ids):]
+    return seq[0, len(ids) :]
 
 
 @pytest.mark.parametrize("task", ["niah_multivalue", "vt"])
 def test_needle_mass_and_scores_equal_eager_attention(llama, wordpiece, task):
     length = LENGTHS[0]
-    result = ruler(llama, wordpiece, tasks=[task], lengths=[length], samples=2, batch_size=2, max_new_tokens=NEW,
-                   seed=3)
+    result = ruler(llama, wordpiece, tasks=[task], lengths=[length], samples=2, batch_size=2, max_new_tokens=NEW, seed=3)
     masses = []
     for i in range(2):
         sample = make_sample(task, wordpiece, length - NEW, sample_rng(3, task, length, i))
         tokens = eager_greedy(llama, sample.ids, NEW)
         masses.append(eager_answer_mass(llama, torch.tensor([sample.ids]), tokens[None], [sample.spans])[0])
         text = wordpiece.decode(tokens.tolist(), skip_special_tokens=True)
-        assert result.value("score", task=task, length=length, sample=i) == \
-            pytest.approx(100 * sum(a.lower() in text.lower() for a in sample.answers) / len(sample.answers))
+        assert result.value("score", task=task, length=length, sample=i) == pytest.approx(
+            100 * sum(a.lower() in text.lower() for a in sample.answers) / len(sample.answers)
+        )
     expected = torch.stack(masses).mean(0)
-    got = torch.tensor([[result.value("needle_mass", task=task, length=length, layer=l, head=h) for h in range(4)]
-                        for l in range(2)], dtype=torch.float64)
+    got = torch.tensor(
+        [[result.value("needle_mass", task=task, length=length, layer=l, head=h) for h in range(4)] for l in range(2)],
+        dtype=torch.float64,
+    )
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)  # float32 attention weights
 
 
@@ -393,7 +406,7 @@ def test_answers_known_to_be_right_or_partly_right_score_as_rulers_metric(monkey
     def answering(model, tokenizer, prompts, max_new_tokens, observers=None):
         generation = real_generate(model, tokenizer, prompts, max_new_tokens, observers=observers)
         rows = [samples[tuple(row[pad:].tolist())] for row, pad in zip(prompts.input_ids, prompts.pads)]
-        generation.texts = [" and ".join(s.answers[:keep["n"]]).upper() for s in rows]
+        generation.texts = [" and ".join(s.answers[: keep["n"]]).upper() for s in rows]
         return generation
 
     monkeypatch.setattr(module, "make_sample", recording)
@@ -416,32 +429,35 @@ def test_answers_known_to_be_right_or_partly_right_score_as_rulers_metric(monkey
 # -- refusals ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs, option", [
-    ({"tasks": ["niah_single_1", "qa_1"]}, "--tasks"),
-    ({"tasks": "vt,vt"}, "--tasks"),
-    ({"tasks": []}, "--tasks"),
-    ({"lengths": []}, "--lengths"),
-    ({"lengths": [0]}, "--lengths"),
-    ({"lengths": [-300]}, "--lengths"),
-    ({"lengths": [300.5]}, "--lengths"),
-    ({"lengths": [True]}, "--lengths"),
-    ({"lengths": "300"}, "--lengths"),
-    ({"lengths": [300, 300]}, "--lengths"),
-    ({"lengths": [100], "max_new_tokens": 100}, "--lengths"),
-    ({"lengths": [1024]}, "--lengths"),  # longer than the model's 512 positions
-    ({"lengths": [200], "tasks": ["cwe"]}, "--lengths"),  # too short for cwe's list
-    ({"samples": 0}, "--samples"),
-    ({"samples": -1}, "--samples"),
-    ({"samples": 1.5}, "--samples"),
-    ({"threshold": 0}, "--threshold"),
-    ({"threshold": 100.5}, "--threshold"),
-    ({"threshold": math.nan}, "--threshold"),
-    ({"threshold": "high"}, "--threshold"),
-    ({"batch_size": 0}, "--batch-size"),
-    ({"max_new_tokens": 0}, "--max-new-tokens"),
-    ({"seed": "zero"}, "--seed"),
-    ({"progress": "print"}, "progress"),
-])
+@pytest.mark.parametrize(
+    "kwargs, option",
+    [
+        ({"tasks": ["niah_single_1", "qa_1"]}, "--tasks"),
+        ({"tasks": "vt,vt"}, "--tasks"),
+        ({"tasks": []}, "--tasks"),
+        ({"lengths": []}, "--lengths"),
+        ({"lengths": [0]}, "--lengths"),
+        ({"lengths": [-300]}, "--lengths"),
+        ({"lengths": [300.5]}, "--lengths"),
+        ({"lengths": [True]}, "--lengths"),
+        ({"lengths": "300"}, "--lengths"),
+        ({"lengths": [300, 300]}, "--lengths"),
+        ({"lengths": [100], "max_new_tokens": 100}, "--lengths"),
+        ({"lengths": [1024]}, "--lengths"),  # longer than the model's 512 positions
+        ({"lengths": [200], "tasks": ["cwe"]}, "--lengths"),  # too short for cwe's list
+        ({"samples": 0}, "--samples"),
+        ({"samples": -1}, "--samples"),
+        ({"samples": 1.5}, "--samples"),
+        ({"threshold": 0}, "--threshold"),
+        ({"threshold": 100.5}, "--threshold"),
+        ({"threshold": math.nan}, "--threshold"),
+        ({"threshold": "high"}, "--threshold"),
+        ({"batch_size": 0}, "--batch-size"),
+        ({"max_new_tokens": 0}, "--max-new-tokens"),
+        ({"seed": "zero"}, "--seed"),
+        ({"progress": "print"}, "progress"),
+    ],
+)
 def test_bad_input_names_the_option(llama, wordpiece, kwargs, option):
     kwargs = {"lengths": [300], "samples": 1, "max_new_tokens": NEW, "tasks": ["niah_single_1"], **kwargs}
     with pytest.raises(ValueError, match=option):
@@ -451,8 +467,15 @@ def test_bad_input_names_the_option(llama, wordpiece, kwargs, option):
 def test_a_length_too_short_for_one_task_fails_before_any_generation(llama, wordpiece):
     lines = []
     with pytest.raises(ValueError, match="--lengths: 197 prompt tokens cannot hold the cwe task's list"):
-        ruler(llama, wordpiece, tasks=["niah_single_1", "cwe"], lengths=[300, 200], samples=1, max_new_tokens=NEW,
-              progress=lines.append)
+        ruler(
+            llama,
+            wordpiece,
+            tasks=["niah_single_1", "cwe"],
+            lengths=[300, 200],
+            samples=1,
+            max_new_tokens=NEW,
+            progress=lines.append,
+        )
     assert lines == []
 
 

@@ -16,14 +16,19 @@ B, HQ, HKV, N, D = 2, 4, 2, 100, 8
 def small_tiles(monkeypatch):
     import attnkit.kernels.observe_pass as op
 
-    for name, value in (("OBSERVE_Q_BLOCK", 32), ("OBSERVE_K_BLOCK", 48), ("OBSERVE_MAX_FULL_SPAN", 48), ("OBSERVE_TILE_WEIGHTS", 1)):
+    for name, value in (
+        ("OBSERVE_Q_BLOCK", 32),
+        ("OBSERVE_K_BLOCK", 48),
+        ("OBSERVE_MAX_FULL_SPAN", 48),
+        ("OBSERVE_TILE_WEIGHTS", 1),
+    ):
         monkeypatch.setattr(op, name, value)
 
 
 def dense(q, k, causal: bool):
     """(B, H, N, N) softmax weights, float64, literal formula (GQA: head h reads h // 2)."""
     kk = k.repeat_interleave(HQ // HKV, dim=1)
-    s = q @ kk.transpose(-1, -2) / D ** 0.5
+    s = q @ kk.transpose(-1, -2) / D**0.5
     if causal:
         s = s.masked_fill(torch.ones(N, N, dtype=torch.bool).triu(1), float("-inf"))
     return s.softmax(-1)

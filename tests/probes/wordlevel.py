@@ -11,12 +11,14 @@ import torch
 
 from attnkit.probes.haystack import FILLER
 
-EXTRA = ("secret code of the is What ? Answer : Question Read text below and answer value key current "
-         "Extract JSON object corresponding Key Corresponding { } \" , - a b c d e f updates stream last "
-         "red blue green amber violet tiger otter falcon badger heron lynx maple cedar silver quiet rapid gentle brave "
-         "beaver raven salmon gecko Some special codes are hidden in below Remember them question about one follows "
-         "opens door Which does open Below stream per line each sets to new Only latest counts Find stored under that "
-         "asked for keys values").split()
+EXTRA = (
+    "secret code of the is What ? Answer : Question Read text below and answer value key current "
+    'Extract JSON object corresponding Key Corresponding { } " , - a b c d e f updates stream last '
+    "red blue green amber violet tiger otter falcon badger heron lynx maple cedar silver quiet rapid gentle brave "
+    "beaver raven salmon gecko Some special codes are hidden in below Remember them question about one follows "
+    "opens door Which does open Below stream per line each sets to new Only latest counts Find stored under that "
+    "asked for keys values"
+).split()
 
 
 def vocabulary(extra=()) -> list[str]:
@@ -39,8 +41,13 @@ def word_tokenizer(extra=(), bos: bool = False, eos: bool = False):
         kwargs["eos_token"] = "<eos>"
     if bos:
         kwargs["bos_token"] = "<s>"
-    return PreTrainedTokenizerFast(tokenizer_object=core, padding_side="left", clean_up_tokenization_spaces=False,
-                                   model_input_names=["input_ids", "attention_mask"], **kwargs)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        model_input_names=["input_ids", "attention_mask"],
+        **kwargs,
+    )
 
 
 def tiny_llama(vocab_size: int, max_positions: int = 512, seed: int = 0, sharpen: float = 8.0):
@@ -50,9 +57,18 @@ def tiny_llama(vocab_size: int, max_positions: int = 512, seed: int = 0, sharpen
     import transformers as T
 
     torch.manual_seed(seed)
-    config = T.LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-                           pad_token_id=0, eos_token_id=None, bos_token_id=None)
+    config = T.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        pad_token_id=0,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
     model = T.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     model.generation_config.eos_token_id = None
     with torch.no_grad():
@@ -65,9 +81,10 @@ def eager_generate(model, prompts, max_new_tokens):
     """Greedy tokens (B, T) from transformers' own generate, one unpadded prompt at a time."""
     rows = []
     for ids in prompts:
-        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
-                             eos_token_id=None)
-        rows.append(out[0, len(ids):])
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
+        rows.append(out[0, len(ids) :])
     return torch.stack(rows)
 
 
@@ -84,7 +101,7 @@ def eager_answer_mass(model, input_ids, tokens, spans_per_row):
     full = torch.cat([input_ids, tokens[:, :-1]], dim=1)
     with torch.no_grad():
         out = model(input_ids=full, output_attentions=True)
-    weights = torch.stack(out.attentions).double()[:, :, :, P - 1:]  # (L, B, H, rows, keys)
+    weights = torch.stack(out.attentions).double()[:, :, :, P - 1 :]  # (L, B, H, rows, keys)
     result = []
     for b, spans in enumerate(spans_per_row):
         total = sum(weights[:, b, :, :, a:e].sum(-1) for a, e in spans)
@@ -104,5 +121,11 @@ def char_tokenizer():
     core = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", unk_token="<unk>", padding_side="left",
-                                   clean_up_tokenization_spaces=False, model_input_names=["input_ids", "attention_mask"])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        model_input_names=["input_ids", "attention_mask"],
+    )

@@ -211,8 +211,16 @@ def logits(q: Tensor, k: Tensor, scale: float, atoms, visible: Tensor | None) ->
     return s
 
 
-def oracle(q: Tensor, k: Tensor, v: Tensor, *, visible: Tensor | None = None, atoms=(), scale: float | None = None,
-           sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def oracle(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    visible: Tensor | None = None,
+    atoms=(),
+    scale: float | None = None,
+    sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """(out (B, Hq, Nq, Dv), lse (B, Hq, Nq)) in float64, differentiable in everything."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = logits(q, k, scale, atoms, visible)

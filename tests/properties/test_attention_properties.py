@@ -48,9 +48,16 @@ import os
 
 import torch
 from attention_oracle import (
-    LAYOUTS, atom_params, dense_mask, describe_mask, expanded, oracle, to_attnkit_mask, to_attnkit_score, with_layout,
+    LAYOUTS,
+    atom_params,
+    dense_mask,
+    describe_mask,
+    expanded,
+    oracle,
+    to_attnkit_mask,
+    to_attnkit_score,
+    with_layout,
 )
-from helpers import TOL
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_tiles import tiny_tiles
@@ -58,13 +65,14 @@ from tiny_tiles import tiny_tiles
 import attnkit as ak
 from attnkit.kernels import make_request
 from attnkit.kernels.sdpa import sdpa_unsupported
+from helpers import TOL
 
 #: ATTNKIT_PROPERTY_SCALE=10 draws ten times as many cases (a soak run; CI uses 1)
 SCALE = float(os.environ.get("ATTNKIT_PROPERTY_SCALE", "1"))
 CASES = int(500 * SCALE)
 PROPERTY_SETTINGS = dict(deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 
-EPS = {torch.float64: 2.0 ** -52, torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
+EPS = {torch.float64: 2.0**-52, torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
 
 # ----------------------------------------------------------------------------- strategies
@@ -102,8 +110,9 @@ def mask_spec(draw, B: int, Nk: int, depth: int = 0):
 
 @st.composite
 def score_atoms(draw, B: int, H: int, Nq: int, Nk: int, gen: torch.Generator, low_precision: bool):
-    kinds = draw(st.lists(st.sampled_from(["alibi", "softcap", "temperature", "log_length_scale", "bias", "relative_bias"]),
-                          max_size=3))
+    kinds = draw(
+        st.lists(st.sampled_from(["alibi", "softcap", "temperature", "log_length_scale", "bias", "relative_bias"]), max_size=3)
+    )
     learns = [draw(st.booleans()) for _ in kinds]
     atoms = []
     for i, kind in enumerate(kinds):
@@ -175,7 +184,7 @@ def cases(draw):
     Nq = draw(st.sampled_from([Nk, Nk, 1, draw(st.integers(1, Nk))]))
     D = draw(st.sampled_from([4, 8]))
     Dv = draw(st.sampled_from([D, D, 3]))
-    gen = torch.Generator().manual_seed(draw(st.integers(0, 2 ** 20)))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**20)))
     mask = draw(st.one_of(st.none(), mask_spec(B, Nk)))
     atoms = draw(score_atoms(B, H, Nq, Nk, gen, low))
     sinks = torch.randn(H, generator=gen, dtype=torch.float64) if draw(st.booleans()) else None
@@ -184,8 +193,25 @@ def cases(draw):
     backend = draw(st.sampled_from(["reference", "chunked_fused", "chunked_tiled", "auto", "sdpa"]))
     return_lse = draw(st.booleans())
     grads = not low and draw(st.booleans())
-    return dict(dtype=dtype, B=B, Hkv=Hkv, H=H, Nq=Nq, Nk=Nk, D=D, Dv=Dv, gen=gen, mask=mask, atoms=atoms, sinks=sinks,
-                layouts=layouts, grad_layout=grad_layout, backend=backend, return_lse=return_lse, grads=grads)
+    return dict(
+        dtype=dtype,
+        B=B,
+        Hkv=Hkv,
+        H=H,
+        Nq=Nq,
+        Nk=Nk,
+        D=D,
+        Dv=Dv,
+        gen=gen,
+        mask=mask,
+        atoms=atoms,
+        sinks=sinks,
+        layouts=layouts,
+        grad_layout=grad_layout,
+        backend=backend,
+        return_lse=return_lse,
+        grads=grads,
+    )
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -220,9 +246,11 @@ def run_attnkit(backend: str, q, k, v, **kw):
 def describe(case) -> str:
     atoms = " >> ".join(a[0] + ("*" if any(p.requires_grad for p in atom_params(a)) else "") for a in case["atoms"]) or "-"
     mask = describe_mask(case["mask"]) if case["mask"] is not None else "-"
-    return (f"{case['backend']} {case['dtype']} B={case['B']} H={case['H']}/{case['Hkv']} Nq={case['Nq']} Nk={case['Nk']} "
-            f"D={case['D']} Dv={case['Dv']} mask={mask} score={atoms} sinks={case['sinks'] is not None} "
-            f"layouts={case['layouts']} grad_layout={case['grad_layout']}")
+    return (
+        f"{case['backend']} {case['dtype']} B={case['B']} H={case['H']}/{case['Hkv']} Nq={case['Nq']} Nk={case['Nk']} "
+        f"D={case['D']} Dv={case['Dv']} mask={mask} score={atoms} sinks={case['sinks'] is not None} "
+        f"layouts={case['layouts']} grad_layout={case['grad_layout']}"
+    )
 
 
 # ----------------------------------------------------------------------------- the property
@@ -233,8 +261,10 @@ def describe(case) -> str:
 def test_matches_the_literal_oracle(case):
     dtype, gen = case["dtype"], case["gen"]
     B, H, Hkv, Nq, Nk, D, Dv = (case[n] for n in ("B", "H", "Hkv", "Nq", "Nk", "D", "Dv"))
-    leaves = [torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).requires_grad_(case["grads"])
-              for shape in ((B, H, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, Dv))]
+    leaves = [
+        torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).requires_grad_(case["grads"])
+        for shape in ((B, H, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, Dv))
+    ]
     q, k, v = (laid_out(x, lay) for x, lay in zip(leaves, case["layouts"]))
     sinks = case["sinks"]
     if sinks is not None:
@@ -259,8 +289,9 @@ def test_matches_the_literal_oracle(case):
     torch.testing.assert_close(out.detach().double(), want_out.detach(), **tol, msg=lambda m: f"out: {where}\n{m}")
     assert torch.equal(torch.isneginf(lse), ~finite), f"rows with no visible key: {where}"
     assert torch.equal(out.detach()[~finite], torch.zeros_like(out.detach()[~finite])), where
-    torch.testing.assert_close(lse.detach().double()[finite], want_lse.detach()[finite], **tol,
-                               msg=lambda m: f"lse: {where}\n{m}")
+    torch.testing.assert_close(
+        lse.detach().double()[finite], want_lse.detach()[finite], **tol, msg=lambda m: f"lse: {where}\n{m}"
+    )
 
     if not case["grads"]:
         return
@@ -270,7 +301,11 @@ def test_matches_the_literal_oracle(case):
     lse_term = lambda l: (torch.where(finite, l, torch.zeros_like(l)).double() * g_lse).sum()
     got = torch.autograd.grad([out, lse_term(lse)], wrt, [g_out, None], allow_unused=True)
     want = torch.autograd.grad([want_out, lse_term(want_lse)], wrt, [g_out.double(), None], allow_unused=True)
-    names = ["q", "k", "v"] + (["sinks"] if sinks is not None else []) + [f"param{i}" for i in range(len(wrt) - 3 - (sinks is not None))]
+    names = (
+        ["q", "k", "v"]
+        + (["sinks"] if sinks is not None else [])
+        + [f"param{i}" for i in range(len(wrt) - 3 - (sinks is not None))]
+    )
     for name, a, b, x in zip(names, got, want, wrt):
         a = torch.zeros_like(x) if a is None else a
         b = torch.zeros_like(x) if b is None else b

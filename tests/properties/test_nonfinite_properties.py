@@ -65,7 +65,7 @@ def padded_calls(draw):
     in_v = draw(st.sampled_from(["nan", "inf", "-inf", "huge", None]))
     backend = draw(st.sampled_from(BACKENDS))
     sinks = draw(st.booleans())
-    return dtype, B, Hkv, G, Nq, Nk, spec, in_k, in_v, backend, sinks, draw(st.integers(0, 2 ** 20))
+    return dtype, B, Hkv, G, Nq, Nk, spec, in_k, in_v, backend, sinks, draw(st.integers(0, 2**20))
 
 
 @settings(max_examples=CASES_PADDING, **PROPERTY_SETTINGS)
@@ -74,8 +74,10 @@ def test_hidden_keys_and_values_never_reach_the_output(call):
     dtype, B, Hkv, G, Nq, Nk, spec, in_k, in_v, backend, with_sinks, seed = call
     gen = torch.Generator().manual_seed(seed)
     H, D = Hkv * G, 8
-    q, k, v = (torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
-               for shape in ((B, H, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, D)))
+    q, k, v = (
+        torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+        for shape in ((B, H, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, D))
+    )
     visible = dense_mask(spec, B, Nq, Nk).expand(B, H, Nq, Nk)
     # keys no query of their batch row sees
     hidden = ~visible.any(dim=2).any(dim=1)  # (B, Nk)
@@ -117,7 +119,7 @@ def reported_calls(draw):
     value = draw(st.sampled_from([math.nan] if where == "k" else [math.nan, math.inf, -math.inf]))
     row = draw(st.integers(0, (Nq if where == "q" else Nk) - 1))
     dtype = draw(st.sampled_from([torch.float32, torch.float64]))
-    return Nq, Nk, mask, backend, where, value, row, dtype, draw(st.integers(0, 2 ** 20))
+    return Nq, Nk, mask, backend, where, value, row, dtype, draw(st.integers(0, 2**20))
 
 
 @settings(max_examples=CASES_REPORTED, **PROPERTY_SETTINGS)
@@ -126,8 +128,10 @@ def test_nonfinite_that_reaches_a_row_is_reported_at_every_size(call):
     Nq, Nk, mask_kind, backend, where, value, row, dtype, seed = call
     gen = torch.Generator().manual_seed(seed)
     B, H, D = 1, 2, 8
-    q, k, v = (torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
-               for shape in ((B, H, Nq, D), (B, H, Nk, D), (B, H, Nk, D)))
+    q, k, v = (
+        torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+        for shape in ((B, H, Nq, D), (B, H, Nk, D), (B, H, Nk, D))
+    )
     if mask_kind is None:
         mask, spec = None, None
     elif mask_kind == "causal":
@@ -135,7 +139,7 @@ def test_nonfinite_that_reaches_a_row_is_reported_at_every_size(call):
     else:  # the first query rows see nothing: a NaN query there is harmless
         blind = Nk - Nq + Nq // 2
         spec = None
-        mask = (lambda b, h, qi, ki: qi >= blind)  # noqa: E731
+        mask = lambda b, h, qi, ki: qi >= blind  # noqa: E731
     if backend == "sdpa" and not (mask is None or (mask_kind == "causal" and Nq in (1, Nk))):
         backend = "auto"
     target = {"q": q, "k": k, "v": v}[where]

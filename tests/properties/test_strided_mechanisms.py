@@ -12,19 +12,23 @@ from __future__ import annotations
 import pytest
 import torch
 from attention_oracle import expanded, with_layout
-from helpers import TOL, qkv
 
 import attnkit as ak
 from attnkit.mechanisms import get_mechanism
 from attnkit.mechanisms.adaptive_span import AdaptiveSpan
+from helpers import TOL, qkv
 
 
 def _mechanism(name: str, dtype: torch.dtype):
     if name == "adaptive_span":
         return AdaptiveSpan(max_span=40, ramp=4, num_heads=4).to(dtype), ak.causal()
     if name == "hyper_attention":
-        return get_mechanism("hyper_attention", block_size=16, sample_size=12, min_seq_len=32, lsh_num_projs=4, seed=3), ak.causal()
-    return get_mechanism("nsa", compress_block=8, compress_stride=4, select_block=8, num_selected=3, window=6).to(dtype), ak.causal()
+        return get_mechanism(
+            "hyper_attention", block_size=16, sample_size=12, min_seq_len=32, lsh_num_projs=4, seed=3
+        ), ak.causal()
+    return get_mechanism("nsa", compress_block=8, compress_stride=4, select_block=8, num_selected=3, window=6).to(
+        dtype
+    ), ak.causal()
 
 
 @pytest.mark.parametrize("layout", ["last_dim_strided", "every_other", "transposed", "offset", "expand_batch"])

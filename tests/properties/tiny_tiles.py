@@ -9,8 +9,17 @@ from dataclasses import replace
 from attnkit.kernels import BACKENDS, Tiling, chunked_attention
 from attnkit.kernels.chunked import fused_unsupported
 
-SMALL = Tiling(fused_q_block=8, fused_q_block_large=16, fused_q_block_bias=8, fused_k_block=4, fused_max_masked_span=12,
-               tiled_q_block=8, tiled_k_block=4, tiled_tile_k=8, single_tile=0)
+SMALL = Tiling(
+    fused_q_block=8,
+    fused_q_block_large=16,
+    fused_q_block_bias=8,
+    fused_k_block=4,
+    fused_max_masked_span=12,
+    tiled_q_block=8,
+    tiled_k_block=4,
+    tiled_tile_k=8,
+    single_tile=0,
+)
 
 
 @contextmanager

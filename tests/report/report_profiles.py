@@ -8,7 +8,7 @@ import attnkit as ak
 # Each would run if the report put tokens into the page unescaped.
 HOSTILE = [
     '<script>document.body.setAttribute("data-pwned","1")</script>',
-    '<img src=x onerror="document.body.setAttribute(\'data-pwned\',\'2\')">',
+    "<img src=x onerror=\"document.body.setAttribute('data-pwned','2')\">",
     "</script><script>document.body.setAttribute('data-pwned','3')</script>",
     "<!--",
     "&amp;",

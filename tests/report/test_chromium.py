@@ -13,8 +13,14 @@ from report_profiles import hostile_profile
 
 from attnkit.report import write_report
 
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-         "--no-first-run"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
 
 
 def chromium(tmp_path, *args, url):
@@ -60,7 +66,10 @@ def test_page_runs_clean_and_hostile_tokens_stay_text(report, tmp_path):
     assert "<img" not in dom
     # the token view: token 17 of head (layer, h) highlights exactly its top keys
     assert f'data-focus="{layer}.{h}:{token}"' in dom
-    lit = {int(i) for i in re.findall(r'<span class="tok[^"]*" title="[^"]*" tabindex="0" data-i="(\d+)" style="background-color', dom)}
+    lit = {
+        int(i)
+        for i in re.findall(r'<span class="tok[^"]*" title="[^"]*" tabindex="0" data-i="(\d+)" style="background-color', dom)
+    }
     want = {int(i) for i in head[(layer, h)]["index"][0, token].tolist() if i >= 0}
     assert lit == want
 

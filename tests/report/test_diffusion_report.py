@@ -32,9 +32,14 @@ def test_heat_pixels_span_min_to_max():
 def test_every_run_string_is_escaped():
     evil = '<img src=x onerror="alert(1)">'
     maps = np.random.default_rng(1).random((2, 3, 3))
-    html = render_token_maps_html(["ok", evil], [(f"steps {evil}", maps)], image=np.zeros((4, 4, 3)),
-                                  meta={"prompt": evil, "layers": [f"blocks.{evil}"]}, title=f"t {evil}")
-    assert evil not in html and "onerror=\"" not in html and "<script" not in html
+    html = render_token_maps_html(
+        ["ok", evil],
+        [(f"steps {evil}", maps)],
+        image=np.zeros((4, 4, 3)),
+        meta={"prompt": evil, "layers": [f"blocks.{evil}"]},
+        title=f"t {evil}",
+    )
+    assert evil not in html and 'onerror="' not in html and "<script" not in html
     assert html.count("&lt;img src=x onerror=&quot;alert(1)&quot;&gt;") >= 5
     assert html.count('<figure class="token-map"') == 2
     with pytest.raises(ValueError, match="sections"):

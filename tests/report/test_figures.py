@@ -13,7 +13,11 @@ def test_every_figure_is_written_and_drawn(tmp_path):
     profile = hostile_profile()
     paths = write_figures(profile, str(tmp_path), dpi=60)
     names = {os.path.basename(p) for p in paths}
-    want = {f"heatmap_{m}.png" for m in heatmap_metrics(profile)} | {"distance_profiles.png", "head_classes.png", "sink_summary.png"}
+    want = {f"heatmap_{m}.png" for m in heatmap_metrics(profile)} | {
+        "distance_profiles.png",
+        "head_classes.png",
+        "sink_summary.png",
+    }
     assert names == want
     for path in paths:
         img = mpimg.imread(path)[..., :3]

@@ -80,8 +80,11 @@ def texts(svg, cls=None) -> list[str]:
 
 
 def titles(svg, tag, cls=None) -> list[str]:
-    return [e.find(NS + "title").text for e in svg.iter(NS + tag)
-            if (cls is None or e.get("class") == cls) and e.find(NS + "title") is not None]
+    return [
+        e.find(NS + "title").text
+        for e in svg.iter(NS + tag)
+        if (cls is None or e.get("class") == cls) and e.find(NS + "title") is not None
+    ]
 
 
 def y_scale(svg):
@@ -113,7 +116,7 @@ def cells(svg):
 
 def test_heatmap_cells_are_large_with_axis_titles_values_and_hover():
     page = render(grid(), {"kind": "heatmap", "rows": "depth", "cols": "length", "metric": "accuracy"})
-    svg, = svgs(page, "heatmap")
+    (svg,) = svgs(page, "heatmap")
     rects = cells(svg)
     assert len(rects) == 12
     xs = sorted({float(e.get("x")) for e in rects})
@@ -135,9 +138,19 @@ def test_heatmap_cells_are_large_with_axis_titles_values_and_hover():
 
 
 def test_heatmap_titles_from_the_spec_values_off_and_wide_grids_scale_down():
-    page = render(grid(), {"kind": "heatmap", "rows": "depth", "cols": "length", "metric": "accuracy",
-                           "x_title": "context length (tokens)", "y_title": "needle depth", "values": False})
-    svg, = svgs(page, "heatmap")
+    page = render(
+        grid(),
+        {
+            "kind": "heatmap",
+            "rows": "depth",
+            "cols": "length",
+            "metric": "accuracy",
+            "x_title": "context length (tokens)",
+            "y_title": "needle depth",
+            "values": False,
+        },
+    )
+    (svg,) = svgs(page, "heatmap")
     assert texts(svg, "x-title") == ["context length (tokens)"] and texts(svg, "y-title") == ["needle depth"]
     assert texts(svg, "cell-value") == []
     wide = svgs(render(grid(cols=13), {"kind": "heatmap", "rows": "depth", "cols": "length", "metric": "accuracy"}), "heatmap")[0]
@@ -147,7 +160,7 @@ def test_heatmap_titles_from_the_spec_values_off_and_wide_grids_scale_down():
     for layer in range(2):
         for head in range(64):
             heads.add("mass", (layer + head) / 100, layer=layer, head=head)
-    huge, = svgs(render(heads, {"kind": "heatmap", "rows": "layer", "cols": "head", "metric": "mass"}), "heatmap")
+    (huge,) = svgs(render(heads, {"kind": "heatmap", "rows": "layer", "cols": "head", "metric": "mass"}), "heatmap")
     rects = cells(huge)
     xs = sorted({float(e.get("x")) for e in rects})
     assert len(rects) == 128 and xs[-1] - xs[0] <= 1100 and min(float(e.get("height")) for e in rects) >= 23
@@ -158,10 +171,22 @@ def test_heatmap_titles_from_the_spec_values_off_and_wide_grids_scale_down():
 
 def test_curve_axis_titles_default_to_the_names_and_follow_the_spec():
     r = curves_result()
-    svg, = svgs(render(r, {"kind": "curve", "x": "depth", "metric": "exact_match", "series": "policy"}), "curve")
+    (svg,) = svgs(render(r, {"kind": "curve", "x": "depth", "metric": "exact_match", "series": "policy"}), "curve")
     assert texts(svg, "axis-title") == ["depth", "exact_match"]
-    svg, = svgs(render(r, {"kind": "curve", "x": "depth", "metric": "exact_match", "series": "policy",
-                           "x_title": "where the needle sits", "y_title": "accuracy"}), "curve")
+    (svg,) = svgs(
+        render(
+            r,
+            {
+                "kind": "curve",
+                "x": "depth",
+                "metric": "exact_match",
+                "series": "policy",
+                "x_title": "where the needle sits",
+                "y_title": "accuracy",
+            },
+        ),
+        "curve",
+    )
     assert texts(svg, "axis-title") == ["where the needle sits", "accuracy"]
     assert int(svg.get("width")) >= 560 and int(svg.get("height")) >= 320  # the default size
 
@@ -170,8 +195,18 @@ def test_split_draws_one_panel_per_value_on_one_y_scale():
     r = curves_result()
     for row in r.rows:  # values beyond [0, 1], so the scale is the data's: shared it must still be
         row["value"] = 2 + 3 * row["value"] * (row["budget"] if row["budget"] < 1 else 0.2)
-    page = render(r, {"kind": "curve", "x": "depth", "metric": "exact_match", "series": "policy", "split": "budget",
-                      "reference": {"policy": "full"}, "title": "by depth"})
+    page = render(
+        r,
+        {
+            "kind": "curve",
+            "x": "depth",
+            "metric": "exact_match",
+            "series": "policy",
+            "split": "budget",
+            "reference": {"policy": "full"},
+            "title": "by depth",
+        },
+    )
     assert panel_titles(page) == [f"by depth — budget={b:g}" for b in BUDGETS]  # the reference's 1.0 gets no panel
     panels = svgs(page, "curve")
     grids = [[g.get("data-v") for g in svg.iter(NS + "line") if g.get("class") == "grid"] for svg in panels]
@@ -181,21 +216,30 @@ def test_split_draws_one_panel_per_value_on_one_y_scale():
         assert len(tips) == len(POLICIES) * len(DEPTHS)
         for p in POLICIES:
             want = statistics.mean(2 + 3 * em(p, b, 0.5, s) * b for s in range(SAMPLES))
-            tip, = [t for t in tips if t.startswith(f"policy={p}: 0.5 → ")]
+            (tip,) = [t for t in tips if t.startswith(f"policy={p}: 0.5 → ")]
             assert float(tip.split("→ ")[1]) == pytest.approx(want, rel=1e-3)
 
 
 def test_spread_draws_a_band_of_one_standard_error_and_says_it_on_hover():
     r = curves_result()
-    page = render(r, {"kind": "curve", "x": "depth", "metric": "exact_match", "series": "policy", "spread": "sample",
-                      "where": {"budget": 0.1}})
-    svg, = svgs(page, "curve")
+    page = render(
+        r,
+        {
+            "kind": "curve",
+            "x": "depth",
+            "metric": "exact_match",
+            "series": "policy",
+            "spread": "sample",
+            "where": {"budget": 0.1},
+        },
+    )
+    (svg,) = svgs(page, "curve")
     y_of, _ = y_scale(svg)
     bands = {b.get("data-series"): b for b in svg.iter(NS + "polygon") if b.get("class") == "band"}
     assert set(bands) == {f"policy={p}" for p in POLICIES}
     for p in POLICIES:
         points = [tuple(map(float, xy.split(","))) for xy in bands[f"policy={p}"].get("points").split()]
-        upper, lower = points[:len(DEPTHS)], points[len(DEPTHS):][::-1]
+        upper, lower = points[: len(DEPTHS)], points[len(DEPTHS) :][::-1]
         tips = [t for t in titles(svg, "circle", "point") if t.startswith(f"policy={p}: ")]
         for d, (_, y_hi), (_, y_lo), tip in zip(DEPTHS, upper, lower, tips):
             values = [em(p, 0.1, d, s) for s in range(SAMPLES)]
@@ -208,7 +252,7 @@ def test_spread_draws_a_band_of_one_standard_error_and_says_it_on_hover():
 def test_spread_averages_rows_that_share_a_value_first():
     r = curves_result()
     page = render(r, {"kind": "curve", "x": "budget", "metric": "exact_match", "series": "policy", "spread": "sample"})
-    svg, = svgs(page, "curve")
+    (svg,) = svgs(page, "curve")
     tips = titles(svg, "circle", "point")
     for p in POLICIES:
         for b in BUDGETS:
@@ -219,16 +263,26 @@ def test_spread_averages_rows_that_share_a_value_first():
 
 def test_reference_rows_are_a_dashed_horizontal_line_not_a_series():
     r = curves_result()
-    page = render(r, {"kind": "curve", "x": "budget", "metric": "exact_match", "series": "policy", "spread": "sample",
-                      "reference": {"policy": "full"}})
-    svg, = svgs(page, "curve")
+    page = render(
+        r,
+        {
+            "kind": "curve",
+            "x": "budget",
+            "metric": "exact_match",
+            "series": "policy",
+            "spread": "sample",
+            "reference": {"policy": "full"},
+        },
+    )
+    (svg,) = svgs(page, "curve")
     y_of, _ = y_scale(svg)
-    ref, = [e for e in svg.iter(NS + "line") if e.get("class") == "reference"]
+    (ref,) = [e for e in svg.iter(NS + "line") if e.get("class") == "reference"]
     assert ref.get("stroke-dasharray") and ref.get("y1") == ref.get("y2")
     per_sample = [statistics.mean(full_em(d, s) for d in DEPTHS) for s in range(SAMPLES)]
     assert float(ref.get("y1")) == pytest.approx(y_of(statistics.mean(per_sample)), abs=0.11)
-    assert ref.find(NS + "title").text == (f"policy=full (reference), budget=1: {fmt(statistics.mean(per_sample))} ± "
-                                           f"{fmt(se(per_sample))} s.e. (n = {SAMPLES})")
+    assert ref.find(NS + "title").text == (
+        f"policy=full (reference), budget=1: {fmt(statistics.mean(per_sample))} ± {fmt(se(per_sample))} s.e. (n = {SAMPLES})"
+    )
     assert "policy=full (reference)" in texts(svg, "legend-entry")
     # not a series: no point, band or legend line of its own, and no x tick at its budget 1.0
     assert not any(t.startswith("policy=full") for t in titles(svg, "circle", "point"))
@@ -241,18 +295,30 @@ def test_reference_rows_are_a_dashed_horizontal_line_not_a_series():
 def test_a_reference_over_several_x_is_a_dashed_series():
     r = curves_result()
     r.rows = [row for row in r.rows if row["budget"] in (0.5, 1.0)]  # the policies at one budget beside the full cache
-    svg, = svgs(render(r, {"kind": "curve", "x": "depth", "metric": "exact_match", "series": "policy",
-                           "reference": {"policy": "full"}}), "curve")
+    (svg,) = svgs(
+        render(r, {"kind": "curve", "x": "depth", "metric": "exact_match", "series": "policy", "reference": {"policy": "full"}}),
+        "curve",
+    )
     assert svg.find(f"{NS}line[@class='reference']") is None
-    line, = [e for e in svg.iter(NS + "polyline") if e.get("class") == "reference"]
+    (line,) = [e for e in svg.iter(NS + "polyline") if e.get("class") == "reference"]
     assert line.get("stroke-dasharray")
     tips = titles(svg, "circle", "reference-point")
-    assert tips == [f"policy=full (reference): {d:g} → {fmt(statistics.mean(full_em(d, s) for s in range(SAMPLES)))}"
-                    for d in DEPTHS]
+    assert tips == [
+        f"policy=full (reference): {d:g} → {fmt(statistics.mean(full_em(d, s) for s in range(SAMPLES)))}" for d in DEPTHS
+    ]
     assert len(titles(svg, "circle", "point")) == len(POLICIES) * len(DEPTHS)  # the full cache's rows are no series
     # split by budget, the reference rows (all at budget 1.0) are drawn in each panel
-    page = render(curves_result(), {"kind": "curve", "x": "depth", "metric": "exact_match", "series": "policy", "split": "budget",
-                      "reference": {"policy": "full"}})
+    page = render(
+        curves_result(),
+        {
+            "kind": "curve",
+            "x": "depth",
+            "metric": "exact_match",
+            "series": "policy",
+            "split": "budget",
+            "reference": {"policy": "full"},
+        },
+    )
     assert all(len(titles(svg, "circle", "reference-point")) == len(DEPTHS) for svg in svgs(page, "curve"))
 
 
@@ -264,7 +330,7 @@ def test_the_legend_is_never_clipped():
             r.add("m", x / 3, x=x, policy=name)
     for spec_names in (names[:3], names[3:]):  # long names (below the plot), many short ones (on the right)
         rr = ProbeResult("p", [row for row in r.rows if row["policy"] in spec_names])
-        svg, = svgs(render(rr, {"kind": "curve", "x": "x", "metric": "m", "series": "policy"}), "curve")
+        (svg,) = svgs(render(rr, {"kind": "curve", "x": "x", "metric": "m", "series": "policy"}), "curve")
         width, height = float(svg.get("width")), float(svg.get("height"))
         entries = [t for t in svg.iter(NS + "text") if "legend-entry" in (t.get("class") or "")]
         assert len(entries) == len(spec_names)
@@ -278,9 +344,19 @@ def test_the_legend_is_never_clipped():
 
 def test_bars_are_means_with_error_bars_of_one_standard_error_and_dots():
     r = ablation_result()
-    page = render(r, {"kind": "bars", "x": "ablation", "metric": "accuracy", "series": "task", "spread": "draw",
-                      "title": "ablation", "y_title": "accuracy (needle)"})
-    svg, = svgs(page, "bars")
+    page = render(
+        r,
+        {
+            "kind": "bars",
+            "x": "ablation",
+            "metric": "accuracy",
+            "series": "task",
+            "spread": "draw",
+            "title": "ablation",
+            "y_title": "accuracy (needle)",
+        },
+    )
+    (svg,) = svgs(page, "bars")
     y_of, px_per_unit = y_scale(svg)
     bars = [e for e in svg.iter(NS + "rect") if e.get("class") == "bar"]
     assert len(bars) == len(ABLATIONS) * 2  # categories × series
@@ -307,7 +383,7 @@ def test_bars_are_means_with_error_bars_of_one_standard_error_and_dots():
 
 def test_bars_without_series_or_spread():
     r = ablation_result(series=False)
-    svg, = svgs(render(r, {"kind": "bars", "x": "ablation", "metric": "accuracy"}), "bars")
+    (svg,) = svgs(render(r, {"kind": "bars", "x": "ablation", "metric": "accuracy"}), "bars")
     bars = [e for e in svg.iter(NS + "rect") if e.get("class") == "bar"]
     assert len(bars) == len(ABLATIONS) and not list(svg.iter(NS + "g")) and svg.find(f".//{NS}circle") is None
     assert texts(svg, "legend-entry") == []
@@ -315,13 +391,19 @@ def test_bars_without_series_or_spread():
     assert bars[2].find(NS + "title").text == f"ablation=random2: mean {fmt(want)} ({DRAWS} rows)"
 
 
-@pytest.mark.parametrize("spec,message", [
-    ({"kind": "bars", "metric": "accuracy"}, "bars: &#x27;x&#x27; must name a parameter"),
-    ({"kind": "bars", "x": "ablation", "metric": ["accuracy"]}, "bars: &#x27;metric&#x27; must name a metric"),
-    ({"kind": "bars", "x": "nope", "metric": "accuracy"}, "bars: no numeric rows"),
-    ({"kind": "curve", "x": "draw", "metric": "accuracy", "spread": 3}, "curve: &#x27;spread&#x27; must name a parameter"),
-    ({"kind": "curve", "x": "draw", "metric": "accuracy", "reference": "none"}, "curve: &#x27;reference&#x27; must be a dict"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ({"kind": "bars", "metric": "accuracy"}, "bars: &#x27;x&#x27; must name a parameter"),
+        ({"kind": "bars", "x": "ablation", "metric": ["accuracy"]}, "bars: &#x27;metric&#x27; must name a metric"),
+        ({"kind": "bars", "x": "nope", "metric": "accuracy"}, "bars: no numeric rows"),
+        ({"kind": "curve", "x": "draw", "metric": "accuracy", "spread": 3}, "curve: &#x27;spread&#x27; must name a parameter"),
+        (
+            {"kind": "curve", "x": "draw", "metric": "accuracy", "reference": "none"},
+            "curve: &#x27;reference&#x27; must be a dict",
+        ),
+    ],
+)
 def test_a_bad_new_spec_is_a_note(spec, message):
     r = ablation_result()
     r.meta = {"figures": [spec]}
@@ -339,10 +421,18 @@ def examples(n=6):
     out = []
     for i in range(n):
         ok = i % 3 != 1
-        out.append({"length": 256, "depth": i / n, "sample": i, "key": "apple",
-                    "prompt": "filler " * 40 + f"The secret of apple is {1000 + i}. " + "more " * 40 + "What is apple's secret?",
-                    "answer": str(1000 + i), "output": str(1000 + i) if ok else (SCRIPT if i == 1 else "9999"),
-                    "score": 1.0 if ok else 0.0})
+        out.append(
+            {
+                "length": 256,
+                "depth": i / n,
+                "sample": i,
+                "key": "apple",
+                "prompt": "filler " * 40 + f"The secret of apple is {1000 + i}. " + "more " * 40 + "What is apple's secret?",
+                "answer": str(1000 + i),
+                "output": str(1000 + i) if ok else (SCRIPT if i == 1 else "9999"),
+                "score": 1.0 if ok else 0.0,
+            }
+        )
     return out
 
 
@@ -402,13 +492,33 @@ def test_in_chromium_the_new_figures_and_the_examples_render_without_console_err
     r = curves_result()
     r.rows += ablation_result().rows
     r.rows += grid().rows
-    r.meta = {"model": SCRIPT, "examples": examples(), "figures": [
-        {"kind": "curve", "x": "budget", "metric": "exact_match", "series": "policy", "spread": "sample",
-         "reference": {"policy": "full"}, "x_title": "budget", "y_title": "accuracy"},
-        {"kind": "curve", "x": "depth", "metric": "exact_match", "series": "policy", "split": "budget", "spread": "sample",
-         "reference": {"policy": "full"}},
-        {"kind": "bars", "x": "ablation", "metric": "accuracy", "series": "task", "spread": "draw"},
-        {"kind": "heatmap", "rows": "depth", "cols": "length", "metric": "accuracy"}]}
+    r.meta = {
+        "model": SCRIPT,
+        "examples": examples(),
+        "figures": [
+            {
+                "kind": "curve",
+                "x": "budget",
+                "metric": "exact_match",
+                "series": "policy",
+                "spread": "sample",
+                "reference": {"policy": "full"},
+                "x_title": "budget",
+                "y_title": "accuracy",
+            },
+            {
+                "kind": "curve",
+                "x": "depth",
+                "metric": "exact_match",
+                "series": "policy",
+                "split": "budget",
+                "spread": "sample",
+                "reference": {"policy": "full"},
+            },
+            {"kind": "bars", "x": "ablation", "metric": "accuracy", "series": "task", "spread": "draw"},
+            {"kind": "heatmap", "rows": "depth", "cols": "length", "metric": "accuracy"},
+        ],
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         path = write_probe_report(r, str(tmp_path / "out"))

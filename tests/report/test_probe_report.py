@@ -17,7 +17,7 @@ from attnkit.report.probe import render_probe_html, write_probe_report
 
 HOSTILE = [
     '<script>document.body.setAttribute("data-pwned","1")</script>',
-    '<img src=x onerror="document.body.setAttribute(\'data-pwned\',\'2\')">',
+    "<img src=x onerror=\"document.body.setAttribute('data-pwned','2')\">",
     "</script><script>document.body.setAttribute('data-pwned','3')</script>",
 ]
 LENGTHS, DEPTHS, SAMPLES = (256, 1024, 4096), (0.0, 0.5, 1.0), 3
@@ -35,9 +35,15 @@ def grid_result(**extra) -> ProbeResult:
             for s in range(SAMPLES):
                 r.add("accuracy", score(n, d, s), length=n, depth=d, sample=s, **extra)
                 r.add("mass", 2.0 + n / 1024 + d, length=n, depth=d, sample=s, **extra)
-    r.meta = {"model": "tiny", "params": {"lengths": list(LENGTHS), "batch_size": 4}, "seconds": 2.5,
-              "figures": [{"kind": "heatmap", "rows": "depth", "cols": "length", "metric": "accuracy", "title": "accuracy grid"},
-                          {"kind": "curve", "x": "length", "metric": "accuracy", "series": "depth", "title": "accuracy curve"}]}
+    r.meta = {
+        "model": "tiny",
+        "params": {"lengths": list(LENGTHS), "batch_size": 4},
+        "seconds": 2.5,
+        "figures": [
+            {"kind": "heatmap", "rows": "depth", "cols": "length", "metric": "accuracy", "title": "accuracy grid"},
+            {"kind": "curve", "x": "length", "metric": "accuracy", "series": "depth", "title": "accuracy curve"},
+        ],
+    }
     return r
 
 
@@ -46,10 +52,17 @@ def hostile_result() -> ProbeResult:
     for i, task in enumerate(HOSTILE):
         r.add(HOSTILE[1], 0.1 * i, task=task, layer=i)
         r.add("score", 1.0 - 0.1 * i, task=task, layer=i, note=HOSTILE[2])
-    r.meta = {"model": HOSTILE[2], "params": {"needle": HOSTILE[0], HOSTILE[1]: 1}, "seconds": 0.5, HOSTILE[0]: HOSTILE[1],
-              "figures": [{"kind": "heatmap", "rows": "layer", "cols": "task", "metric": "score", "title": HOSTILE[0]},
-                          {"kind": "curve", "x": "layer", "metric": [HOSTILE[1], "score"], "series": None, "title": HOSTILE[1]},
-                          {"kind": HOSTILE[0]}]}
+    r.meta = {
+        "model": HOSTILE[2],
+        "params": {"needle": HOSTILE[0], HOSTILE[1]: 1},
+        "seconds": 0.5,
+        HOSTILE[0]: HOSTILE[1],
+        "figures": [
+            {"kind": "heatmap", "rows": "layer", "cols": "task", "metric": "score", "title": HOSTILE[0]},
+            {"kind": "curve", "x": "layer", "metric": [HOSTILE[1], "score"], "series": None, "title": HOSTILE[1]},
+            {"kind": HOSTILE[0]},
+        ],
+    }
     return r
 
 
@@ -65,7 +78,7 @@ def _cells(svg):
 
 def test_heatmap_cells_are_the_means_over_samples():
     page = render_probe_html(grid_result())
-    (label, svg), = _svgs(page, "heatmap")
+    ((label, svg),) = _svgs(page, "heatmap")
     assert label == "accuracy grid"
     cells = _cells(svg)
     assert len(cells) == len(LENGTHS) * len(DEPTHS)
@@ -95,8 +108,10 @@ def test_small_scores_use_their_own_range_unless_the_spec_fixes_one():
     for layer in range(2):
         for head in range(3):
             r.add("induction", 0.02 + 0.01 * (3 * layer + head), layer=layer, head=head)  # 0.02 .. 0.07
-    r.meta["figures"] = [{"kind": "heatmap", "rows": "layer", "cols": "head", "metric": "induction"},
-                         {"kind": "heatmap", "rows": "layer", "cols": "head", "metric": "induction", "range": [0, 1]}]
+    r.meta["figures"] = [
+        {"kind": "heatmap", "rows": "layer", "cols": "head", "metric": "induction"},
+        {"kind": "heatmap", "rows": "layer", "cols": "head", "metric": "induction", "range": [0, 1]},
+    ]
     own, fixed = (_cells(svg) for _, svg in _svgs(render_probe_html(r), "heatmap"))
     assert own[("0", "0")][0] == "#440154" and own[("1", "2")][0] == "#fde725"  # 0.02 and 0.07: both ends
     assert fixed[("1", "2")][0] not in ("#fde725",) and fixed[("0", "0")][0] != "#440154"  # near 0 on [0, 1]
@@ -107,8 +122,10 @@ def test_small_scores_use_their_own_range_unless_the_spec_fixes_one():
 
 def test_curve_points_are_the_means_on_a_linear_y_and_log2_x_axis():
     page = render_probe_html(grid_result())
-    (label, svg), = _svgs(page, "curve")
-    points = re.findall(r'<circle class="point" cx="([\d.]+)" cy="([\d.]+)" r="3" fill="[^"]+"><title>depth=([^:]+): (\d+) → ([^<]+)</title>', svg)
+    ((label, svg),) = _svgs(page, "curve")
+    points = re.findall(
+        r'<circle class="point" cx="([\d.]+)" cy="([\d.]+)" r="3" fill="[^"]+"><title>depth=([^:]+): (\d+) → ([^<]+)</title>', svg
+    )
     assert len(points) == len(LENGTHS) * len(DEPTHS)
     by = {}
     for cx, cy, d, n, shown in points:
@@ -118,7 +135,7 @@ def test_curve_points_are_the_means_on_a_linear_y_and_log2_x_axis():
     # y: linear in the value on [0, 1] (the bottom is 0); x: lengths 256, 1024, 4096 evenly (log2)
     bottom = by[(0.0, 256)][1]
     unit = (bottom - by[(0.5, 256)][1]) / by[(0.5, 256)][2]
-    for cx, cy, v in by.values():
+    for _cx, cy, v in by.values():
         assert bottom - cy == pytest.approx(unit * v, abs=0.2)
     xs = sorted({cx for cx, _, _ in by.values()})
     assert len(xs) == 3 and xs[1] - xs[0] == pytest.approx(xs[2] - xs[1], abs=0.2)
@@ -134,7 +151,7 @@ def test_a_curve_breaks_where_a_series_has_no_value():
     for n, v in ((1, 0.1), (4, 0.3)):  # nothing at n=2
         r.add("recall", v, n=n, keys=2)
     r.meta["figures"] = [{"kind": "curve", "x": "n", "metric": "recall", "series": "keys"}]
-    (_, svg), = _svgs(render_probe_html(r), "curve")
+    ((_, svg),) = _svgs(render_probe_html(r), "curve")
     assert svg.count("<polyline") == 1  # keys=1 joins its three points; keys=2's two points are not joined across the gap
     assert len(re.findall(r"<title>keys=2: ", svg)) == 2 and len(re.findall(r"<title>keys=1: ", svg)) == 3
     assert "(log scale)" not in svg  # 1 .. 4 is no wide range
@@ -164,8 +181,14 @@ def test_results_table_is_sortable_and_cut_with_a_note():
     page = render_probe_html(r)
     table = re.search(r'<table class="heads sortable results">(.*?)</table>', page, re.S).group(1)
     header = re.findall(r'<th data-type="(\w+)">(.*?)</th>', table)
-    assert header == [("text", "probe"), ("number", "length"), ("number", "depth"), ("number", "sample"), ("text", "metric"),
-                      ("number", "value")]
+    assert header == [
+        ("text", "probe"),
+        ("number", "length"),
+        ("number", "depth"),
+        ("number", "sample"),
+        ("text", "metric"),
+        ("number", "value"),
+    ]
     body = re.findall(r"<tr>(.*?)</tr>", table)[1:]
     assert len(body) == len(r.rows)
     first = re.findall(r'data-v="([^"]*)"', body[0])
@@ -215,14 +238,20 @@ def test_self_contained():
     assert "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "") and "https://" not in page
 
 
-@pytest.mark.parametrize("spec,message", [
-    ({"kind": "heatmap", "rows": "depth", "cols": "nope", "metric": "accuracy"}, "table: no &#x27;accuracy&#x27; rows with both"),
-    ({"kind": "heatmap", "rows": "depth", "metric": "accuracy"}, "heatmap: &#x27;cols&#x27; must name a parameter"),
-    ({"kind": "curve", "x": "length", "metric": "nope"}, "curve: no numeric rows of &#x27;nope&#x27;"),
-    ({"kind": "curve", "x": "length", "metric": []}, "curve: &#x27;metric&#x27; must name a metric"),
-    ({"kind": "curve", "x": "length", "metric": "accuracy", "where": [1]}, "&#x27;where&#x27; must be a dict"),
-    ("heatmap", "a figure spec is a dict"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        (
+            {"kind": "heatmap", "rows": "depth", "cols": "nope", "metric": "accuracy"},
+            "table: no &#x27;accuracy&#x27; rows with both",
+        ),
+        ({"kind": "heatmap", "rows": "depth", "metric": "accuracy"}, "heatmap: &#x27;cols&#x27; must name a parameter"),
+        ({"kind": "curve", "x": "length", "metric": "nope"}, "curve: no numeric rows of &#x27;nope&#x27;"),
+        ({"kind": "curve", "x": "length", "metric": []}, "curve: &#x27;metric&#x27; must name a metric"),
+        ({"kind": "curve", "x": "length", "metric": "accuracy", "where": [1]}, "&#x27;where&#x27; must be a dict"),
+        ("heatmap", "a figure spec is a dict"),
+    ],
+)
 def test_a_bad_figure_spec_is_a_note_not_a_crash(spec, message):
     r = grid_result()
     r.meta["figures"] = [spec, r.meta["figures"][0]]
@@ -249,16 +278,26 @@ def test_no_figures_and_bad_arguments(tmp_path):
 
 # -- in a real browser --------------------------------------------------------------------------
 
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-         "--no-first-run"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
 
 
 def chromium(tmp_path, *args, url):
     binary = shutil.which("chromium")
     assert binary, "chromium is not installed: run scripts/setup.sh --test (it installs Debian's chromium)"
     profile_dir = tmp_path / f"chromium-profile-{len(list(tmp_path.iterdir()))}"
-    proc = subprocess.run([binary, *FLAGS, f"--user-data-dir={profile_dir}", "--enable-logging=stderr", "--v=0", *args, url],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [binary, *FLAGS, f"--user-data-dir={profile_dir}", "--enable-logging=stderr", "--v=0", *args, url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc
 
@@ -281,7 +320,7 @@ def test_in_chromium_the_page_runs_clean_hostile_text_stays_text_and_figures_sho
     img = mpimg.imread(str(shot))[..., :3]
 
     def pixels(hex_colour):  # how many pixels show this colour
-        rgb = [int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+        rgb = [int(hex_colour[i : i + 2], 16) / 255 for i in (1, 3, 5)]
         return int((abs(img - rgb) < 0.03).all(-1).sum())
 
     # the heatmap's 0-valued cells (viridis' first colour) and the curve's first line are on screen

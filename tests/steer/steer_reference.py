@@ -11,7 +11,6 @@ output sum and count over real query rows (for mean ablation)."""
 
 from __future__ import annotations
 
-
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
@@ -54,7 +53,9 @@ def dense(module, query, key, value, attention_mask, scaling, dropout=0.0, softc
     for h in heads:
         if "emphasize" in CHANGE:  # PASTA: weights outside the spans times alpha, renormalised
             inside, alpha = CHANGE["emphasize"]
-            w = a[:, h] * torch.where(inside[:, :nk], torch.tensor(1.0, dtype=torch.float64), torch.tensor(alpha, dtype=torch.float64)).view(B, 1, nk)
+            w = a[:, h] * torch.where(
+                inside[:, :nk], torch.tensor(1.0, dtype=torch.float64), torch.tensor(alpha, dtype=torch.float64)
+            ).view(B, 1, nk)
             a[:, h] = w / w.sum(-1, keepdim=True)
         if "calibrate" in CHANGE:  # weights divided by ratio[bin]^strength, renormalised
             ratio, strength = CHANGE["calibrate"]
@@ -69,7 +70,7 @@ def dense(module, query, key, value, attention_mask, scaling, dropout=0.0, softc
         if "ablate" in CHANGE:
             o[:, h] = 0.0 if CHANGE["ablate"] is None else CHANGE["ablate"][layer][h]
     if "record" in CHANGE:
-        rows = keep[:, nk - nq:].double()
+        rows = keep[:, nk - nq :].double()
         total = torch.einsum("bhnd,bn->hd", o, rows)
         prev = RECORD.get(layer, (0.0, 0.0))
         RECORD[layer] = (prev[0] + total, prev[1] + float(rows.sum()))

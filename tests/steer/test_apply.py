@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from helpers import assert_close
 from steer_reference import outputs, run_dense
 from tiny_models import VOCAB, build
 from wordlevel import tiny_llama, word_tokenizer
@@ -16,6 +15,7 @@ from attnkit import steer
 from attnkit.hf.attention import EDITS
 from attnkit.probes.meters import RowSpanMass
 from attnkit.probes.result import ProbeResult
+from helpers import assert_close
 
 N = 12
 
@@ -31,8 +31,11 @@ def ids():
 
 
 def untouched(model):
-    return (all(m not in EDITS for m in model.modules()) and model.config._attn_implementation == "eager"
-            and all(not m._forward_hooks for m in model.modules()))
+    return (
+        all(m not in EDITS for m in model.modules())
+        and model.config._attn_implementation == "eager"
+        and all(not m._forward_hooks for m in model.modules())
+    )
 
 
 def test_restored_after_exit_and_after_an_exception(llama, ids):
@@ -130,13 +133,12 @@ def test_substring_spans_map_through_offsets_per_padded_row():
     enc = tok(prompts, padding=True, return_offsets_mapping=True, return_tensors="pt")
     with pytest.raises(ValueError, match="spans: substring 'secret code is 42' not found in prompt 1 of text"):
         steer.emphasize(["secret code is 42"], {1: [0]}, text=prompts, tokenizer=tok)  # one list for every row
-    iv = steer.emphasize([["secret code is 42", "What"], ["the value"]], {1: [0, 2]}, alpha=0.05, text=prompts,
-                         tokenizer=tok)
+    iv = steer.emphasize([["secret code is 42", "What"], ["the value"]], {1: [0, 2]}, alpha=0.05, text=prompts, tokenizer=tok)
     pad0 = int((enc["attention_mask"][0] == 0).sum())
     pad1 = int((enc["attention_mask"][1] == 0).sum())
     # tokens: the secret code is 4 2 . What ... (digits one token each) / Read the text below : the value is 7
     assert iv.rows == [[(pad0 + 1, pad0 + 6), (pad0 + 7, pad0 + 8)], [(pad1 + 5, pad1 + 7)]]
-    assert tok.convert_ids_to_tokens(enc["input_ids"][0, pad0 + 1:pad0 + 6].tolist()) == ["secret", "code", "is", "4", "2"]
+    assert tok.convert_ids_to_tokens(enc["input_ids"][0, pad0 + 1 : pad0 + 6].tolist()) == ["secret", "code", "is", "4", "2"]
     inputs = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
     inputs["position_ids"] = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     keep = enc["attention_mask"].bool()
@@ -150,24 +152,30 @@ def test_substring_spans_map_through_offsets_per_padded_row():
     assert_close(got[keep], want[keep])
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda: steer.ablate({3: [0]}), r"heads: expected a layer index below 3, got 3"),
-    (lambda: steer.ablate([(0, 4)]), r"heads: expected a head index below 4 \(layer 0\), got 4"),
-    # indices count from 0, not from the end: a negative one is refused as such, not as too large
-    (lambda: steer.ablate([(-1, 0)]), r"heads: expected a layer index >= 0 and below 3, got -1$"),
-    (lambda: steer.ablate({1: [-2]}), r"heads: expected a head index >= 0 and below 4 \(layer 1\), got -2$"),
-    (lambda: steer.ablate([]), r"heads: the selection names no head"),
-    (lambda: steer.ablate("missing.json"), r"heads: cannot read a head set"),
-    (lambda: steer.ablate([(0, 1)], mode="max"), r"mode: expected one of zero, mean"),
-    (lambda: steer.ablate([(0, 1)], mode="mean"), r"reference: mode='mean' needs a reference batch"),
-    (lambda: steer.temperature([(0, 1)], 0.0), r"t: expected a number > 0"),
-    (lambda: steer.disperse([(0, 1)], 1.5), r"strength: expected a number <= 1"),
-    (lambda: steer.emphasize([(0, 3)], [(0, 1)], alpha=0.0), r"alpha: expected a number in \(0, 1\]"),
-    (lambda: steer.emphasize([(3, 3)], [(0, 1)]), r"spans: expected token ranges"),
-    (lambda: steer.emphasize(["zebra"], [(0, 1)], text="the code", tokenizer=word_tokenizer()), r"spans: substring 'zebra' not found"),
-    (lambda: steer.emphasize(["code"], [(0, 1)]), r"text: substrings in spans need the prompt text"),
-    (lambda: steer.prune_layers(build("llama"), 4), r"k: expected an int in \[0, 3\]"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: steer.ablate({3: [0]}), r"heads: expected a layer index below 3, got 3"),
+        (lambda: steer.ablate([(0, 4)]), r"heads: expected a head index below 4 \(layer 0\), got 4"),
+        # indices count from 0, not from the end: a negative one is refused as such, not as too large
+        (lambda: steer.ablate([(-1, 0)]), r"heads: expected a layer index >= 0 and below 3, got -1$"),
+        (lambda: steer.ablate({1: [-2]}), r"heads: expected a head index >= 0 and below 4 \(layer 1\), got -2$"),
+        (lambda: steer.ablate([]), r"heads: the selection names no head"),
+        (lambda: steer.ablate("missing.json"), r"heads: cannot read a head set"),
+        (lambda: steer.ablate([(0, 1)], mode="max"), r"mode: expected one of zero, mean"),
+        (lambda: steer.ablate([(0, 1)], mode="mean"), r"reference: mode='mean' needs a reference batch"),
+        (lambda: steer.temperature([(0, 1)], 0.0), r"t: expected a number > 0"),
+        (lambda: steer.disperse([(0, 1)], 1.5), r"strength: expected a number <= 1"),
+        (lambda: steer.emphasize([(0, 3)], [(0, 1)], alpha=0.0), r"alpha: expected a number in \(0, 1\]"),
+        (lambda: steer.emphasize([(3, 3)], [(0, 1)]), r"spans: expected token ranges"),
+        (
+            lambda: steer.emphasize(["zebra"], [(0, 1)], text="the code", tokenizer=word_tokenizer()),
+            r"spans: substring 'zebra' not found",
+        ),
+        (lambda: steer.emphasize(["code"], [(0, 1)]), r"text: substrings in spans need the prompt text"),
+        (lambda: steer.prune_layers(build("llama"), 4), r"k: expected an int in \[0, 3\]"),
+    ],
+)
 def test_bad_input_names_the_argument(llama, make, match):
     with pytest.raises(ValueError, match=match):
         with steer.apply(llama, make()):

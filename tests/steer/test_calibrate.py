@@ -6,11 +6,11 @@ held to the dense reference in test_interventions.py."""
 
 import pytest
 import torch
-from helpers import assert_close
 from tiny_models import VOCAB, build
 
 from attnkit import probes, steer
 from attnkit.steer.calibrate import measure_position_ratio
+from helpers import assert_close
 
 
 def eager_ratio(model, texts, bins, causal):
@@ -92,9 +92,9 @@ def test_encoder_calibration_shrinks_the_position_bias_gap_on_minilm():
 
 def test_special_tokens_can_be_left_out_of_the_bins():
     """special="exclude": the tokenizer's [CLS]/[SEP] get no bias and no bin."""
-    from attnkit.steer.calibrate import key_bins, special_edges
-
     from wordlevel import word_tokenizer
+
+    from attnkit.steer.calibrate import key_bins, special_edges
 
     assert special_edges(word_tokenizer()) == (0, 0)
     keep = torch.tensor([[False, True, True, True, True, True, True]])

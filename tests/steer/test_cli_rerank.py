@@ -22,8 +22,27 @@ def docs_file(tmp_path):
 
 @pytest.mark.parametrize("method", ["icr", "sorting", "basin"])
 def test_json_equals_the_python_call(needle_export, docs_file, capsys, method):
-    assert main(["rerank", "--model", needle_export, "--query", QUERY, "--docs", docs_file, "--method", method,
-                 "--separator", " ", "--calibration", "Q f0", "--json"]) == 0
+    assert (
+        main(
+            [
+                "rerank",
+                "--model",
+                needle_export,
+                "--query",
+                QUERY,
+                "--docs",
+                docs_file,
+                "--method",
+                method,
+                "--separator",
+                " ",
+                "--calibration",
+                "Q f0",
+                "--json",
+            ]
+        )
+        == 0
+    )
     got = json.loads(capsys.readouterr().out)
     order, scores = rerank(needle_export, None, QUERY, DOCS, method=method, separator=" ", calibration="Q f0")
     assert got["order"] == order and got["scores"] == pytest.approx(scores, rel=1e-12)
@@ -31,8 +50,25 @@ def test_json_equals_the_python_call(needle_export, docs_file, capsys, method):
 
 
 def test_table_lists_documents_in_the_returned_order(needle_export, docs_file, capsys):
-    assert main(["rerank", "--model", needle_export, "--query", QUERY, "--docs", docs_file, "--separator", " ",
-                 "--calibration", "Q f0", "--uncalibrated"]) == 0
+    assert (
+        main(
+            [
+                "rerank",
+                "--model",
+                needle_export,
+                "--query",
+                QUERY,
+                "--docs",
+                docs_file,
+                "--separator",
+                " ",
+                "--calibration",
+                "Q f0",
+                "--uncalibrated",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out.splitlines()
     order, scores = rerank(needle_export, None, QUERY, DOCS, separator=" ", calibrate=False)
     assert out[0].startswith("icr on ") and "4 documents (ranking, most relevant first)" in out[0]
@@ -51,14 +87,17 @@ def test_documents_files_json_jsonl_and_text(tmp_path):
         assert read_documents(str(tmp_path / name)) == DOCS
 
 
-@pytest.mark.parametrize("name, content, message", [
-    ("missing.txt", None, "--docs: no such file"),
-    ("empty.txt", "\n \n", "--docs: .* holds no documents"),
-    ("bad.json", "[1, 2]", "--docs: .* must hold a JSON array of strings"),
-    ("broken.json", "[\"a\"", "--docs: .* is not valid JSON"),
-    ("bad.jsonl", "\"a\"\n{\"title\": 1}\n", "--docs: line 2 of .* must be a JSON string or an object"),
-    ("blank.json", "[\"a\", \" \"]", "--docs: document 1 of .* is empty"),
-])
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("missing.txt", None, "--docs: no such file"),
+        ("empty.txt", "\n \n", "--docs: .* holds no documents"),
+        ("bad.json", "[1, 2]", "--docs: .* must hold a JSON array of strings"),
+        ("broken.json", '["a"', "--docs: .* is not valid JSON"),
+        ("bad.jsonl", '"a"\n{"title": 1}\n', "--docs: line 2 of .* must be a JSON string or an object"),
+        ("blank.json", '["a", " "]', "--docs: document 1 of .* is empty"),
+    ],
+)
 def test_bad_documents_files(tmp_path, capsys, name, content, message):
     import re
 
@@ -70,15 +109,18 @@ def test_bad_documents_files(tmp_path, capsys, name, content, message):
     assert err.startswith("attnkit rerank: error: --docs: ") and re.search(message, err), err
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--method", "bm25"], "--method: invalid choice: 'bm25'"),
-    (["--rounds", "0"], "--rounds: expected a positive integer"),
-    (["--query", " "], "--query: expected a non-empty string"),
-    (["--query-template", "no placeholder"], "--query-template: expected a string containing {query}"),
-    (["--calibration", "Q f0", "--layers", "5"], "--layers: expected None or a non-empty list of indices below 2"),
-    (["--calibration", "Q f0", "--layers", "x"], "--layers: expected comma-separated layer indices"),
-    ([], "--calibration: the tokenizer cannot encode 'N/A'"),  # the arena vocabulary has no unknown token
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--method", "bm25"], "--method: invalid choice: 'bm25'"),
+        (["--rounds", "0"], "--rounds: expected a positive integer"),
+        (["--query", " "], "--query: expected a non-empty string"),
+        (["--query-template", "no placeholder"], "--query-template: expected a string containing {query}"),
+        (["--calibration", "Q f0", "--layers", "5"], "--layers: expected None or a non-empty list of indices below 2"),
+        (["--calibration", "Q f0", "--layers", "x"], "--layers: expected comma-separated layer indices"),
+        ([], "--calibration: the tokenizer cannot encode 'N/A'"),  # the arena vocabulary has no unknown token
+    ],
+)
 def test_bad_options_are_one_line_naming_the_option(needle_export, docs_file, capsys, extra, message):
     argv = ["rerank", "--model", needle_export, "--query", QUERY, "--docs", docs_file, "--separator", " "] + extra
     assert main(argv) == 2
@@ -93,8 +135,27 @@ def test_missing_model_directory(docs_file, tmp_path, capsys):
 
 
 def test_layers_option(needle_export, docs_file, capsys):
-    assert main(["rerank", "--model", needle_export, "--query", QUERY, "--docs", docs_file, "--separator", " ",
-                 "--calibration", "Q f0", "--layers", "1", "--json"]) == 0
+    assert (
+        main(
+            [
+                "rerank",
+                "--model",
+                needle_export,
+                "--query",
+                QUERY,
+                "--docs",
+                docs_file,
+                "--separator",
+                " ",
+                "--calibration",
+                "Q f0",
+                "--layers",
+                "1",
+                "--json",
+            ]
+        )
+        == 0
+    )
     got = json.loads(capsys.readouterr().out)
     order, scores = rerank(needle_export, None, QUERY, DOCS, separator=" ", calibration="Q f0", layers=[1])
     assert got["order"] == order and got["scores"] == pytest.approx(scores, rel=1e-12)

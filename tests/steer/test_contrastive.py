@@ -39,8 +39,9 @@ def reference_generate(model, ids, heads, lam, strength, steps, plausibility):
 def test_contrastive_generate_equals_the_formula(setup, lam, strength, plausibility):
     model, tok = setup
     prompt = "the secret code is 42 . What is the code ?"
-    got = steer.contrastive_generate(model, tok, prompt, HEADS, lam, strength=strength, max_new_tokens=6,
-                                     plausibility=plausibility)
+    got = steer.contrastive_generate(
+        model, tok, prompt, HEADS, lam, strength=strength, max_new_tokens=6, plausibility=plausibility
+    )
     want = reference_generate(model, tok(prompt)["input_ids"], HEADS, lam, strength, 6, plausibility)
     assert got.ids == want
     assert got.text == tok.decode(want)
@@ -65,14 +66,20 @@ def test_a_large_lambda_changes_the_output(setup):
 
 def test_inducing_heads_rank_by_the_drop_of_the_predicted_token(setup):
     model, tok = setup
-    prompts = torch.tensor([tok("the secret code is 42 . What is the code ?")["input_ids"],
-                            tok("Read the text below : the value is 7 and the key is")["input_ids"][:12]])
+    prompts = torch.tensor(
+        [
+            tok("the secret code is 42 . What is the code ?")["input_ids"],
+            tok("Read the text below : the value is 7 and the key is")["input_ids"][:12],
+        ]
+    )
     base = torch.log_softmax(run_dense(model, {}, input_ids=prompts).logits[:, -1], -1)
     target = base.argmax(-1, keepdim=True)
     drops = []
     for layer in range(2):
         for head in range(4):
-            lp = torch.log_softmax(run_dense(model, dict(disperse=1.0, heads={layer: [head]}), input_ids=prompts).logits[:, -1], -1)
+            lp = torch.log_softmax(
+                run_dense(model, dict(disperse=1.0, heads={layer: [head]}), input_ids=prompts).logits[:, -1], -1
+            )
             drops.append((float((base.gather(-1, target) - lp.gather(-1, target)).mean()), layer, head))
     drops.sort(key=lambda d: (-d[0], d[1], d[2]))
     assert steer.inducing_heads(model, prompts, 3) == [[layer, head] for _, layer, head in drops[:3]]

@@ -25,8 +25,7 @@ def span_mass(model, inputs, span, alpha, q_lo):
     """Mean over layers, heads, rows >= q_lo and batch of the mass on ``span``."""
     batch = inputs["input_ids"].shape[0]
     meter = RowSpanMass({"s": [span] * batch}, q_lo=q_lo)
-    with torch.no_grad(), steer.apply(model, steer.emphasize([span], "all", alpha=alpha)), \
-            akhf.use(model, observers=[meter]):
+    with torch.no_grad(), steer.apply(model, steer.emphasize([span], "all", alpha=alpha)), akhf.use(model, observers=[meter]):
         model(**inputs)
     return meter.per_example("s")  # (B, L, H)
 

@@ -8,12 +8,12 @@ import inspect
 
 import pytest
 import torch
-from helpers import assert_close
 from steer_reference import outputs, run_dense
 from tiny_models import VOCAB, build
 
 import attnkit.hf as akhf
 from attnkit import steer
+from helpers import assert_close
 
 N = 12
 HEADS = {0: [1, 2], 2: [3]}
@@ -30,7 +30,7 @@ def batch(name):
     ids = torch.randint(1, VOCAB, (2, N), generator=g)
     mask = torch.ones(2, N, dtype=torch.long)
     if name == "bert":
-        mask[1, N - 4:] = 0
+        mask[1, N - 4 :] = 0
     else:
         mask[1, :3] = 0
     ids = ids.masked_fill(mask == 0, 0)
@@ -124,7 +124,7 @@ def test_kv_cache_decoding_equals_the_full_sequence(models, name, case):
         out = model(input_ids=ids[:, :8], **{arg: cache}, use_cache=True)
         steps.append(out.logits)
         for t in range(8, N):
-            steps.append(model(input_ids=ids[:, t:t + 1], **{arg: cache}, use_cache=True).logits)
+            steps.append(model(input_ids=ids[:, t : t + 1], **{arg: cache}, use_cache=True).logits)
     assert_close(torch.cat(steps, dim=1), want)
 
 
@@ -135,8 +135,12 @@ def test_identity_settings_leave_outputs_bitwise_unchanged(models, name):
     with torch.no_grad():
         with akhf.use(model):
             plain = outputs(model(**inputs))
-        idle = [steer.emphasize(SPANS, HEADS, alpha=1.0), steer.scale(HEADS, 1.0), steer.temperature(HEADS, 1.0),
-                steer.disperse(HEADS, 0.0)]
+        idle = [
+            steer.emphasize(SPANS, HEADS, alpha=1.0),
+            steer.scale(HEADS, 1.0),
+            steer.temperature(HEADS, 1.0),
+            steer.disperse(HEADS, 0.0),
+        ]
         with steer.apply(model, *idle):
             got = outputs(model(**inputs))
     assert torch.equal(got, plain)
@@ -180,7 +184,9 @@ def test_reference_methods_equal_the_formulas(models, case):
     a = torch.softmax(s, -1)
     for h in heads:
         if case == "emphasize":
-            w = a[:, h] * torch.where(inside_table(SPANS), torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.05, dtype=torch.float64)).view(2, 1, N)
+            w = a[:, h] * torch.where(
+                inside_table(SPANS), torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.05, dtype=torch.float64)
+            ).view(2, 1, N)
             a[:, h] = w / w.sum(-1, keepdim=True)
         if case == "calibrate":
             ratio, strength = change["calibrate"]
@@ -214,13 +220,18 @@ def test_steering_inside_another_mechanism_equals_that_mechanism_with_the_change
     score, ref_model = None, model
     if case == "temperature":
         iv = steer.temperature(ALL_LAYER_HEADS, 0.4)
-        score = ak.temperature(torch.where(chosen, torch.tensor(0.4, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)))
+        score = ak.temperature(
+            torch.where(chosen, torch.tensor(0.4, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
+        )
     elif case == "emphasize":
         iv = steer.emphasize([(2, 6)], ALL_LAYER_HEADS, alpha=0.1)
         inside = torch.zeros(N, dtype=torch.bool)
         inside[2:6] = True
-        table = torch.where(chosen.view(1, 4, 1, 1) & ~inside.view(1, 1, 1, N),
-                            torch.tensor(0.1, dtype=torch.float64).log(), torch.tensor(0.0, dtype=torch.float64))
+        table = torch.where(
+            chosen.view(1, 4, 1, 1) & ~inside.view(1, 1, 1, N),
+            torch.tensor(0.1, dtype=torch.float64).log(),
+            torch.tensor(0.0, dtype=torch.float64),
+        )
         score = ak.bias(table.expand(1, 4, N, N).contiguous())
     else:
         factor = 0.0 if case == "ablate" else 2.5
@@ -231,7 +242,7 @@ def test_steering_inside_another_mechanism_equals_that_mechanism_with_the_change
                 w = layer.self_attn.o_proj.weight  # (d, Hq * dh): columns of head h are h*dh:(h+1)*dh
                 dh = w.shape[1] // 4
                 for h in (0, 2):
-                    w[:, h * dh:(h + 1) * dh] *= factor
+                    w[:, h * dh : (h + 1) * dh] *= factor
     with torch.no_grad():
         with steer.apply(model, iv), akhf.use(model, mechanism=mechanism):
             got = outputs(model(input_ids=ids))
@@ -263,19 +274,40 @@ def test_left_padded_kv_cache_decoding_equals_the_full_sequence(models, case):
         "calibrate": (steer.PositionCalibration(ratio, HEADS), dict(calibrate=(ratio, 1.0))),
     }[case]
     prefill = 8 if case != "calibrate" else N
-    want = outputs(run_dense(model, dict(change, heads=HEADS, keep=keep[:, :prefill]), input_ids=ids[:, :prefill],
-                             attention_mask=mask[:, :prefill], position_ids=pos[:, :prefill]))
+    want = outputs(
+        run_dense(
+            model,
+            dict(change, heads=HEADS, keep=keep[:, :prefill]),
+            input_ids=ids[:, :prefill],
+            attention_mask=mask[:, :prefill],
+            position_ids=pos[:, :prefill],
+        )
+    )
     if case != "calibrate":
         want = outputs(run_dense(model, dict(change, heads=HEADS, keep=keep), **inputs))
     arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     cache = DynamicCache()
     steps = []
     with torch.no_grad(), steer.apply(model, iv):
-        steps.append(model(input_ids=ids[:, :prefill], attention_mask=mask[:, :prefill], position_ids=pos[:, :prefill],
-                           use_cache=True, **{arg: cache}).logits)
+        steps.append(
+            model(
+                input_ids=ids[:, :prefill],
+                attention_mask=mask[:, :prefill],
+                position_ids=pos[:, :prefill],
+                use_cache=True,
+                **{arg: cache},
+            ).logits
+        )
         for t in range(prefill, N):
-            steps.append(model(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1], position_ids=pos[:, t:t + 1],
-                               use_cache=True, **{arg: cache}).logits)
+            steps.append(
+                model(
+                    input_ids=ids[:, t : t + 1],
+                    attention_mask=mask[:, : t + 1],
+                    position_ids=pos[:, t : t + 1],
+                    use_cache=True,
+                    **{arg: cache},
+                ).logits
+            )
     got = torch.cat(steps, dim=1)
-    k = keep[:, :got.shape[1]]
-    assert_close(got[k], want[:, :got.shape[1]][k])
+    k = keep[:, : got.shape[1]]
+    assert_close(got[k], want[:, : got.shape[1]][k])

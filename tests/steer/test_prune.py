@@ -4,11 +4,11 @@ whose pruned attention sublayers add nothing to the residual stream."""
 
 import pytest
 import torch
-from helpers import assert_close
 from tiny_models import VOCAB, build
 
 import attnkit.hf as akhf
 from attnkit import steer
+from helpers import assert_close
 
 
 def dense_coupling(wq, wk, norm, hq, hkv):
@@ -17,8 +17,8 @@ def dense_coupling(wq, wk, norm, hq, hkv):
     g = torch.diag(norm.double())
     per_head = []
     for h in range(hq):
-        a = wq[h * dh:(h + 1) * dh].double() @ g
-        b = wk[(h // (hq // hkv)) * dh:(h // (hq // hkv) + 1) * dh].double() @ g
+        a = wq[h * dh : (h + 1) * dh].double() @ g
+        b = wk[(h // (hq // hkv)) * dh : (h // (hq // hkv) + 1) * dh].double() @ g
         m = a.T @ b  # (d, d): x^T m y is the head's logit (before scaling)
         assert m.shape == (d, d)
         per_head.append(torch.linalg.matrix_norm(m))
@@ -30,8 +30,10 @@ def test_llama_coupling_is_the_bilinear_forms_norm():
     with torch.no_grad():  # make layers differ clearly
         model.model.layers[1].self_attn.k_proj.weight.mul_(0.1)
         model.model.layers[2].input_layernorm.weight.mul_(1.5)
-    want = [dense_coupling(l.self_attn.q_proj.weight, l.self_attn.k_proj.weight, l.input_layernorm.weight, 4, 2)
-            for l in model.model.layers]
+    want = [
+        dense_coupling(l.self_attn.q_proj.weight, l.self_attn.k_proj.weight, l.input_layernorm.weight, 4, 2)
+        for l in model.model.layers
+    ]
     got = steer.coupling_scores(model)
     assert_close(torch.tensor(got), torch.tensor(want), dtype=torch.float64)
     pruning = steer.prune_layers(model, 1)
@@ -60,7 +62,9 @@ def test_skipped_layers_add_nothing(name):
             got = model(input_ids=ids).logits
         reference = build(name).double()
         for layer in pruning.layers:
-            proj = reference.model.layers[layer].self_attn.o_proj if name == "llama" else reference.transformer.h[layer].attn.c_proj
+            proj = (
+                reference.model.layers[layer].self_attn.o_proj if name == "llama" else reference.transformer.h[layer].attn.c_proj
+            )
             proj.weight.zero_()
             if getattr(proj, "bias", None) is not None:
                 proj.bias.zero_()

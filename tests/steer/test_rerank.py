@@ -12,12 +12,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hf"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "probes"))
-from helpers import TOL  # noqa: E402
 from tiny_models import build  # noqa: E402
 from wordlevel import tiny_llama, word_tokenizer  # noqa: E402
 
 from attnkit.steer.query_rows import prefill, query_key_mass  # noqa: E402
 from attnkit.steer.rerank import basin_order, basin_slots, rerank  # noqa: E402
+from helpers import TOL  # noqa: E402
 
 DENSE = "attnkit_test_rerank_dense"
 WEIGHTS: list = []
@@ -93,8 +93,10 @@ def context(tok, docs, prefix, separator):
 # -- query rows against the cache -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, last_only, n_ctx", [("llama", False, 17), ("llama", True, 17), ("qwen3", False, 17),
-                                                    ("gpt2", False, 17), ("llama", False, 240)])  # 240: many key tiles
+@pytest.mark.parametrize(
+    "name, last_only, n_ctx",
+    [("llama", False, 17), ("llama", True, 17), ("qwen3", False, 17), ("gpt2", False, 17), ("llama", False, 240)],
+)  # 240: many key tiles
 def test_query_rows_against_the_cache_equal_eager_output_attentions(name, last_only, n_ctx):
     model = build(name)  # float32, eager; llama and qwen3: GQA 4 query / 2 key-value heads
     g = torch.Generator().manual_seed(1)
@@ -168,7 +170,7 @@ def test_icr_on_chosen_layers_and_heads_sums_only_those(subject):
     ids, spans = context(tok, DOCS, "", "\n\n")
     WEIGHTS.clear()
     dense_per_token(model, ids + words(tok, QUERY), len(ids))
-    real = WEIGHTS[1][0, [0, 3], len(ids):, :].mean(1).sum(0)
+    real = WEIGHTS[1][0, [0, 3], len(ids) :, :].mean(1).sum(0)
     _, scores = rerank(model, tok, QUERY, DOCS, calibrate=False, layers=[1], heads=[0, 3])
     raw = [real[a:b].sum().item() for a, b in spans]
     torch.testing.assert_close(torch.tensor(scores), torch.tensor(raw), **TOL[torch.float64])
@@ -205,8 +207,7 @@ def test_sorting_rounds_measure_the_sorted_context_again(subject):
     ids, spans = context(tok, [DOCS[i] for i in order1], "", "\n\n")
     last = dense_per_token(model, ids + words(tok, QUERY), len(ids), last_only=True)
     received = {doc: last[a:b].sum().item() for doc, (a, b) in zip(order1, spans)}
-    torch.testing.assert_close(torch.tensor(scores), torch.tensor([received[i] for i in range(len(DOCS))]),
-                               **TOL[torch.float64])
+    torch.testing.assert_close(torch.tensor(scores), torch.tensor([received[i] for i in range(len(DOCS))]), **TOL[torch.float64])
     assert order == sorted(order1, key=lambda i: received[i])
 
 
@@ -253,21 +254,24 @@ def test_basin_places_the_icr_ranking_at_both_ends(subject):
 # -- bad input --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(documents=[]), "^documents: expected at least one document"),
-    (dict(documents="one text"), "^documents: expected a list"),
-    (dict(documents=["ok", ""]), "^documents: document 1 must be a non-empty string"),
-    (dict(documents=["ok", "   "]), "^documents: document 1 must be a non-empty string"),
-    (dict(method="bm25"), "^method: expected one of icr, sorting, basin, got 'bm25'"),
-    (dict(query=""), "^query: expected a non-empty string"),
-    (dict(rounds=0), "^rounds: expected an int >= 1"),
-    (dict(calibration=""), "^calibration: expected a non-empty"),
-    (dict(query_template="no placeholder"), "^query_template: expected a string containing"),
-    (dict(method="basin", positions=[0, 0, 1, 2, 3]), "^positions: expected a permutation of 0..4"),
-    (dict(layers=[2]), r"^layers: expected None or a non-empty list of indices below 2, got \[2\]"),
-    (dict(heads=[0, 4]), "^heads: expected None or a non-empty list of indices below 4"),
-    (dict(layers=[]), "^layers: expected None or a non-empty list"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(documents=[]), "^documents: expected at least one document"),
+        (dict(documents="one text"), "^documents: expected a list"),
+        (dict(documents=["ok", ""]), "^documents: document 1 must be a non-empty string"),
+        (dict(documents=["ok", "   "]), "^documents: document 1 must be a non-empty string"),
+        (dict(method="bm25"), "^method: expected one of icr, sorting, basin, got 'bm25'"),
+        (dict(query=""), "^query: expected a non-empty string"),
+        (dict(rounds=0), "^rounds: expected an int >= 1"),
+        (dict(calibration=""), "^calibration: expected a non-empty"),
+        (dict(query_template="no placeholder"), "^query_template: expected a string containing"),
+        (dict(method="basin", positions=[0, 0, 1, 2, 3]), "^positions: expected a permutation of 0..4"),
+        (dict(layers=[2]), r"^layers: expected None or a non-empty list of indices below 2, got \[2\]"),
+        (dict(heads=[0, 4]), "^heads: expected None or a non-empty list of indices below 4"),
+        (dict(layers=[]), "^layers: expected None or a non-empty list"),
+    ],
+)
 def test_bad_input_names_the_argument(subject, kwargs, message):
     model, tok = subject
     args = dict(query=QUERY, documents=DOCS) | kwargs
@@ -287,8 +291,9 @@ def test_models_that_cannot_rerank_get_a_clear_error(subject):
     import transformers as T
 
     _, tok = subject
-    mpnet = T.MPNetModel(T.MPNetConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                       intermediate_size=32))
+    mpnet = T.MPNetModel(
+        T.MPNetConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    )
     with pytest.raises(ValueError, match="^model: MPNetModel does not route its attention"):
         rerank(mpnet, tok, QUERY, DOCS)
     bert = build("bert")
@@ -336,7 +341,7 @@ def test_icr_ranks_the_queried_pair_first_more_often_than_uncalibrated_on_the_tr
         for i in range(4):
             tokens = [f"f{rng.randrange(8)}" for _ in range(2 if i == 0 else 8)]
             cell = rng.randrange(len(tokens) // 2)
-            tokens[2 * cell:2 * cell + 2] = [f"k{keys[i]}", f"v{values[i]}"]
+            tokens[2 * cell : 2 * cell + 2] = [f"k{keys[i]}", f"v{values[i]}"]
             docs.append(" ".join(tokens))
         order = rng.sample(range(4), 4)
         texts, target = [docs[i] for i in order], order.index(0)
@@ -364,7 +369,7 @@ def test_icr_and_sorting_find_the_queried_pair_among_equal_documents(needle_expo
         holders, keys, values = rng.sample(range(7), 4), rng.sample(range(8), 4), rng.sample(range(8), 4)
         for d, k, v in zip(holders, keys, values):
             cell = rng.randrange(2)
-            docs[d][2 * cell:2 * cell + 2] = [f"k{k}", f"v{v}"]
+            docs[d][2 * cell : 2 * cell + 2] = [f"k{k}", f"v{v}"]
         texts = [" ".join(d) for d in docs]
         icr, _ = rerank(pm, None, f"Q k{keys[0]}", texts, separator=" ", calibration="Q f0")
         arranged, _ = rerank(pm, None, f"Q k{keys[0]}", texts, separator=" ", method="sorting", rounds=1)
@@ -391,8 +396,9 @@ def built_retriever(pull: float):
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>")
     d = 32
-    model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=len(WORDS), n_embd=d, n_layer=1, n_head=1, n_positions=64,
-                                           bos_token_id=None, eos_token_id=None)).eval()
+    model = T.GPT2LMHeadModel(
+        T.GPT2Config(vocab_size=len(WORDS), n_embd=d, n_layer=1, n_head=1, n_positions=64, bos_token_id=None, eos_token_id=None)
+    ).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
@@ -401,7 +407,7 @@ def built_retriever(pull: float):
             norm.weight.fill_(1.0)
         attn = model.transformer.h[0].attn
         attn.c_attn.weight[:, :d] = torch.eye(d)  # queries
-        attn.c_attn.weight[:, d:2 * d] = torch.eye(d)  # keys
+        attn.c_attn.weight[:, d : 2 * d] = torch.eye(d)  # keys
         attn.c_attn.bias[:d] = pull * torch.nn.functional.layer_norm(torch.eye(d)[WORDS.index("B")], (d,))
     return model, tok
 

@@ -11,13 +11,15 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "probes"))
-from helpers import TOL  # noqa: E402
 from wordlevel import tiny_llama, word_tokenizer  # noqa: E402
 
 from attnkit.steer import HeadRanking, profile_heads, rank_heads, scale  # noqa: E402
+from helpers import TOL  # noqa: E402
 
-PROMPTS = ["the sky is blue . red tiger opens door . What opens the door ?",
-           "silver falcon and quiet otter . the grass is green . Which does open ?"]
+PROMPTS = [
+    "the sky is blue . red tiger opens door . What opens the door ?",
+    "silver falcon and quiet otter . the grass is green . Which does open ?",
+]
 SPANS = ["red tiger opens door", "quiet otter"]
 SPAN_TOKENS = [(5, 9), (3, 5)]  # the same spans counted by hand: one token per word or mark
 
@@ -88,8 +90,10 @@ def target_logit(model, tokenizer, example):
     return float(logits[tokenizer.convert_tokens_to_ids(example["answer"])])
 
 
-EXAMPLES = [{"prompt": PROMPTS[0], "span": SPANS[0], "answer": "red"},
-            {"prompt": PROMPTS[1], "span": SPANS[1], "answer": "otter"}]
+EXAMPLES = [
+    {"prompt": PROMPTS[0], "span": SPANS[0], "answer": "red"},
+    {"prompt": PROMPTS[1], "span": SPANS[1], "answer": "otter"},
+]
 
 
 def without_head(model, layer, head):
@@ -100,15 +104,22 @@ def without_head(model, layer, head):
     clone = copy.deepcopy(model)
     d = clone.config.hidden_size // clone.config.num_attention_heads
     with torch.no_grad():
-        clone.model.layers[layer].self_attn.o_proj.weight[:, head * d:(head + 1) * d] = 0
+        clone.model.layers[layer].self_attn.o_proj.weight[:, head * d : (head + 1) * d] = 0
     return clone
 
 
 def test_profile_heads_steers_each_head_alone(subject):
     model, tok = subject
     lines = []
-    result = profile_heads(model, tok, EXAMPLES, target_logit, heads=[(0, 1), (1, 2), (1, 3)],
-                           make=lambda head: scale([head], 0.0), progress=lines.append)
+    result = profile_heads(
+        model,
+        tok,
+        EXAMPLES,
+        target_logit,
+        heads=[(0, 1), (1, 2), (1, 3)],
+        make=lambda head: scale([head], 0.0),
+        progress=lines.append,
+    )
     for layer, head in [(0, 1), (1, 2), (1, 3)]:
         clone = without_head(model, layer, head)
         want = sum(target_logit(clone, tok, e) for e in EXAMPLES) / 2
@@ -189,7 +200,7 @@ def test_profile_heads_resumes_from_its_cache(subject, tmp_path):
     other = tiny_llama(len(tok), seed=1)
     with pytest.raises(ValueError, match="^cache: .* holds a profile of another"):
         profile_heads(other, tok, EXAMPLES, resumed, heads=heads, make=make, cache=cache)
-    cache.write_text("{\"not\": 1}")
+    cache.write_text('{"not": 1}')
     with pytest.raises(ValueError, match="^cache: .* is not a head-profile cache"):
         profile_heads(model, tok, EXAMPLES, resumed, heads=heads, make=make, cache=cache)
 
@@ -197,17 +208,20 @@ def test_profile_heads_resumes_from_its_cache(subject, tmp_path):
 # -- bad input --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("prompts, spans, kwargs, message", [
-    ([], [], {}, "^prompts: expected a non-empty list"),
-    (PROMPTS, SPANS[:1], {}, r"^spans: expected one entry per prompt \(2\), got 1"),
-    (PROMPTS, SPANS, {"queries": "first"}, "^queries: expected one of after, last"),
-    (PROMPTS, ["no such words", SPANS[1]], {}, "^spans: substring 'no such words' not found"),
-    ([PROMPTS[0]], [(5, 100)], {}, r"^spans: \(5, 100\) of prompt 0 ends past its 15 tokens"),
-    ([PROMPTS[0]], [(10, 15)], {}, "^spans: the span of prompt 0 ends at its last token"),
-    ([[1, 2, 3]], ["sky"], {}, "^spans: prompt 0 is given as token ids"),
-    ([42], [(0, 1)], {}, "^prompts: prompt 0 must be a non-empty string or a list of token ids"),
-    ([PROMPTS[0]], [(3, 3)], {}, r"^spans: expected token ranges \(start, end\) with 0 <= start < end"),
-])
+@pytest.mark.parametrize(
+    "prompts, spans, kwargs, message",
+    [
+        ([], [], {}, "^prompts: expected a non-empty list"),
+        (PROMPTS, SPANS[:1], {}, r"^spans: expected one entry per prompt \(2\), got 1"),
+        (PROMPTS, SPANS, {"queries": "first"}, "^queries: expected one of after, last"),
+        (PROMPTS, ["no such words", SPANS[1]], {}, "^spans: substring 'no such words' not found"),
+        ([PROMPTS[0]], [(5, 100)], {}, r"^spans: \(5, 100\) of prompt 0 ends past its 15 tokens"),
+        ([PROMPTS[0]], [(10, 15)], {}, "^spans: the span of prompt 0 ends at its last token"),
+        ([[1, 2, 3]], ["sky"], {}, "^spans: prompt 0 is given as token ids"),
+        ([42], [(0, 1)], {}, "^prompts: prompt 0 must be a non-empty string or a list of token ids"),
+        ([PROMPTS[0]], [(3, 3)], {}, r"^spans: expected token ranges \(start, end\) with 0 <= start < end"),
+    ],
+)
 def test_rank_heads_bad_input(subject, prompts, spans, kwargs, message):
     model, tok = subject
     with pytest.raises(ValueError, match=message):

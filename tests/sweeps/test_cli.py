@@ -6,8 +6,27 @@ import pytest
 
 from attnkit.cli import main
 
-TINY = ["--mechanisms", "softmax,sigmoid", "--d-model", "8", "--layers", "1", "--heads", "2", "--steps", "3",
-        "--batch-size", "4", "--eval-examples", "8", "--param", "seq_len=16", "--param", "num_kv_pairs=2", "--quiet"]
+TINY = [
+    "--mechanisms",
+    "softmax,sigmoid",
+    "--d-model",
+    "8",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--steps",
+    "3",
+    "--batch-size",
+    "4",
+    "--eval-examples",
+    "8",
+    "--param",
+    "seq_len=16",
+    "--param",
+    "num_kv_pairs=2",
+    "--quiet",
+]
 
 
 def test_arena_sweep_writes_the_store_table_and_figure_and_resumes(tmp_path, capsys):
@@ -36,18 +55,24 @@ def test_arena_sweep_writes_the_store_table_and_figure_and_resumes(tmp_path, cap
     assert "attnkit arena: error: --out: " in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args,message", [
-    (["arena", "mqar", "--engine", "local"], "--engine: only with 'attnkit arena sweep mqar ...'"),
-    (["arena", "mqar", "--rerun"], "--rerun: only with 'attnkit arena sweep mqar ...'"),
-    (["arena", "mqar", "needle"], "task: expected one task, got 'mqar' and 'needle'"),
-    (["arena", "sweep", "bogus"], "task: invalid choice: 'bogus'"),
-    (["arena", "sweep", "--export", "x"], "--export: not with 'attnkit arena sweep'"),
-    (["arena", "sweep", "--address", "host:1"], "--address: only with --engine ray"),
-    (["arena", "sweep", "--engine", "ray", "--address", "nowhere"], "--address: expected 'auto', HOST:PORT or ray://HOST:PORT"),
-    (["arena", "sweep", "--max-failures", "-1"], "--max-failures: expected an integer >= 0"),
-    (["arena", "sweep", "--workers", "0"], "--workers: expected a positive integer"),
-    (["results", "no-such-dir"], "DIR: no sweep store at"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["arena", "mqar", "--engine", "local"], "--engine: only with 'attnkit arena sweep mqar ...'"),
+        (["arena", "mqar", "--rerun"], "--rerun: only with 'attnkit arena sweep mqar ...'"),
+        (["arena", "mqar", "needle"], "task: expected one task, got 'mqar' and 'needle'"),
+        (["arena", "sweep", "bogus"], "task: invalid choice: 'bogus'"),
+        (["arena", "sweep", "--export", "x"], "--export: not with 'attnkit arena sweep'"),
+        (["arena", "sweep", "--address", "host:1"], "--address: only with --engine ray"),
+        (
+            ["arena", "sweep", "--engine", "ray", "--address", "nowhere"],
+            "--address: expected 'auto', HOST:PORT or ray://HOST:PORT",
+        ),
+        (["arena", "sweep", "--max-failures", "-1"], "--max-failures: expected an integer >= 0"),
+        (["arena", "sweep", "--workers", "0"], "--workers: expected a positive integer"),
+        (["results", "no-such-dir"], "DIR: no sweep store at"),
+    ],
+)
 def test_bad_input_is_one_line_naming_the_option(args, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main([*args, "--quiet"] if args[0] == "arena" else args) == 2

@@ -90,10 +90,13 @@ def test_resume_after_the_sweep_is_killed_computes_only_what_was_missing(tmp_pat
     assert len(rows) == 16 and len({(r["cell"], r["i"]) for r in rows}) == 16  # each cell once
 
 
-@pytest.mark.parametrize("bad,message", [
-    (dict(workers=0), "workers: expected a positive int, got 0"),
-    (dict(workers=2, threads=0), "threads: expected a positive int or None, got 0"),
-])
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (dict(workers=0), "workers: expected a positive int, got 0"),
+        (dict(workers=2, threads=0), "threads: expected a positive int or None, got 0"),
+    ],
+)
 def test_engine_arguments_are_checked(bad, message):
     with pytest.raises(ValueError, match=message):
         LocalEngine(**bad)

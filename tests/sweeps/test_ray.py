@@ -20,8 +20,10 @@ def local_ray():
 
 def test_ray_gives_the_local_engines_rows_through_a_killed_worker_and_a_failure(local_ray, tmp_path):
     log, marker = tmp_path / "log", tmp_path / "died"
-    grid = toy_cells(4, log=str(log)) + [Cell("toy", {"id": 8, "log": str(log), "die_once": str(marker)}),
-                                          Cell("toy", {"id": 9, "fail": "no"})]
+    grid = toy_cells(4, log=str(log)) + [
+        Cell("toy", {"id": 8, "log": str(log), "die_once": str(marker)}),
+        Cell("toy", {"id": 9, "fail": "no"}),
+    ]
     result = run_sweep(grid, str(tmp_path / "ray"), RayEngine())
     assert marker.exists() and sorted(ran(log)) == [0, 1, 2, 3, 8, 8]  # Ray ran the killed cell again
     assert len(result.computed) == 5 and result.failed == [grid[-1].hash]
@@ -36,9 +38,33 @@ def test_ray_gives_the_local_engines_rows_through_a_killed_worker_and_a_failure(
 def test_arena_sweep_gives_the_same_table_on_ray_and_locally(local_ray, tmp_path):
     from attnkit.cli import main
 
-    common = ["arena", "sweep", "mqar", "--mechanisms", "softmax,linear_elu", "--d-model", "8", "--layers", "1",
-              "--heads", "2", "--steps", "3", "--batch-size", "4", "--eval-examples", "8", "--param", "seq_len=16",
-              "--param", "num_kv_pairs=2", "--seeds", "1", "--no-plots", "--quiet"]
+    common = [
+        "arena",
+        "sweep",
+        "mqar",
+        "--mechanisms",
+        "softmax,linear_elu",
+        "--d-model",
+        "8",
+        "--layers",
+        "1",
+        "--heads",
+        "2",
+        "--steps",
+        "3",
+        "--batch-size",
+        "4",
+        "--eval-examples",
+        "8",
+        "--param",
+        "seq_len=16",
+        "--param",
+        "num_kv_pairs=2",
+        "--seeds",
+        "1",
+        "--no-plots",
+        "--quiet",
+    ]
     assert main([*common, "--engine", "ray", "--out", str(tmp_path / "ray")]) == 0
     assert main([*common, "--engine", "local", "--workers", "2", "--out", str(tmp_path / "local")]) == 0
     ray_rows, local_rows = load(str(tmp_path / "ray")), load(str(tmp_path / "local"))
@@ -50,8 +76,22 @@ def test_an_address_that_cannot_be_reached_fails_within_the_timeout_naming_it(ca
     from attnkit.cli import main
 
     start = time.monotonic()
-    code = main(["arena", "sweep", "--engine", "ray", "--address", "127.0.0.1:1", "--connect-timeout", "3",
-                 "--out", str(tmp_path / "out"), "--quiet", "--no-plots"])
+    code = main(
+        [
+            "arena",
+            "sweep",
+            "--engine",
+            "ray",
+            "--address",
+            "127.0.0.1:1",
+            "--connect-timeout",
+            "3",
+            "--out",
+            str(tmp_path / "out"),
+            "--quiet",
+            "--no-plots",
+        ]
+    )
     assert code == 2 and time.monotonic() - start < 30
     assert "attnkit arena: error: --address: cannot reach the Ray cluster at 127.0.0.1:1 within 3 s" in capsys.readouterr().err
     with pytest.raises(ValueError, match="address: expected 'auto', HOST:PORT or ray://HOST:PORT, got 'nowhere'"):

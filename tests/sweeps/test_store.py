@@ -19,15 +19,18 @@ def test_hashes_and_seeds_come_from_the_config_alone():
     assert grid_hash([a, Cell("toy", {"x": 2})]) == grid_hash([Cell("toy", {"x": 2}), a])
 
 
-@pytest.mark.parametrize("make,message", [
-    (lambda: Cell("toy", {"f": object()}), "config: 'f' is not a JSON value"),
-    (lambda: Cell("toy", {"nan": float("nan")}), "config: 'nan' is not a JSON value"),
-    (lambda: Cell("", {}), "kind: expected a registered cell kind's name"),
-    (lambda: run_sweep([], "x"), "cells: expected at least one cell"),
-    (lambda: run_sweep([Cell("nope", {})], "x"), "kind: unknown cell kind 'nope'; registered: arena, toy"),
-    (lambda: run_sweep(toy_cells(1) * 2, "x"), "cells: 'toy 0' appears twice"),
-    (lambda: run_sweep(toy_cells(1), "x", max_failures=-1), "max_failures: expected an int >= 0 or None, got -1"),
-])
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda: Cell("toy", {"f": object()}), "config: 'f' is not a JSON value"),
+        (lambda: Cell("toy", {"nan": float("nan")}), "config: 'nan' is not a JSON value"),
+        (lambda: Cell("", {}), "kind: expected a registered cell kind's name"),
+        (lambda: run_sweep([], "x"), "cells: expected at least one cell"),
+        (lambda: run_sweep([Cell("nope", {})], "x"), "kind: unknown cell kind 'nope'; registered: arena, toy"),
+        (lambda: run_sweep(toy_cells(1) * 2, "x"), "cells: 'toy 0' appears twice"),
+        (lambda: run_sweep(toy_cells(1), "x", max_failures=-1), "max_failures: expected an int >= 0 or None, got -1"),
+    ],
+)
 def test_bad_cells_are_refused_naming_the_argument(make, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match=message):
@@ -37,9 +40,13 @@ def test_bad_cells_are_refused_naming_the_argument(make, message, tmp_path, monk
 def test_a_store_of_another_grid_or_version_is_refused_with_the_reason(tmp_path):
     out = str(tmp_path / "out")
     Store.open(out, grid_hash(toy_cells(2)), "0.1.0").close()
-    with pytest.raises(ValueError, match=r"out: .*sweep.sqlite holds another grid \(grid hash [0-9a-f]{16}, this grid [0-9a-f]{16}\)"):
+    with pytest.raises(
+        ValueError, match=r"out: .*sweep.sqlite holds another grid \(grid hash [0-9a-f]{16}, this grid [0-9a-f]{16}\)"
+    ):
         run_sweep(toy_cells(3), out, LocalEngine(workers=1))
-    with pytest.raises(ValueError, match=r"out: .* was written by attnkit 0.1.0, this is 9.9: results of two versions are not comparable"):
+    with pytest.raises(
+        ValueError, match=r"out: .* was written by attnkit 0.1.0, this is 9.9: results of two versions are not comparable"
+    ):
         Store.open(out, grid_hash(toy_cells(2)), "9.9")
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "sweep.sqlite").write_text("not a database" * 100)

@@ -4,8 +4,8 @@ formula computed here from two plain runs."""
 import math
 
 import pytest
-import torch
 import tiny_vlms as V
+import torch
 
 from attnkit import steer, vision
 
@@ -27,7 +27,9 @@ def test_each_step_is_the_argmax_of_the_contrast(llava):
     contrast_changed_something = False
     for t in range(2):
         ids = seq[:, : n0 + t]
-        step = dict(inputs, input_ids=ids, attention_mask=torch.cat([inputs["attention_mask"], torch.ones(2, t, dtype=torch.long)], 1))
+        step = dict(
+            inputs, input_ids=ids, attention_mask=torch.cat([inputs["attention_mask"], torch.ones(2, t, dtype=torch.long)], 1)
+        )
         with torch.no_grad():
             expert = torch.log_softmax(model(**step).logits[:, -1].double(), -1)
             with steer.apply(model, steer.ablate_visual(spans)):

@@ -51,7 +51,9 @@ def test_high_norm_equals_hidden_states_and_eager_weights(name):
 def _mlp_inputs(model, pixel_values):
     _, _, outs = vision.vit_parts(model)
     acts = {}
-    handles = [o.register_forward_pre_hook(lambda mod, args, i=i: acts.__setitem__(i, args[0].clone())) for i, o in enumerate(outs)]
+    handles = [
+        o.register_forward_pre_hook(lambda mod, args, i=i: acts.__setitem__(i, args[0].clone())) for i, o in enumerate(outs)
+    ]
     try:
         with torch.no_grad():
             model(pixel_values=pixel_values)

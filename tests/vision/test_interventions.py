@@ -5,8 +5,8 @@ model restored after the block and after an error."""
 import math
 
 import pytest
-import torch
 import tiny_vlms as V
+import torch
 from dense_reference import run_dense
 
 import attnkit.hf as akhf
@@ -41,14 +41,20 @@ def test_amplify_weights(setup):
 
 def test_amplify_logits_pai(setup):
     model, inputs, spans = setup
-    _close(model, inputs, steer.amplify_visual(spans, HEADS, 0.5, mode="logits"), {"image": spans.mask, "heads": HEADS, "pai": 0.5})
+    _close(
+        model, inputs, steer.amplify_visual(spans, HEADS, 0.5, mode="logits"), {"image": spans.mask, "heads": HEADS, "pai": 0.5}
+    )
 
 
 def test_calibrate(setup):
     model, inputs, spans = setup
     blind = spans.mask & (torch.arange(spans.length) % 3 == 0)
-    _close(model, inputs, steer.calibrate_visual(spans, blind, HEADS, beta=0.2, boost=1.5),
-           {"image": spans.mask, "heads": HEADS, "calibrate": (blind, 0.2, 1.5)})
+    _close(
+        model,
+        inputs,
+        steer.calibrate_visual(spans, blind, HEADS, beta=0.2, boost=1.5),
+        {"image": spans.mask, "heads": HEADS, "calibrate": (blind, 0.2, 1.5)},
+    )
 
 
 def test_ablate(setup):
@@ -65,7 +71,9 @@ def test_hold_offsets_each_step(setup):
     curve = torch.rand(2, 4, 3, dtype=torch.float64) * 0.8 + 0.1
     strength = 1.5
     logit = lambda c: math.log(c / (1 - c))  # noqa: E731
-    offsets = {l: [[strength * (logit(curve[l, h, 0]) - logit(curve[l, h, t])) for t in range(3)] for h in range(4)] for l in range(2)}
+    offsets = {
+        l: [[strength * (logit(curve[l, h, 0]) - logit(curve[l, h, t])) for t in range(3)] for h in range(4)] for l in range(2)
+    }
     _close(model, inputs, steer.hold_visual(image, HEADS, curve, strength), {"image": image, "heads": HEADS, "hold": offsets})
 
 
@@ -76,9 +84,12 @@ def test_identity_settings_leave_logits_bitwise(family):
     spans = vision.image_spans(model, inputs)
     with torch.no_grad(), akhf.use(model):
         plain = model(**inputs).logits
-        for iv in (steer.amplify_visual(spans, "all", 1.0), steer.amplify_visual(spans, "all", 0.0, mode="logits"),
-                   steer.calibrate_visual(spans, spans.mask, "all", beta=1.0, boost=1.0),
-                   steer.hold_visual(spans, "all", torch.full((2, 4, 5), 0.3, dtype=torch.float64), strength=0.0)):
+        for iv in (
+            steer.amplify_visual(spans, "all", 1.0),
+            steer.amplify_visual(spans, "all", 0.0, mode="logits"),
+            steer.calibrate_visual(spans, spans.mask, "all", beta=1.0, boost=1.0),
+            steer.hold_visual(spans, "all", torch.full((2, 4, 5), 0.3, dtype=torch.float64), strength=0.0),
+        ):
             with steer.apply(model, iv):
                 assert torch.equal(model(**inputs).logits, plain), iv
 

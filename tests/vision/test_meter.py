@@ -5,8 +5,8 @@ import math
 
 import numpy as np
 import pytest
-import torch
 import tiny_vlms as V
+import torch
 from dense_reference import run_dense
 
 import attnkit.hf as akhf
@@ -44,9 +44,15 @@ def literal(probs, image, real, top_k):
                             ent_norm.append(hh / math.log(len(img)))
                         top.append(sum(sorted(p, reverse=True)[:top_k]))
             blind = [float(received[b].topk(top_k).values.sum() / received[b].sum()) for b in range(B) if received[b].sum() > 0]
-            out[(layer, h)] = {"visual.share": np.mean(share), "visual.share.uniform": np.mean(unif), "visual.entropy": np.mean(ent),
-                               "visual.entropy.norm": np.mean(ent_norm), f"visual.top{top_k}": np.mean(top),
-                               "visual.blind": np.mean(blind), "received": received}
+            out[(layer, h)] = {
+                "visual.share": np.mean(share),
+                "visual.share.uniform": np.mean(unif),
+                "visual.entropy": np.mean(ent),
+                "visual.entropy.norm": np.mean(ent_norm),
+                f"visual.top{top_k}": np.mean(top),
+                "visual.blind": np.mean(blind),
+                "received": received,
+            }
     return out
 
 
@@ -85,9 +91,17 @@ def test_share_per_generated_step_and_drift(family):
     with torch.no_grad(), akhf.use(model, observers=[meter]):
         seq = model.generate(**inputs, max_new_tokens=steps, do_sample=False)
     n0 = inputs["input_ids"].shape[1]
-    full = dict(inputs, input_ids=seq, attention_mask=torch.cat([inputs["attention_mask"], torch.ones(2, steps - 1 + 1, dtype=torch.long)], 1)[:, : seq.shape[1]])
+    full = dict(
+        inputs,
+        input_ids=seq,
+        attention_mask=torch.cat([inputs["attention_mask"], torch.ones(2, steps - 1 + 1, dtype=torch.long)], 1)[
+            :, : seq.shape[1]
+        ],
+    )
     if "mm_token_type_ids" in inputs:
-        full["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros(2, seq.shape[1] - n0, dtype=torch.int)], 1)
+        full["mm_token_type_ids"] = torch.cat(
+            [inputs["mm_token_type_ids"], torch.zeros(2, seq.shape[1] - n0, dtype=torch.int)], 1
+        )
     else:  # generate's positions for left padding (RoPE is relative, but not bitwise so)
         full["position_ids"] = (full["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     _, probs = run_dense(model, **full)
@@ -110,6 +124,10 @@ def test_meter_refuses_a_batch_it_was_not_built_for():
     inputs, _ = V.batch("llava")
     meter = vision.image_spans(model, inputs).meter()
     one = {k: (v[:1] if k != "pixel_values" else v[:2]) for k, v in inputs.items()}
-    with pytest.raises(ValueError, match="^keys: a mask for 2 batch rows") as err, torch.no_grad(), akhf.use(model, observers=[meter]):
+    with (
+        pytest.raises(ValueError, match="^keys: a mask for 2 batch rows") as err,
+        torch.no_grad(),
+        akhf.use(model, observers=[meter]),
+    ):
         model(**one)
     assert "\n" not in str(err.value)

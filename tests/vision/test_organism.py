@@ -64,7 +64,7 @@ def test_rendered_pixels_are_the_shapes_colours_where_the_shape_is_and_backgroun
     assert image.shape == (shapes.IMAGE_SIZE, shapes.IMAGE_SIZE, 3) and image.dtype == np.uint8
     for o in objects:
         top, left = (o.cell // 3) * 8 + 1, (o.cell % 3) * 8 + 1
-        block = image[top:top + 6, left:left + 6].reshape(-1, 3)
+        block = image[top : top + 6, left : left + 6].reshape(-1, 3)
         coloured = (block == np.array(shapes.COLOURS[o.colour])).all(-1)
         # the literal areas of a 6-pixel square, disc and triangle (rows of 2, 2, 4, 4, 6, 6 pixels)
         assert coloured.sum() == {"square": 36, "circle": 32, "triangle": 24}[o.shape], o
@@ -177,9 +177,12 @@ def test_an_unknown_name_lists_the_visual_organism_too():
 
 @pytest.fixture
 def tiny_visual(monkeypatch):
-    spec = visual.VisualOrganism("tiny-shapes", "a seconds-long shapes build",
-                                 settings=dict(steps=12, batch_size=16, eval_every=6, eval_examples=30, card_examples=60),
-                                 known_failures=("it is a test",))
+    spec = visual.VisualOrganism(
+        "tiny-shapes",
+        "a seconds-long shapes build",
+        settings=dict(steps=12, batch_size=16, eval_every=6, eval_examples=30, card_examples=60),
+        known_failures=("it is a test",),
+    )
     monkeypatch.setitem(visual.VISUAL, spec.name, spec)
     return spec
 

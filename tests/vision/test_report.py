@@ -15,8 +15,14 @@ import tiny_vlms as V
 
 from attnkit.cli import main
 
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-         "--no-first-run"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
 
 
 def chromium(tmp_path, *args, url):
@@ -33,6 +39,7 @@ def chromium(tmp_path, *args, url):
 def console_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if ":CONSOLE" in line]
 
+
 HOSTILE = "is there a red circle ? <script>document.body.dataset.pwned=1</script>"
 
 
@@ -46,8 +53,25 @@ def run(tmp_path_factory):
     pixels = np.zeros((24, 30, 3), np.uint8)
     pixels[2:10, 4:12] = (230, 40, 40)  # a red square top-left on black
     Image.fromarray(pixels).save(root / "scene.png")
-    code = main(["inspect", "--model", model_dir, "--image", str(root / "scene.png"), "--prompt", HOSTILE,
-                 "--max-new-tokens", "4", "--top-k", "3", "--out", out, "--json", "--quiet"])
+    code = main(
+        [
+            "inspect",
+            "--model",
+            model_dir,
+            "--image",
+            str(root / "scene.png"),
+            "--prompt",
+            HOSTILE,
+            "--max-new-tokens",
+            "4",
+            "--top-k",
+            "3",
+            "--out",
+            out,
+            "--json",
+            "--quiet",
+        ]
+    )
     assert code == 0
     return root, out
 

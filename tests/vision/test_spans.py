@@ -2,8 +2,8 @@
 errors for inputs that do not add up, a text-only model, and bad keys."""
 
 import pytest
-import torch
 import tiny_vlms as V
+import torch
 
 from attnkit import steer, vision
 
@@ -70,8 +70,8 @@ def test_image_that_cannot_be_located():
 
 
 def test_text_only_model_refused():
-    import sys
     import os
+    import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "hf"))
     import tiny_models
@@ -84,7 +84,9 @@ def test_text_only_model_refused():
     mask = torch.zeros(1, 10, dtype=torch.bool)
     mask[0, 2:5] = True
     for iv in (steer.amplify_visual(mask, "all", 2.0), steer.ablate_visual(mask)):
-        with pytest.raises(ValueError, match=f"^model: LlamaConfig has no image placeholder .*{iv.name} needs a vision-language model") as err:
+        with pytest.raises(
+            ValueError, match=f"^model: LlamaConfig has no image placeholder .*{iv.name} needs a vision-language model"
+        ) as err:
             with steer.apply(llama, iv):
                 pass
         _one_line(err)
@@ -126,4 +128,8 @@ def test_unknown_family_needs_tokens_per_image():
     with pytest.raises(ValueError, match="^model: attnkit does not know how many tokens each image takes.*tokens_per_image="):
         vision.image_spans(config, inputs)
     spans = vision.image_spans(config, {"input_ids": inputs["input_ids"]}, tokens_per_image=9)
-    assert [(im.row, im.start, im.end) for im in spans.images] == [(0, 2, 11), (0, 12, 21), (1, 12, 21)]  # row 1: 10 pads, BOS, one word
+    assert [(im.row, im.start, im.end) for im in spans.images] == [
+        (0, 2, 11),
+        (0, 12, 21),
+        (1, 12, 21),
+    ]  # row 1: 10 pads, BOS, one word

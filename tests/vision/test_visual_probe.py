@@ -94,10 +94,12 @@ def test_share_bins_split_the_absent_questions_in_thirds_by_their_plain_share(re
     assert len(absent) >= 3
     counts = [result.value("counted", kind="presence", group=f"absent, share {b}", alpha=1.0) for b in ("low", "mid", "high")]
     assert sum(counts) == len(absent) and max(counts) - min(counts) <= 1
-    means = [result.value("visual_share_mean", kind="presence", group=f"absent, share {b}", alpha=1.0) for b in ("low", "mid", "high")]
+    means = [
+        result.value("visual_share_mean", kind="presence", group=f"absent, share {b}", alpha=1.0) for b in ("low", "mid", "high")
+    ]
     assert means == sorted(means)
     ordered = sorted(float(share[i].mean()) for i in absent)
-    assert means[0] == pytest.approx(sum(ordered[:counts[0]]) / counts[0], abs=1e-5)
+    assert means[0] == pytest.approx(sum(ordered[: counts[0]]) / counts[0], abs=1e-5)
 
 
 def test_the_standard_error_is_the_binomial_one(result):
@@ -109,8 +111,25 @@ def test_the_standard_error_is_the_binomial_one(result):
 
 def test_the_cli_runs_the_probe_on_the_organism_by_name(shipped, tmp_path, capsys):
     out = tmp_path / "probe"
-    assert main(["probe", "visual", "--model", NAME, "--samples", "4", "--kinds", "presence,colour", "--no-share",
-                 "--out", str(out), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "probe",
+                "visual",
+                "--model",
+                NAME,
+                "--samples",
+                "4",
+                "--kinds",
+                "presence,colour",
+                "--no-share",
+                "--out",
+                str(out),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert (out / "results.csv").is_file() and (out / "report.html").is_file()
     assert "accuracy" in capsys.readouterr().out
 
@@ -140,28 +159,60 @@ def english_vlm(tmp_path_factory):
     """A random tiny LLaVA directory with a hub-free processor whose tokenizer reads English
     (word-level, punctuation split off, unknown words to <unk>): a VLM that is not the organism."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor,
-                              PreTrainedTokenizerFast)
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        PreTrainedTokenizerFast,
+    )
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-    words = sorted({w for e in shapes.examples(30, 0) for w in probe._english(e).replace("?", " ? ").replace(".", " . ")
-                    .replace(",", " , ").replace(":", " : ").split()} | {"yes", "no", *shapes.COLOURS, *shapes.POSITIONS})
+    words = sorted(
+        {
+            w
+            for e in shapes.examples(30, 0)
+            for w in probe._english(e).replace("?", " ? ").replace(".", " . ").replace(",", " , ").replace(":", " : ").split()
+        }
+        | {"yes", "no", *shapes.COLOURS, *shapes.POSITIONS}
+    )
     vocab = {t: i for i, t in enumerate(["<pad>", "<unk>", "<image>", *words])}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
     core.add_special_tokens([AddedToken("<pad>", special=True), AddedToken("<image>", special=True, normalized=False)])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", unk_token="<unk>", padding_side="left")
     size = {"height": 24, "width": 24}
-    images = CLIPImageProcessorPil(size=size, crop_size=size, do_resize=False, do_center_crop=False, image_mean=[0.5] * 3,
-                                   image_std=[0.5] * 3)
-    processor = LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
-                               num_additional_image_tokens=1, image_token="<image>")
-    config = LlavaConfig(vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                                        num_attention_heads=2, image_size=24, patch_size=8),
-                         text_config=LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                                 num_attention_heads=2, num_key_value_heads=2, pad_token_id=0, bos_token_id=None,
-                                                 eos_token_id=None),
-                         image_token_index=vocab["<image>"], image_seq_length=9, vision_feature_layer=-1)
+    images = CLIPImageProcessorPil(
+        size=size, crop_size=size, do_resize=False, do_center_crop=False, image_mean=[0.5] * 3, image_std=[0.5] * 3
+    )
+    processor = LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=8,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        image_token="<image>",
+    )
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=24, patch_size=8
+        ),
+        text_config=LlamaConfig(
+            vocab_size=len(vocab),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            pad_token_id=0,
+            bos_token_id=None,
+            eos_token_id=None,
+        ),
+        image_token_index=vocab["<image>"],
+        image_seq_length=9,
+        vision_feature_layer=-1,
+    )
     torch.manual_seed(0)
     directory = tmp_path_factory.mktemp("english-vlm")
     LlavaForConditionalGeneration(config).save_pretrained(directory)
@@ -177,8 +228,12 @@ def test_another_vlm_is_asked_in_english_and_its_share_is_its_eager_attention(en
     processor = AutoProcessor.from_pretrained(english_vlm)
     model = LlavaForConditionalGeneration.from_pretrained(english_vlm, dtype=torch.float64, attn_implementation="eager").eval()
     examples = shapes.examples(12, [shapes.stream("probe"), 0])
-    inputs = processor(images=[e.image for e in examples], text=[f"<image>\n{probe._english(e)}" for e in examples],
-                       return_tensors="pt", padding=True)
+    inputs = processor(
+        images=[e.image for e in examples],
+        text=[f"<image>\n{probe._english(e)}" for e in examples],
+        return_tensors="pt",
+        padding=True,
+    )
     plain = LlavaForConditionalGeneration.from_pretrained(english_vlm, dtype=torch.float32).eval()  # as the probe loads it
     image_id = processor.tokenizer.convert_tokens_to_ids("<image>")
     shares = []
@@ -190,7 +245,7 @@ def test_another_vlm_is_asked_in_english_and_its_share_is_its_eager_attention(en
             image = one["input_ids"][0] == image_id
             shares.append(torch.stack([a[0, :, -1, image].sum(-1) for a in out.attentions]))
     share = torch.stack(shares)  # (n, L, H)
-    texts = processor.batch_decode(generated[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    texts = processor.batch_decode(generated[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert result.meta["answers"]["1"] == [probe._read_answer(t, e.kind) for t, e in zip(texts, examples)]
     for kind in shapes.KINDS:
         rows = share[[i for i, e in enumerate(examples) if e.kind == kind]].mean(0)

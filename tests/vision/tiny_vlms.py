@@ -6,22 +6,54 @@ import transformers as T
 
 VOCAB = 120
 IMAGE, PAD, BOS = 100, 0, 1
-_TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=2)
+_TEXT = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    pad_token_id=PAD,
+    bos_token_id=BOS,
+    eos_token_id=2,
+)
 
 
 def llava():
-    vc = T.CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, image_size=12, patch_size=4)
-    return T.LlavaConfig(vision_config=vc, text_config=dict(model_type="llama", **_TEXT), image_token_id=IMAGE,
-                         vision_feature_layer=-1, vision_feature_select_strategy="default")
+    vc = T.CLIPVisionConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, image_size=12, patch_size=4
+    )
+    return T.LlavaConfig(
+        vision_config=vc,
+        text_config=dict(model_type="llama", **_TEXT),
+        image_token_id=IMAGE,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+    )
 
 
 def qwen2_vl():
     text = dict(_TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
-    vc = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=4, spatial_merge_size=2,
-              temporal_patch_size=2, in_channels=3)
-    return T.Qwen2VLConfig(text_config=text, vision_config=vc, image_token_id=IMAGE, video_token_id=101,
-                           vision_start_token_id=103, vision_end_token_id=104)
+    vc = dict(
+        depth=2,
+        embed_dim=32,
+        hidden_size=64,
+        num_heads=2,
+        mlp_ratio=2,
+        patch_size=4,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        in_channels=3,
+    )
+    return T.Qwen2VLConfig(
+        text_config=text,
+        vision_config=vc,
+        image_token_id=IMAGE,
+        video_token_id=101,
+        vision_start_token_id=103,
+        vision_end_token_id=104,
+    )
 
 
 def idefics3():
@@ -30,8 +62,11 @@ def idefics3():
 
 
 CONFIGS = {"llava": llava, "qwen2_vl": qwen2_vl, "idefics3": idefics3}
-CLASSES = {"llava": T.LlavaForConditionalGeneration, "qwen2_vl": T.Qwen2VLForConditionalGeneration,
-           "idefics3": T.Idefics3ForConditionalGeneration}
+CLASSES = {
+    "llava": T.LlavaForConditionalGeneration,
+    "qwen2_vl": T.Qwen2VLForConditionalGeneration,
+    "idefics3": T.Idefics3ForConditionalGeneration,
+}
 FAMILIES = list(CONFIGS)
 
 
@@ -61,9 +96,14 @@ def batch(name: str, dtype=torch.float64, seed: int = 1):
     if name == "qwen2_vl":
         thw = torch.tensor([[1, 4, 4], [1, 4, 6], [1, 4, 4]])
         sizes = (thw.prod(-1) // 4).tolist()
-        rows = [[BOS, 103] + [IMAGE] * sizes[0] + [104, 5, 103] + [IMAGE] * sizes[1] + [104, 6, 8],
-                [BOS, 9, 103] + [IMAGE] * sizes[2] + [104, 11]]
-        extra = {"pixel_values": torch.randn(int(thw.prod(-1).sum()), 3 * 2 * 4 * 4, generator=g, dtype=dtype), "image_grid_thw": thw}
+        rows = [
+            [BOS, 103] + [IMAGE] * sizes[0] + [104, 5, 103] + [IMAGE] * sizes[1] + [104, 6, 8],
+            [BOS, 9, 103] + [IMAGE] * sizes[2] + [104, 11],
+        ]
+        extra = {
+            "pixel_values": torch.randn(int(thw.prod(-1).sum()), 3 * 2 * 4 * 4, generator=g, dtype=dtype),
+            "image_grid_thw": thw,
+        }
     elif name == "llava":
         sizes = [9, 9, 9]
         rows = [[BOS, 3] + [IMAGE] * 9 + [5] + [IMAGE] * 9 + [6, 8], [BOS, 9] + [IMAGE] * 9 + [10, 11]]
@@ -83,8 +123,12 @@ def batch(name: str, dtype=torch.float64, seed: int = 1):
     return inputs, sizes
 
 
-WORDS = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(96)] + ["<image>"] + ["is", "there", "a", "red", "circle", "?", "what",
-                                                                               "color", "yes", "no"]
+WORDS = (
+    ["<pad>", "<s>", "</s>", "<unk>"]
+    + [f"w{i}" for i in range(96)]
+    + ["<image>"]
+    + ["is", "there", "a", "red", "circle", "?", "what", "color", "yes", "no"]
+)
 
 
 def save_llava(directory: str) -> None:
@@ -98,14 +142,38 @@ def save_llava(directory: str) -> None:
     model = build("llava", dtype=torch.float32, attn_implementation="sdpa")
     core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    core.add_special_tokens([AddedToken("<pad>", special=True, normalized=False), AddedToken("<image>", special=True, normalized=False)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", unk_token="<unk>", padding_side="left", clean_up_tokenization_spaces=False,
-                                        model_input_names=["input_ids", "attention_mask"])
+    core.add_special_tokens(
+        [AddedToken("<pad>", special=True, normalized=False), AddedToken("<image>", special=True, normalized=False)]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        model_input_names=["input_ids", "attention_mask"],
+    )
     size = {"height": 12, "width": 12}
-    images = CLIPImageProcessorPil(size=size, crop_size=size, do_resize=True, do_center_crop=False, do_rescale=True, rescale_factor=1 / 255,
-                                   do_normalize=True, image_mean=[0.5] * 3, image_std=[0.5] * 3, do_convert_rgb=True)
-    processor = LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=4, vision_feature_select_strategy="default",
-                               num_additional_image_tokens=1, image_token="<image>")
+    images = CLIPImageProcessorPil(
+        size=size,
+        crop_size=size,
+        do_resize=True,
+        do_center_crop=False,
+        do_rescale=True,
+        rescale_factor=1 / 255,
+        do_normalize=True,
+        image_mean=[0.5] * 3,
+        image_std=[0.5] * 3,
+        do_convert_rgb=True,
+    )
+    processor = LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=4,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        image_token="<image>",
+    )
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = PAD
     model.save_pretrained(directory)

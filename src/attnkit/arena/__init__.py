@@ -17,7 +17,30 @@ from .tasks import TASKS, Batch, Task, make_task
 from .tokenizer import Symbols, build_tokenizer, task_symbols
 from .trainer import Evaluation, TrainConfig, Trainer, TrainResult
 
-__all__ = ["COLUMNS", "TASKS", "Batch", "Evaluation", "MechanismSpec", "RetrievalLayer", "Symbols", "Task", "TrainConfig",
-           "TrainResult", "Trainer", "VectorTransformer", "build_model", "build_tokenizer", "export", "format_table",
-           "make_task", "parse_mechanisms", "plan", "read_task", "run_grid", "task_symbols", "write_csv", "write_json",
-           "write_plots"]
+__all__ = [
+    "COLUMNS",
+    "TASKS",
+    "Batch",
+    "Evaluation",
+    "MechanismSpec",
+    "RetrievalLayer",
+    "Symbols",
+    "Task",
+    "TrainConfig",
+    "TrainResult",
+    "Trainer",
+    "VectorTransformer",
+    "build_model",
+    "build_tokenizer",
+    "export",
+    "format_table",
+    "make_task",
+    "parse_mechanisms",
+    "plan",
+    "read_task",
+    "run_grid",
+    "task_symbols",
+    "write_csv",
+    "write_json",
+    "write_plots",
+]

@@ -69,9 +69,9 @@ def load_checkpoint_meta(path: str) -> dict:
 
 
 def _weights(tensors: dict, header: dict) -> dict[str, torch.Tensor]:
-    weights = {name[len("model/"):]: t for name, t in tensors.items() if name.startswith("model/")}
+    weights = {name[len("model/") :]: t for name, t in tensors.items() if name.startswith("model/")}
     for alias, source in header["aliases"].items():
-        weights[alias[len("model/"):]] = tensors[source]
+        weights[alias[len("model/") :]] = tensors[source]
     return weights
 
 

@@ -62,7 +62,9 @@ def llama_config(model: TransformerLM) -> dict:
         raise ValueError(f"positions: Llama has RoPE only, this model uses {c.positions!r}")
     head_dim = c.head_dim or c.d_model // c.n_heads
     if c.rotary_dim is not None and c.rotary_dim != head_dim:
-        raise ValueError(f"rotary_dim: Llama rotates the whole head ({head_dim} dims), this model rotates {c.rotary_dim} (partial rotary)")
+        raise ValueError(
+            f"rotary_dim: Llama rotates the whole head ({head_dim} dims), this model rotates {c.rotary_dim} (partial rotary)"
+        )
     for name, off in (("qk_norm", False), ("gate", None), ("latent", None)):
         if getattr(c, name) != off:
             raise ValueError(f"{name}: Llama has no {_WHAT[name]}, this model sets {name}={getattr(c, name)!r}")
@@ -72,22 +74,38 @@ def llama_config(model: TransformerLM) -> dict:
         if mechanism != "softmax" or params:
             owned = [name for name, _ in model.blocks[i].attn.mechanism.named_parameters()]
             if owned:
-                raise ValueError(f"mechanism: layer {i} runs {mechanism!r}, whose own weights ({', '.join(owned[:4])}) "
-                                 "Llama has no place for; only mechanisms without weights of their own export")
+                raise ValueError(
+                    f"mechanism: layer {i} runs {mechanism!r}, whose own weights ({', '.join(owned[:4])}) "
+                    "Llama has no place for; only mechanisms without weights of their own export"
+                )
             if "context" in _init_keywords(mechanism):
                 params.setdefault("context", c.max_len)  # the n it trained with, whatever loads it later
             layers.append({"layer": i, "mechanism": mechanism, "params": params})
         if c.layer_value("window", i) is not None:
-            raise ValueError(f"window: Llama attends to every earlier token, layer {i} has a sliding window of {c.layer_value('window', i)}")
+            raise ValueError(
+                f"window: Llama attends to every earlier token, layer {i} has a sliding window of {c.layer_value('window', i)}"
+            )
         if c.layer_value("sinks", i):
             raise ValueError(f"sinks: Llama has no learned attention sinks, layer {i} has them")
     return dict(
-        vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.ff_dim, num_hidden_layers=c.n_layers,
-        num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads or c.n_heads, head_dim=head_dim,
-        hidden_act="silu", max_position_embeddings=c.max_len, rms_norm_eps=c.norm_eps,
+        vocab_size=c.vocab_size,
+        hidden_size=c.d_model,
+        intermediate_size=c.ff_dim,
+        num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads,
+        num_key_value_heads=c.n_kv_heads or c.n_heads,
+        head_dim=head_dim,
+        hidden_act="silu",
+        max_position_embeddings=c.max_len,
+        rms_norm_eps=c.norm_eps,
         rope_parameters=_rope_parameters(c.rope_base, c.rope_scaling, head_dim),
-        attention_bias=c.bias, mlp_bias=c.bias, attention_dropout=0.0, tie_word_embeddings=c.tie_embeddings,
-        bos_token_id=None, eos_token_id=None, use_cache=True,
+        attention_bias=c.bias,
+        mlp_bias=c.bias,
+        attention_dropout=0.0,
+        tie_word_embeddings=c.tie_embeddings,
+        bos_token_id=None,
+        eos_token_id=None,
+        use_cache=True,
         **({MECHANISMS_KEY: layers} if layers else {}),
     )
 
@@ -142,9 +160,16 @@ def _rope_parameters(base: float, scaling, head_dim: int) -> dict:
         # Static NTK-aware scaling is a change of base; Llama's "dynamic" NTK is another method.
         return {"rope_type": "default", "rope_theta": float(base) * float(s.factor) ** (head_dim / (head_dim - 2))}
     _, attention_factor = rope_frequencies(head_dim, base, s)
-    return {"rope_type": "yarn", "rope_theta": float(base), "factor": float(s.factor),
-            "original_max_position_embeddings": s.original_max_len, "beta_fast": float(s.beta_fast),
-            "beta_slow": float(s.beta_slow), "truncate": bool(s.truncate), "attention_factor": float(attention_factor)}
+    return {
+        "rope_type": "yarn",
+        "rope_theta": float(base),
+        "factor": float(s.factor),
+        "original_max_position_embeddings": s.original_max_len,
+        "beta_fast": float(s.beta_fast),
+        "beta_slow": float(s.beta_slow),
+        "truncate": bool(s.truncate),
+        "attention_factor": float(attention_factor),
+    }
 
 
 def llama_names(n_layers: int, tie_embeddings: bool) -> dict[str, str]:
@@ -153,9 +178,15 @@ def llama_names(n_layers: int, tie_embeddings: bool) -> dict[str, str]:
     if not tie_embeddings:
         names["lm_head.weight"] = "lm_head.weight"
     per_layer = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight"}
-    for ours, theirs in (("attn.q_proj", "self_attn.q_proj"), ("attn.k_proj", "self_attn.k_proj"),
-                         ("attn.v_proj", "self_attn.v_proj"), ("attn.o_proj", "self_attn.o_proj"),
-                         ("mlp.w1", "mlp.gate_proj"), ("mlp.w3", "mlp.up_proj"), ("mlp.w2", "mlp.down_proj")):
+    for ours, theirs in (
+        ("attn.q_proj", "self_attn.q_proj"),
+        ("attn.k_proj", "self_attn.k_proj"),
+        ("attn.v_proj", "self_attn.v_proj"),
+        ("attn.o_proj", "self_attn.o_proj"),
+        ("mlp.w1", "mlp.gate_proj"),
+        ("mlp.w3", "mlp.up_proj"),
+        ("mlp.w2", "mlp.down_proj"),
+    ):
         for kind in ("weight", "bias"):
             per_layer[f"{ours}.{kind}"] = f"{theirs}.{kind}"
     for i in range(n_layers):
@@ -189,7 +220,9 @@ def export(model: TransformerLM, task: Task, directory: str, training: dict | No
     kwargs = llama_config(model)
     symbols = task_symbols(task)
     if model.config.vocab_size != len(symbols.tokens):
-        raise ValueError(f"model: vocab_size {model.config.vocab_size} does not match the {task.name} task's {len(symbols.tokens)} symbols")
+        raise ValueError(
+            f"model: vocab_size {model.config.vocab_size} does not match the {task.name} task's {len(symbols.tokens)} symbols"
+        )
     state = llama_state_dict(model)
     dtype = model.embed.weight.dtype
     pad_id = symbols.ids[symbols.pad]
@@ -238,9 +271,14 @@ def task_record(task: Task, symbols: Symbols | None = None, training: dict | Non
     ids = example.inputs[0].tolist()
     answers = [[int(p), symbols.tokens[int(t)]] for p, t in enumerate(example.targets[0].tolist()) if example.mask[0, p]]
     record = {
-        "format": FORMAT, "version": VERSION, "task": task.name, "paper": task.paper,
+        "format": FORMAT,
+        "version": VERSION,
+        "task": task.name,
+        "paper": task.paper,
         "params": _jsonable({f.name: getattr(task, f.name) for f in fields(task)}),
-        "seq_len": task.seq_len, "eval_lengths": list(task.eval_lengths()), "vocab_size": len(symbols.tokens),
+        "seq_len": task.seq_len,
+        "eval_lengths": list(task.eval_lengths()),
+        "vocab_size": len(symbols.tokens),
         "symbols": symbols.to_dict(),
         # answers: [position, symbol] pairs; the model's output at the position predicts the symbol.
         "example": {"text": symbols.decode(ids), "answers": answers},
@@ -297,9 +335,15 @@ def export_run(run, record: dict, rows: list[dict], overrides: dict | None, dire
 
 def run_training(run, record: dict, rows: list[dict]) -> dict:
     """What task.json's ``training`` records of a grid run."""
-    training = {"mechanism": run.mechanism.label, "d_model": run.d_model, "layers": run.layers, "heads": run.heads,
-                "seed": run.seed, "steps": rows[0]["steps"] if rows else None,
-                "accuracy": {str(r["eval_len"]): r["accuracy"] for r in rows}}
+    training = {
+        "mechanism": run.mechanism.label,
+        "d_model": run.d_model,
+        "layers": run.layers,
+        "heads": run.heads,
+        "seed": run.seed,
+        "steps": rows[0]["steps"] if rows else None,
+        "accuracy": {str(r["eval_len"]): r["accuracy"] for r in rows},
+    }
     for key in ("schedule", "init", "max_len", "best_step", "best_score"):
         if record.get(key) is not None:
             training[key] = record[key]
@@ -335,6 +379,20 @@ def _jsonable(value):
     return value
 
 
-__all__ = ["FORMAT", "MECHANISMS_KEY", "TASK_FILE", "check_run", "export", "export_atomic", "export_mechanisms", "export_run",
-           "llama_config", "llama_names", "mechanism_switch",
-           "llama_state_dict", "read_task", "run_training", "task_record"]
+__all__ = [
+    "FORMAT",
+    "MECHANISMS_KEY",
+    "TASK_FILE",
+    "check_run",
+    "export",
+    "export_atomic",
+    "export_mechanisms",
+    "export_run",
+    "llama_config",
+    "llama_names",
+    "mechanism_switch",
+    "llama_state_dict",
+    "read_task",
+    "run_training",
+    "task_record",
+]

@@ -137,15 +137,22 @@ def build_model(task, spec: MechanismSpec, d_model: int, n_layers: int, n_heads:
     mechanism, params = spec.name, dict(spec.params)
     if spec.per_layer:
         if len(spec.per_layer) != n_layers:
-            raise ValueError(f"mechanisms: {spec.label!r} names {len(spec.per_layer)} layers' mechanisms, the model has {n_layers} layers")
+            raise ValueError(
+                f"mechanisms: {spec.label!r} names {len(spec.per_layer)} layers' mechanisms, the model has {n_layers} layers"
+            )
         if task.model_kind == "retrieval":
             raise ValueError(f"mechanisms: the {task.name} task is a one-layer probe; {spec.label!r} is one mechanism per layer")
         mechanism, params = [name for name, _ in spec.per_layer], [dict(p) for _, p in spec.per_layer]
     if task.model_kind == "retrieval":
         return RetrievalLayer(task.num_keys, task.num_values, d_model, n_heads, spec.name, spec.params)
     config = TransformerConfig(
-        vocab_size=getattr(task, "vocab_size", 1), d_model=d_model, n_layers=n_layers, n_heads=n_heads,
-        max_len=max_len or max(task.eval_lengths()), mechanism=mechanism, mechanism_params=params,
+        vocab_size=getattr(task, "vocab_size", 1),
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        max_len=max_len or max(task.eval_lengths()),
+        mechanism=mechanism,
+        mechanism_params=params,
     )
     if task.model_kind == "lm":
         return TransformerLM(config)

@@ -71,7 +71,9 @@ def accuracy_vs_length(rows: list[dict], path: str) -> str:
     ax.set_xscale("log", base=2)
     for n in sorted({r["seq_len"] for r in rows}):
         ax.axvline(n, color="grey", linestyle=":", linewidth=1)  # training lengths
-    return _finish(plt, fig, ax, f"{rows[0]['task']}: accuracy vs sequence length (dotted: trained at)", "evaluated at length", path)
+    return _finish(
+        plt, fig, ax, f"{rows[0]['task']}: accuracy vs sequence length (dotted: trained at)", "evaluated at length", path
+    )
 
 
 def accuracy_vs_time(records: list[dict], path: str) -> str:
@@ -88,8 +90,15 @@ def accuracy_vs_time(records: list[dict], path: str) -> str:
         label = mech + (f" d={rec['d_model']}" if len(widths) > 1 else "")
         xs = [h["seconds"] for h in rec["history"]]
         ys = [h["accuracy"] for h in rec["history"]]
-        ax.plot(xs, ys, marker=".", color=colors[mech], linestyle=styles[widths.index(rec["d_model"]) % len(styles)],
-                alpha=0.8, label=None if label in labelled else label)
+        ax.plot(
+            xs,
+            ys,
+            marker=".",
+            color=colors[mech],
+            linestyle=styles[widths.index(rec["d_model"]) % len(styles)],
+            alpha=0.8,
+            label=None if label in labelled else label,
+        )
         labelled.add(label)
     return _finish(plt, fig, ax, f"{records[0]['task']}: held-out accuracy during training", "training seconds", path)
 

@@ -32,8 +32,23 @@ from .tasks import Task
 from .trainer import Evaluation, TrainConfig, Trainer, best_path, stream_seed
 from .warm_start import warm_start
 
-COLUMNS = ("task", "mechanism", "d_model", "layers", "heads", "seed", "seq_len", "eval_len", "accuracy", "eval_loss",
-           "steps", "stopped_early", "train_seconds", "tokens_per_s", "params")
+COLUMNS = (
+    "task",
+    "mechanism",
+    "d_model",
+    "layers",
+    "heads",
+    "seed",
+    "seq_len",
+    "eval_len",
+    "accuracy",
+    "eval_loss",
+    "steps",
+    "stopped_early",
+    "train_seconds",
+    "tokens_per_s",
+    "params",
+)
 
 
 @dataclass(frozen=True)
@@ -59,8 +74,17 @@ class Run:
         return f"{self.task.name}-{safe}-d{self.d_model}-L{self.layers}-h{self.heads}-N{self.task.seq_len}-s{self.seed}"
 
 
-def plan(task: Task, mechanisms, widths=(64,), layers: int | None = None, heads: int | None = None,
-         seeds=(0,), seq_lens=None, max_len: int | None = None, init: str | None = None) -> list[Run]:
+def plan(
+    task: Task,
+    mechanisms,
+    widths=(64,),
+    layers: int | None = None,
+    heads: int | None = None,
+    seeds=(0,),
+    seq_lens=None,
+    max_len: int | None = None,
+    init: str | None = None,
+) -> list[Run]:
     """The runs of a grid, in order (mechanism outermost, so a table fills row by row);
     ``max_len`` and ``init`` (a warm start's weights) are the same for every run."""
     specs = parse_mechanisms(mechanisms)
@@ -73,7 +97,9 @@ def plan(task: Task, mechanisms, widths=(64,), layers: int | None = None, heads:
         if isinstance(d, bool) or not isinstance(d, int) or d < 1 or d % heads:
             raise ValueError(f"widths: each must be a positive multiple of heads={heads}, got {d!r}")
     tasks = [task] if not seq_lens else [replace(task, seq_len=n) for n in seq_lens]
-    return [Run(t, spec, d, layers, heads, seed, max_len, init) for spec in specs for t in tasks for d in widths for seed in seeds]
+    return [
+        Run(t, spec, d, layers, heads, seed, max_len, init) for spec in specs for t in tasks for d in widths for seed in seeds
+    ]
 
 
 def train_config(task: Task, seed: int, overrides: dict | None = None) -> TrainConfig:
@@ -101,13 +127,20 @@ def check_lengths(task: Task, config: TrainConfig, max_len: int | None) -> int:
     if max_len is None:
         return longest
     if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < longest:
-        raise ValueError(f"max_len: expected an int >= {longest} (the longest length the run trains or is evaluated at), "
-                         f"got {max_len!r}")
+        raise ValueError(
+            f"max_len: expected an int >= {longest} (the longest length the run trains or is evaluated at), got {max_len!r}"
+        )
     return max_len
 
 
-def execute(run: Run, overrides: dict | None = None, checkpoint_dir: str | None = None, resume: bool = False,
-            on_eval=None, on_snapshot=None) -> tuple[list[dict], dict]:
+def execute(
+    run: Run,
+    overrides: dict | None = None,
+    checkpoint_dir: str | None = None,
+    resume: bool = False,
+    on_eval=None,
+    on_snapshot=None,
+) -> tuple[list[dict], dict]:
     """Train one run; returns (its rows, its record with the learning curve).
     ``on_snapshot(model, rows, record)``: after each evaluation whose weights the run
     would end on now (see ``Trainer.fit``), with the rows and record so far."""
@@ -124,17 +157,45 @@ def execute(run: Run, overrides: dict | None = None, checkpoint_dir: str | None 
         if resume and os.path.exists(path):
             trainer.resume(path)
     params = sum(p.numel() for p in model.parameters())
-    base = {"task": run.task.name, "mechanism": run.mechanism.label, "d_model": run.d_model, "layers": run.layers,
-            "heads": run.heads, "seed": run.seed, "seq_len": run.task.seq_len}
-    record = {**base, "mechanism_name": run.mechanism.name, "mechanism_params": run.mechanism.params,
-              "config": asdict(config), "max_len": max_len, "init": init,
-              "schedule": schedule_text(config.schedule) if config.schedule else None, "checkpoint": path,
-              "best_checkpoint": best_path(path) if path and config.keep_best else None, "history": trainer.history}
+    base = {
+        "task": run.task.name,
+        "mechanism": run.mechanism.label,
+        "d_model": run.d_model,
+        "layers": run.layers,
+        "heads": run.heads,
+        "seed": run.seed,
+        "seq_len": run.task.seq_len,
+    }
+    record = {
+        **base,
+        "mechanism_name": run.mechanism.name,
+        "mechanism_params": run.mechanism.params,
+        "config": asdict(config),
+        "max_len": max_len,
+        "init": init,
+        "schedule": schedule_text(config.schedule) if config.schedule else None,
+        "checkpoint": path,
+        "best_checkpoint": best_path(path) if path and config.keep_best else None,
+        "history": trainer.history,
+    }
 
     def rows_of(evaluations, steps, seconds, rate, finished):
-        return [{**base, "eval_len": ev.length, "accuracy": ev.accuracy, "eval_loss": ev.loss, "steps": steps,
-                 "stopped_early": trainer.stopped_early, "train_seconds": seconds, "tokens_per_s": rate,
-                 "params": params, "groups": ev.groups, "finished": finished} for ev in evaluations]
+        return [
+            {
+                **base,
+                "eval_len": ev.length,
+                "accuracy": ev.accuracy,
+                "eval_loss": ev.loss,
+                "steps": steps,
+                "stopped_early": trainer.stopped_early,
+                "train_seconds": seconds,
+                "tokens_per_s": rate,
+                "params": params,
+                "groups": ev.groups,
+                "finished": finished,
+            }
+            for ev in evaluations
+        ]
 
     def snapshot(model, latest):
         if on_snapshot is not None:
@@ -169,10 +230,23 @@ def check(runs: list[Run]) -> None:
             raise ValueError(f"mechanisms: {run.mechanism.label} cannot run the {run.task.name} task: {e}") from None
 
 
-def run_grid(task: Task, mechanisms, widths=(64,), layers: int | None = None, heads: int | None = None, seeds=(0,),
-             seq_lens=None, overrides: dict | None = None, checkpoint_dir: str | None = None, resume: bool = False,
-             on_eval=None, on_run=None, max_len: int | None = None, init: str | None = None,
-             on_snapshot=None) -> tuple[list[dict], list[dict]]:
+def run_grid(
+    task: Task,
+    mechanisms,
+    widths=(64,),
+    layers: int | None = None,
+    heads: int | None = None,
+    seeds=(0,),
+    seq_lens=None,
+    overrides: dict | None = None,
+    checkpoint_dir: str | None = None,
+    resume: bool = False,
+    on_eval=None,
+    on_run=None,
+    max_len: int | None = None,
+    init: str | None = None,
+    on_snapshot=None,
+) -> tuple[list[dict], list[dict]]:
     """Train every run of the grid; returns (rows, run records).
 
     ``overrides``: TrainConfig fields (None values ignored). ``on_eval(run, record)`` after

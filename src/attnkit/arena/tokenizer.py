@@ -72,8 +72,10 @@ def _family(prefix: str, count: int) -> list[str]:
 def task_symbols(task: Task) -> Symbols:
     """The symbol table of a token task (``model_kind == "lm"``); other tasks are refused."""
     if task.model_kind != "lm":
-        raise ValueError(f"task: {task.name} feeds its model {task.model_kind} inputs, not token ids, so it has no "
-                         "word-level vocabulary (only token tasks export)")
+        raise ValueError(
+            f"task: {task.name} feeds its model {task.model_kind} inputs, not token ids, so it has no "
+            "word-level vocabulary (only token tasks export)"
+        )
     builder = _BUILDERS.get(task.name)
     if builder is None:
         raise ValueError(f"task: no symbol table for {task.name!r}; known: {', '.join(_BUILDERS)}")
@@ -115,8 +117,13 @@ def _variable_tracking(task) -> Symbols:
     return Symbols(tuple(tokens), {"filler": "f", "assign": "=", "query": "Q", "variables": variables, "values": values}, "f")
 
 
-_BUILDERS = {"induction": _induction, "needle": _needle, "mqar": _mqar, "selective_copy": _selective_copy,
-             "variable_tracking": _variable_tracking}
+_BUILDERS = {
+    "induction": _induction,
+    "needle": _needle,
+    "mqar": _mqar,
+    "selective_copy": _selective_copy,
+    "variable_tracking": _variable_tracking,
+}
 
 
 def build_tokenizer(symbols: Symbols):
@@ -130,6 +137,11 @@ def build_tokenizer(symbols: Symbols):
     # No unk token in the vocabulary: a word that is not a symbol fails to encode.
     core = Tokenizer(models.WordLevel(symbols.ids, unk_token=None))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=symbols.pad, padding_side="left",
-                                        clean_up_tokenization_spaces=False, model_input_names=["input_ids", "attention_mask"])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=symbols.pad,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        model_input_names=["input_ids", "attention_mask"],
+    )
     return tokenizer

@@ -107,8 +107,10 @@ class TrainConfig:
             where = f"the shortest stage's steps={shortest}" if stages else f"steps={self.steps}"
             raise ValueError(f"warmup: expected an int in [0, {where}] or None, got {self.warmup!r}")
         if not (self.lr > 0 and 0 <= self.min_lr <= 1 and self.weight_decay >= 0 and self.grad_clip > 0):
-            raise ValueError(f"lr, min_lr, weight_decay, grad_clip: expected lr > 0, 0 <= min_lr <= 1, weight_decay >= 0, "
-                             f"grad_clip > 0; got {self.lr}, {self.min_lr}, {self.weight_decay}, {self.grad_clip}")
+            raise ValueError(
+                f"lr, min_lr, weight_decay, grad_clip: expected lr > 0, 0 <= min_lr <= 1, weight_decay >= 0, "
+                f"grad_clip > 0; got {self.lr}, {self.min_lr}, {self.weight_decay}, {self.grad_clip}"
+            )
         if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
             raise ValueError(f"target_accuracy: expected in (0, 1] or None, got {self.target_accuracy!r}")
         if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
@@ -203,8 +205,11 @@ class Trainer:
         decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
         rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
         # Matrices and embeddings decay; gains, biases and per-head scalars do not (nanoGPT).
-        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                            {"params": rest, "weight_decay": 0.0}], lr=config.lr, betas=config.betas)
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": config.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+            lr=config.lr,
+            betas=config.betas,
+        )
         self.step = 0
         self.train_seconds = 0.0
         self.tokens = 0
@@ -236,8 +241,11 @@ class Trainer:
                 if c.target_accuracy is not None and record["score"] >= c.target_accuracy:
                     self.stopped_early = self.step < c.steps
                 if c.keep_best and (self.best is None or record["score"] >= self.best["score"]):
-                    self.best = {"step": self.step, "score": record["score"],
-                                 "state": {k: v.detach().clone() for k, v in self.model.state_dict().items()}}
+                    self.best = {
+                        "step": self.step,
+                        "score": record["score"],
+                        "state": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                    }
                     record["best"] = True
                     if checkpoint_path:
                         self.save(best_path(checkpoint_path))
@@ -285,12 +293,16 @@ class Trainer:
         c = self.config
         evaluations = [self.evaluate(n) for n in c.measured_lengths(self.task.seq_len)]
         value = score(evaluations, c.criterion)
-        record = {"step": self.step, "seconds": self.train_seconds, "train_loss": train_loss,
-                  "accuracy": value, "score": value,
-                  "eval_loss": sum(ev.loss for ev in evaluations) / len(evaluations),
-                  "stage": c.stage_at(self.step)[0],
-                  "lengths": {str(ev.length): {"accuracy": ev.accuracy, "loss": ev.loss, "groups": ev.groups}
-                              for ev in evaluations}}
+        record = {
+            "step": self.step,
+            "seconds": self.train_seconds,
+            "train_loss": train_loss,
+            "accuracy": value,
+            "score": value,
+            "eval_loss": sum(ev.loss for ev in evaluations) / len(evaluations),
+            "stage": c.stage_at(self.step)[0],
+            "lengths": {str(ev.length): {"accuracy": ev.accuracy, "loss": ev.loss, "groups": ev.groups} for ev in evaluations},
+        }
         self.history.append(record)
         return record
 
@@ -299,7 +311,9 @@ class Trainer:
     def held_out(self, length: int) -> Batch:
         """The fixed held-out examples at ``length`` (drawn once, from the "eval" stream)."""
         if length not in self._held_out:
-            self._held_out[length] = self.task_at(length).held_out(self.config.eval_examples, generator(self.config.seed, "eval", length))
+            self._held_out[length] = self.task_at(length).held_out(
+                self.config.eval_examples, generator(self.config.seed, "eval", length)
+            )
         return self._held_out[length]
 
     @torch.no_grad()
@@ -334,8 +348,16 @@ class Trainer:
         evaluations = [self.evaluate(length) for length in lengths]
         rate = self.tokens / self.train_seconds if self.train_seconds > 0 else 0.0
         best = self.best or {}
-        return TrainResult(self.step, self.stopped_early, self.train_seconds, rate, list(self.history), evaluations,
-                           best.get("step"), best.get("score"))
+        return TrainResult(
+            self.step,
+            self.stopped_early,
+            self.train_seconds,
+            rate,
+            list(self.history),
+            evaluations,
+            best.get("step"),
+            best.get("score"),
+        )
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -343,8 +365,14 @@ class Trainer:
         return {"task": self.task.name, "task_params": _jsonable(self.task.params()), "config": _jsonable(asdict(self.config))}
 
     def save(self, path: str) -> None:
-        meta = {**self._identity(), "step": self.step, "train_seconds": self.train_seconds, "tokens": self.tokens,
-                "stopped_early": self.stopped_early, "history": self.history}
+        meta = {
+            **self._identity(),
+            "step": self.step,
+            "train_seconds": self.train_seconds,
+            "tokens": self.tokens,
+            "stopped_early": self.stopped_early,
+            "history": self.history,
+        }
         save_checkpoint(path, self.model, self.optimizer, meta)
 
     def resume(self, path: str) -> None:
@@ -353,15 +381,20 @@ class Trainer:
         mine = self._identity()
         differ = [key for key in mine if meta.get(key) != mine[key]]
         if differ:
-            raise ValueError(f"path: checkpoint {path} was written for another {' and '.join(differ)} "
-                             f"({', '.join(f'{k}={meta.get(k)}' for k in differ)})")
+            raise ValueError(
+                f"path: checkpoint {path} was written for another {' and '.join(differ)} "
+                f"({', '.join(f'{k}={meta.get(k)}' for k in differ)})"
+            )
         self.step, self.train_seconds, self.tokens = meta["step"], meta["train_seconds"], meta["tokens"]
         self.stopped_early, self.history = meta["stopped_early"], meta["history"]
         self.best = None
         if self.config.keep_best and os.path.isfile(best_path(path)):
             best_meta = load_checkpoint_meta(best_path(path))
-            self.best = {"step": best_meta["step"], "score": best_meta["history"][-1]["score"],
-                         "state": load_weights(best_path(path))}
+            self.best = {
+                "step": best_meta["step"],
+                "score": best_meta["history"][-1]["score"],
+                "state": load_weights(best_path(path)),
+            }
 
 
 def best_path(checkpoint_path: str) -> str:

@@ -8,7 +8,21 @@ import importlib
 
 from .harness import Row, format_table, machine_info, peak_rss_growth, time_pair, write_json
 
-SUITES = ("kernels", "hf", "inspect", "linear", "sparse", "mechanisms", "probes", "steer", "kv", "distributed", "diffusion", "sweeps", "vision")
+SUITES = (
+    "kernels",
+    "hf",
+    "inspect",
+    "linear",
+    "sparse",
+    "mechanisms",
+    "probes",
+    "steer",
+    "kv",
+    "distributed",
+    "diffusion",
+    "sweeps",
+    "vision",
+)
 
 
 def suite_module(name: str):
@@ -21,4 +35,14 @@ def run_suite(name: str, quick: bool, progress=None) -> list[Row]:
     return suite_module(name).run(quick=quick, progress=progress)
 
 
-__all__ = ["Row", "SUITES", "format_table", "machine_info", "peak_rss_growth", "run_suite", "suite_module", "time_pair", "write_json"]
+__all__ = [
+    "Row",
+    "SUITES",
+    "format_table",
+    "machine_info",
+    "peak_rss_growth",
+    "run_suite",
+    "suite_module",
+    "time_pair",
+    "write_json",
+]

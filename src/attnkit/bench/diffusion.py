@@ -39,13 +39,23 @@ def unet(latent: int):
 
     torch.manual_seed(0)
     model = UNet2DConditionModel(
-        sample_size=latent, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=64, attention_head_dim=8, norm_num_groups=8,
+        sample_size=latent,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=64,
+        attention_head_dim=8,
+        norm_num_groups=8,
     ).eval()
     g = torch.Generator().manual_seed(1)
-    inputs = dict(sample=torch.randn(1, 4, latent, latent, generator=g), timestep=torch.tensor(10),
-                  encoder_hidden_states=torch.randn(1, TEXT, 64, generator=g))
+    inputs = dict(
+        sample=torch.randn(1, 4, latent, latent, generator=g),
+        timestep=torch.tensor(10),
+        encoder_hidden_states=torch.randn(1, TEXT, 64, generator=g),
+    )
     return model, inputs
 
 
@@ -53,16 +63,29 @@ def flux(latent: int):
     from diffusers import FluxTransformer2DModel
 
     torch.manual_seed(0)
-    model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
-                                   num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=16,
-                                   axes_dims_rope=(4, 4, 8)).eval()
+    model = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=4,
+        joint_attention_dim=32,
+        pooled_projection_dim=16,
+        axes_dims_rope=(4, 4, 8),
+    ).eval()
     g = torch.Generator().manual_seed(1)
     side = latent // 2
     ids = torch.zeros(side, side, 3)
     ids[..., 1], ids[..., 2] = torch.arange(side)[:, None], torch.arange(side)[None, :]
-    inputs = dict(hidden_states=torch.randn(1, side * side, 16, generator=g), encoder_hidden_states=torch.randn(1, TEXT, 32, generator=g),
-                  pooled_projections=torch.randn(1, 16, generator=g), timestep=torch.tensor([0.5]),
-                  img_ids=ids.reshape(-1, 3), txt_ids=torch.zeros(TEXT, 3))
+    inputs = dict(
+        hidden_states=torch.randn(1, side * side, 16, generator=g),
+        encoder_hidden_states=torch.randn(1, TEXT, 32, generator=g),
+        pooled_projections=torch.randn(1, 16, generator=g),
+        timestep=torch.tensor([0.5]),
+        img_ids=ids.reshape(-1, 3),
+        txt_ids=torch.zeros(TEXT, 3),
+    )
     return model, inputs
 
 
@@ -85,13 +108,34 @@ def step_cases(latent: int, repeats: int) -> list[Row]:
         with use(twin):
             a, b = time_pair(lambda: step(twin), lambda: step(model), repeats=repeats)
         switch_ms = _switch_ms(twin, use)
-        rows.append(Row("diffusion", f"{name} step under use()", size, a, "default processors (torch SDPA)", b,
-                        f"<= {TARGET_STEP}x", a / b <= TARGET_STEP,
-                        f"entering and leaving use() once per sampling run: {switch_ms:.2f} ms"))
+        rows.append(
+            Row(
+                "diffusion",
+                f"{name} step under use()",
+                size,
+                a,
+                "default processors (torch SDPA)",
+                b,
+                f"<= {TARGET_STEP}x",
+                a / b <= TARGET_STEP,
+                f"entering and leaving use() once per sampling run: {switch_ms:.2f} ms",
+            )
+        )
         with use(twin, observers=[TokenMaps()]):
             a, b = time_pair(lambda: step(twin), lambda: step(model), repeats=repeats)
-        rows.append(Row("diffusion", f"{name} step with TokenMaps", size, a, "default processors (torch SDPA)", b, "", None,
-                        "per-token maps of every text-attending layer"))
+        rows.append(
+            Row(
+                "diffusion",
+                f"{name} step with TokenMaps",
+                size,
+                a,
+                "default processors (torch SDPA)",
+                b,
+                "",
+                None,
+                "per-token maps of every text-attending layer",
+            )
+        )
     rows.append(pag_case(latent, repeats))
     return rows
 
@@ -122,8 +166,17 @@ def pag_case(latent: int, repeats: int) -> Row:
             model(**doubled)
 
     a, b = time_pair(guided, default, repeats=repeats)
-    return Row("diffusion", "UNet2DConditionModel step with PAG", f"latent {latent}x{latent}, {TEXT} text tokens", a,
-               "default processors, the same 2 rows", b, "", None, "all self-attention layers perturbed, no CFG")
+    return Row(
+        "diffusion",
+        "UNet2DConditionModel step with PAG",
+        f"latent {latent}x{latent}, {TEXT} text tokens",
+        a,
+        "default processors, the same 2 rows",
+        b,
+        "",
+        None,
+        "all self-attention layers perturbed, no CFG",
+    )
 
 
 def memory_case(latent: int) -> list[Row]:
@@ -146,21 +199,43 @@ def memory_case(latent: int) -> list[Row]:
     with torch.no_grad(), use(model, observers=[maps, shapes]):
         model(**inputs)
     ours, full = maps.state_bytes(), shapes.full
-    return [Row("diffusion", "memory: per-token maps, one step, all layers", f"latent {latent}x{latent}, {TEXT} tokens", None,
-                "full attention maps of the same calls", None, "", None,
-                f"TokenMaps {ours / 2**20:.2f} MiB vs full maps {full / 2**20:.1f} MiB ({full / ours:.0f}x)",
-                extra={"tokenmaps_bytes": ours, "full_maps_bytes": full})]
+    return [
+        Row(
+            "diffusion",
+            "memory: per-token maps, one step, all layers",
+            f"latent {latent}x{latent}, {TEXT} tokens",
+            None,
+            "full attention maps of the same calls",
+            None,
+            "",
+            None,
+            f"TokenMaps {ours / 2**20:.2f} MiB vs full maps {full / 2**20:.1f} MiB ({full / ours:.0f}x)",
+            extra={"tokenmaps_bytes": ours, "full_maps_bytes": full},
+        )
+    ]
 
 
 def run(quick: bool = False, progress=None) -> list[Row]:
     import importlib.util
 
     if importlib.util.find_spec("diffusers") is None:
-        return run_steps([("diffusers not installed", lambda: [Row("diffusion", "all cases", "-", None, "-", None, "", None,
-                                                                  "skipped: pip install 'attnkit[diffusion]'")]),
-                          ("done", lambda: []), ("done", lambda: [])], progress)
+        return run_steps(
+            [
+                (
+                    "diffusers not installed",
+                    lambda: [
+                        Row("diffusion", "all cases", "-", None, "-", None, "", None, "skipped: pip install 'attnkit[diffusion]'")
+                    ],
+                ),
+                ("done", lambda: []),
+                ("done", lambda: []),
+            ],
+            progress,
+        )
     latent, repeats, memory_latent = (16, 1, 32) if quick else (64, 9, 64)
-    steps = [(f"step latent {latent}", lambda: step_cases(latent, repeats)),
-             (f"memory latent {memory_latent}", lambda: memory_case(memory_latent)),
-             ("done", lambda: [])]
+    steps = [
+        (f"step latent {latent}", lambda: step_cases(latent, repeats)),
+        (f"memory latent {memory_latent}", lambda: memory_case(memory_latent)),
+        ("done", lambda: []),
+    ]
     return run_steps(steps, progress)

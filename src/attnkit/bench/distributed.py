@@ -70,7 +70,7 @@ for i in range(3):
 print(json.dumps({"growth_mb": growth, "ms": 1e3 * statistics.median(times)}))
 if world:
     dist.destroy_process_group()
-""" % {"B": B, "H": H, "D": D}
+""" % {"B": B, "H": H, "D": D}  # noqa: UP031 (a script template)
 
 
 def measure(world: int, n: int, case: str) -> dict:
@@ -79,9 +79,16 @@ def measure(world: int, n: int, case: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "init")
-        procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(world), init, str(n), case],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-                 for r in range(max(world, 1))]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", _RANK, str(r), str(world), init, str(n), case],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for r in range(max(world, 1))
+        ]
         results = []
         for p in procs:
             out, err = p.communicate(timeout=1800)
@@ -98,16 +105,35 @@ def rows_for(case: str, n: int, worlds=(1, 2)) -> list[Row]:
     for world in worlds:
         got = measure(world, n, case)
         if "error" in got or "error" in base:
-            rows.append(Row("distributed", f"{label} fwd+bwd, P={world}", f"N={n}", None, "one process", None, "", False,
-                            got.get("error") or base.get("error")))
+            rows.append(
+                Row(
+                    "distributed",
+                    f"{label} fwd+bwd, P={world}",
+                    f"N={n}",
+                    None,
+                    "one process",
+                    None,
+                    "",
+                    False,
+                    got.get("error") or base.get("error"),
+                )
+            )
             continue
         share = got["growth_mb"] / base["growth_mb"] if base["growth_mb"] > 0 else float("nan")
-        rows.append(Row(
-            "distributed", f"{label} fwd+bwd, P={world}", f"N={n}", got["ms"], "attnkit, one process", base["ms"],
-            "peak/rank ≈ 1/P + buffers", None,
-            f"peak growth per rank {got['growth_mb']:.0f} MB vs {base['growth_mb']:.0f} MB = {share:.2f}",
-            extra={"growth_mb": got["growth_mb"], "baseline_growth_mb": base["growth_mb"], "world": world},
-        ))
+        rows.append(
+            Row(
+                "distributed",
+                f"{label} fwd+bwd, P={world}",
+                f"N={n}",
+                got["ms"],
+                "attnkit, one process",
+                base["ms"],
+                "peak/rank ≈ 1/P + buffers",
+                None,
+                f"peak growth per rank {got['growth_mb']:.0f} MB vs {base['growth_mb']:.0f} MB = {share:.2f}",
+                extra={"growth_mb": got["growth_mb"], "baseline_growth_mb": base["growth_mb"], "world": world},
+            )
+        )
     return rows
 
 

@@ -47,7 +47,9 @@ class Row:
         return d
 
 
-def time_pair(candidate: Callable[[], object], baseline: Callable[[], object] | None, repeats: int = 5, warmup: int = 1) -> tuple[float, float | None]:
+def time_pair(
+    candidate: Callable[[], object], baseline: Callable[[], object] | None, repeats: int = 5, warmup: int = 1
+) -> tuple[float, float | None]:
     """Median milliseconds of candidate and baseline, run alternately."""
     for _ in range(warmup):
         candidate()
@@ -110,15 +112,19 @@ def format_table(rows: list[Row]) -> str:
     head = ["suite", "case", "size", "attnkit ms", "baseline", "baseline ms", "ratio", "target", "ok"]
     body = []
     for r in rows:
-        body.append([
-            r.suite, r.case, r.size,
-            "-" if r.attnkit_ms is None else f"{r.attnkit_ms:.1f}",
-            r.baseline,
-            "-" if r.baseline_ms is None else f"{r.baseline_ms:.1f}",
-            "-" if r.ratio is None else f"{r.ratio:.2f}",
-            r.target,
-            "" if r.ok is None else ("yes" if r.ok else "NO"),
-        ])
+        body.append(
+            [
+                r.suite,
+                r.case,
+                r.size,
+                "-" if r.attnkit_ms is None else f"{r.attnkit_ms:.1f}",
+                r.baseline,
+                "-" if r.baseline_ms is None else f"{r.baseline_ms:.1f}",
+                "-" if r.ratio is None else f"{r.ratio:.2f}",
+                r.target,
+                "" if r.ok is None else ("yes" if r.ok else "NO"),
+            ]
+        )
         if r.note:
             body[-1][-1] += f"  ({r.note})"
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
@@ -142,6 +148,7 @@ def fwd_bwd(fn, q, k, v):
             t.grad = None
         out = fn(q, k, v)
         out.backward(torch.ones_like(out))
+
     return run
 
 

@@ -30,8 +30,15 @@ def tiny_llama(attn_implementation: str):
     from transformers import LlamaConfig, LlamaModel
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=1000, hidden_size=D_MODEL, intermediate_size=4 * D_MODEL, num_hidden_layers=LAYERS,
-                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=65536)
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=D_MODEL,
+        intermediate_size=4 * D_MODEL,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=65536,
+    )
     return LlamaModel._from_config(config, attn_implementation=attn_implementation).eval()
 
 
@@ -50,19 +57,36 @@ def speed_case(n: int, repeats: int) -> Row:
 
     with torch.no_grad():
         a, b = time_pair(ours, sdpa, repeats=repeats)
-    return Row("hf", "tiny llama forward, attnkit softmax", f"N={n}", a, "transformers sdpa", b, "<= 1.3x", a / b <= 1.3,
-               f"{LAYERS} layers, d={D_MODEL}, {HEADS} heads, {KV_HEADS} kv heads")
+    return Row(
+        "hf",
+        "tiny llama forward, attnkit softmax",
+        f"N={n}",
+        a,
+        "transformers sdpa",
+        b,
+        "<= 1.3x",
+        a / b <= 1.3,
+        f"{LAYERS} layers, d={D_MODEL}, {HEADS} heads, {KV_HEADS} kv heads",
+    )
 
 
 def decode_case(prompt: int, new_tokens: int, repeats: int) -> Row:
     """Greedy decoding tokens/s: ``generate`` inside ``attnkit.hf.use`` against plain
     ``generate`` on transformers' sdpa (every layer of every step is a small call)."""
-    import attnkit.hf as akhf
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    import attnkit.hf as akhf
+
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=1000, hidden_size=D_MODEL, intermediate_size=4 * D_MODEL, num_hidden_layers=LAYERS,
-                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=65536)
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=D_MODEL,
+        intermediate_size=4 * D_MODEL,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=65536,
+    )
     model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa").eval()
     ids = torch.randint(0, 1000, (1, prompt), generator=torch.Generator().manual_seed(prompt))
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
@@ -77,8 +101,17 @@ def decode_case(prompt: int, new_tokens: int, repeats: int) -> Row:
     with torch.no_grad():
         a, b = time_pair(ours, plain, repeats=repeats)
     ratio = b / a  # attnkit's tokens/s over plain generate's
-    return Row("hf", "generate tokens/s, attnkit softmax", f"prompt={prompt} +{new_tokens}", a, "plain generate (sdpa)", b,
-               ">= 0.9x tokens/s", ratio >= 0.9, f"{new_tokens / a * 1e3:.0f} vs {new_tokens / b * 1e3:.0f} tokens/s")
+    return Row(
+        "hf",
+        "generate tokens/s, attnkit softmax",
+        f"prompt={prompt} +{new_tokens}",
+        a,
+        "plain generate (sdpa)",
+        b,
+        ">= 0.9x tokens/s",
+        ratio >= 0.9,
+        f"{new_tokens / a * 1e3:.0f} vs {new_tokens / b * 1e3:.0f} tokens/s",
+    )
 
 
 _PROBE = """
@@ -131,10 +164,20 @@ def memory_cases(n: int) -> list[Row]:
             note += f"{'; ' if note else ''}could not run: {res['error']}"
         if not ours:
             note += f"; eager's weights alone: {eager_weights_gb:.1f} GiB per layer"
-        rows.append(Row("hf", f"tiny llama forward, {label}, {MEMORY_CAP_GB} GiB address cap", f"N={n}",
-                        res.get("seconds", 0) * 1e3 if ran else None, "-", None,
-                        "runs" if ours else "", ran if ours else None, note,
-                        extra={k: v for k, v in res.items() if k != "error"} | {"ran": ran}))
+        rows.append(
+            Row(
+                "hf",
+                f"tiny llama forward, {label}, {MEMORY_CAP_GB} GiB address cap",
+                f"N={n}",
+                res.get("seconds", 0) * 1e3 if ran else None,
+                "-",
+                None,
+                "runs" if ours else "",
+                ran if ours else None,
+                note,
+                extra={k: v for k, v in res.items() if k != "error"} | {"ran": ran},
+            )
+        )
     return rows
 
 

@@ -29,16 +29,34 @@ def minilm_case(repeats: int) -> list[Row]:
             model(**enc)
 
     cand, base = time_pair(lambda: inspect(model, enc), plain, repeats=repeats)
-    return [Row("inspect", "inspect MiniLM, all default meters", f"N={n}", cand, "plain forward", base, "<= 2.5x",
-                cand / base <= 2.5, "sink, entropy, distance, logits, top keys; 6 layers x 12 heads")]
+    return [
+        Row(
+            "inspect",
+            "inspect MiniLM, all default meters",
+            f"N={n}",
+            cand,
+            "plain forward",
+            base,
+            "<= 2.5x",
+            cand / base <= 2.5,
+            "sink, entropy, distance, logits, top keys; 6 layers x 12 heads",
+        )
+    ]
 
 
 def _tiny_llama(n: int):
     import transformers as T
 
     torch.manual_seed(0)
-    config = T.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, max_position_embeddings=n)
+    config = T.LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=n,
+    )
     return T.LlamaForCausalLM(config).eval()
 
 
@@ -53,8 +71,19 @@ def long_case(n: int, repeats: int) -> list[Row]:
             model.model(input_ids=ids, use_cache=False)
 
     cand, base = time_pair(lambda: inspect(model, ids), plain, repeats=repeats)
-    return [Row("inspect", "inspect tiny Llama (attention-bound)", f"N={n}", cand, "plain forward (sdpa)", base, "", None,
-                "2 layers x 4 heads, hidden 64: attention is nearly all of the forward")]
+    return [
+        Row(
+            "inspect",
+            "inspect tiny Llama (attention-bound)",
+            f"N={n}",
+            cand,
+            "plain forward (sdpa)",
+            base,
+            "",
+            None,
+            "2 layers x 4 heads, hidden 64: attention is nearly all of the forward",
+        )
+    ]
 
 
 def memory_setup(n: int) -> str:
@@ -74,8 +103,20 @@ def memory_case(n: int) -> list[Row]:
     case = "peak RSS, inspect tiny Llama, every meter"
     if "error" in res:
         return [Row("inspect", case, f"N={n}", None, "-", None, "<= 3 GiB", False, res["error"])]
-    return [Row("inspect", case, f"N={n}", res["seconds"] * 1e3, "-", None, "<= 3 GiB", res["peak_mb"] <= 3 * 1024,
-                f"{res['peak_mb']:.0f} MB peak (eager attentions alone: {eager_gib:.1f} GiB)", extra=res)]
+    return [
+        Row(
+            "inspect",
+            case,
+            f"N={n}",
+            res["seconds"] * 1e3,
+            "-",
+            None,
+            "<= 3 GiB",
+            res["peak_mb"] <= 3 * 1024,
+            f"{res['peak_mb']:.0f} MB peak (eager attentions alone: {eager_gib:.1f} GiB)",
+            extra=res,
+        )
+    ]
 
 
 def run(quick: bool = False, progress=None) -> list[Row]:

@@ -34,7 +34,6 @@ it, which bounds what a quarter of the keys can give.
 
 from __future__ import annotations
 
-
 import torch
 
 from .harness import Row, run_steps, time_pair
@@ -46,8 +45,16 @@ BUDGET = 0.25  # where decoding and prefill are timed
 DECODE_STEPS = 16  # decoding steps per timed block
 TARGET_DECODE = 1.5  # x the full cache's tokens/s
 TARGET_PREFILL = 1.2  # x a plain sdpa prefill
-POLICIES = (("streaming", {}), ("h2o", {}), ("snapkv", {}), ("tova", {}), ("quest", {}), ("pyramid", {}), ("adakv", {}),
-            ("knorm", {}))
+POLICIES = (
+    ("streaming", {}),
+    ("h2o", {}),
+    ("snapkv", {}),
+    ("tova", {}),
+    ("quest", {}),
+    ("pyramid", {}),
+    ("adakv", {}),
+    ("knorm", {}),
+)
 STEPS = len(POLICIES) + 3
 
 
@@ -57,9 +64,19 @@ def tiny_llama(n: int, **sizes):
     import transformers as T
 
     torch.manual_seed(0)
-    config = dict(vocab_size=VOCAB, hidden_size=D_MODEL, intermediate_size=MLP, num_hidden_layers=LAYERS,
-                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                  max_position_embeddings=max(2 * n, 256)) | sizes
+    config = (
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=D_MODEL,
+            intermediate_size=MLP,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            num_key_value_heads=KV_HEADS,
+            head_dim=HEAD_DIM,
+            max_position_embeddings=max(2 * n, 256),
+        )
+        | sizes
+    )
     return T.LlamaForCausalLM._from_config(T.LlamaConfig(**config), attn_implementation="sdpa").eval()
 
 
@@ -91,10 +108,22 @@ def full_bytes(cache) -> int:
 def bytes_row(name: str, held: dict, full: int, n: int) -> Row:
     ratios = {b: held[b] / full for b in BUDGETS}
     note = ", ".join(f"{b}: {ratios[b]:.3f}x" for b in BUDGETS) + f" of {full / 2**20:.1f} MiB"
-    return Row("kv", f"{name}: keys+values held after prefill, budgets {'/'.join(map(str, BUDGETS))}", f"N={n}", None,
-               "DynamicCache", None, "report", None, note,
-               extra={"policy_bytes": {str(b): held[b] for b in BUDGETS}, "full_bytes": full,
-                      "ratio": {str(b): ratios[b] for b in BUDGETS}})
+    return Row(
+        "kv",
+        f"{name}: keys+values held after prefill, budgets {'/'.join(map(str, BUDGETS))}",
+        f"N={n}",
+        None,
+        "DynamicCache",
+        None,
+        "report",
+        None,
+        note,
+        extra={
+            "policy_bytes": {str(b): held[b] for b in BUDGETS},
+            "full_bytes": full,
+            "ratio": {str(b): ratios[b] for b in BUDGETS},
+        },
+    )
 
 
 def measure(name: str, params: dict, n: int, repeats: int, decode_steps: int, decode_repeats: int, model=None) -> list[Row]:
@@ -137,16 +166,39 @@ def measure(name: str, params: dict, n: int, repeats: int, decode_steps: int, de
     weights = KV_POLICIES[name].needs_weights
     mean_len = sum(int(pcache.lengths(i).float().mean()) for i in range(LAYERS)) / LAYERS
     tokens_s = f"{decode_steps / dec_c * 1e3:.0f} vs {decode_steps / dec_b * 1e3:.0f} tokens/s, {speed:.2f}x"
-    how = ("on sdpa" if not weights else "on sdpa, the scored rows' weights computed by the cache" if pcache.direct
-           else "through attnkit with an observer")
+    how = (
+        "on sdpa"
+        if not weights
+        else "on sdpa, the scored rows' weights computed by the cache"
+        if pcache.direct
+        else "through attnkit with an observer"
+    )
     return [
         bytes_row(name, held, full, n),
-        Row("kv", f"{name} at budget {BUDGET}: {decode_steps} decoding steps", f"N={n}", dec_c, "DynamicCache (sdpa)", dec_b,
-            f">= {TARGET_DECODE}x tokens/s", speed >= TARGET_DECODE,
-            f"{tokens_s}; about {mean_len:.0f} of {n} entries per head held" + ("; attends to its pages' tokens only" if name == "quest" else ""),
-            extra={"tokens_per_s": decode_steps / dec_c * 1e3, "full_tokens_per_s": decode_steps / dec_b * 1e3, "speedup": speed}),
-        Row("kv", f"{name} at budget {BUDGET}: prefill with scoring", f"N={n}", pre_c, "plain prefill, DynamicCache (sdpa)",
-            pre_b, f"<= {TARGET_PREFILL}x", pre_c / pre_b <= TARGET_PREFILL, f"policy prefill {how}"),
+        Row(
+            "kv",
+            f"{name} at budget {BUDGET}: {decode_steps} decoding steps",
+            f"N={n}",
+            dec_c,
+            "DynamicCache (sdpa)",
+            dec_b,
+            f">= {TARGET_DECODE}x tokens/s",
+            speed >= TARGET_DECODE,
+            f"{tokens_s}; about {mean_len:.0f} of {n} entries per head held"
+            + ("; attends to its pages' tokens only" if name == "quest" else ""),
+            extra={"tokens_per_s": decode_steps / dec_c * 1e3, "full_tokens_per_s": decode_steps / dec_b * 1e3, "speedup": speed},
+        ),
+        Row(
+            "kv",
+            f"{name} at budget {BUDGET}: prefill with scoring",
+            f"N={n}",
+            pre_c,
+            "plain prefill, DynamicCache (sdpa)",
+            pre_b,
+            f"<= {TARGET_PREFILL}x",
+            pre_c / pre_b <= TARGET_PREFILL,
+            f"policy prefill {how}",
+        ),
     ]
 
 
@@ -165,9 +217,19 @@ def attnkit_prefill_row(n: int, repeats: int, model=None) -> list[Row]:
             prefill(model, ids, DynamicCache())
 
     a, b = time_pair(ours, lambda: prefill(model, ids, DynamicCache()), repeats=repeats, warmup=0)
-    return [Row("kv", "plain prefill under attnkit.hf.use (no policy, no observer)", f"N={n}", a,
-                "plain prefill, DynamicCache (sdpa)", b, "report", None,
-                "the part of a weight-reading policy's prefill that is attnkit's attention, not scoring")]
+    return [
+        Row(
+            "kv",
+            "plain prefill under attnkit.hf.use (no policy, no observer)",
+            f"N={n}",
+            a,
+            "plain prefill, DynamicCache (sdpa)",
+            b,
+            "report",
+            None,
+            "the part of a weight-reading policy's prefill that is attnkit's attention, not scoring",
+        )
+    ]
 
 
 def floor_row(n: int, decode_steps: int, decode_repeats: int, model=None) -> list[Row]:
@@ -180,7 +242,7 @@ def floor_row(n: int, decode_steps: int, decode_repeats: int, model=None) -> lis
     model = tiny_llama(n) if model is None else model
     ids = prompt(n)
     short, full = DynamicCache(), DynamicCache()
-    state = {"short": (short, prefill(model, ids[:, -int(BUDGET * n):], short)), "full": (full, prefill(model, ids, full))}
+    state = {"short": (short, prefill(model, ids[:, -int(BUDGET * n) :], short)), "full": (full, prefill(model, ids, full))}
 
     def step(key):
         cache, token = state[key]
@@ -188,10 +250,20 @@ def floor_row(n: int, decode_steps: int, decode_repeats: int, model=None) -> lis
 
     dec_c, dec_b = time_pair(lambda: step("short"), lambda: step("full"), repeats=decode_repeats)
     speed = dec_b / dec_c
-    return [Row("kv", f"floor: a DynamicCache of {int(BUDGET * n)} tokens, {decode_steps} decoding steps", f"N={n}", dec_c,
-                "DynamicCache (sdpa)", dec_b, "report", None,
-                f"{speed:.2f}x: the most a policy keeping {BUDGET} of the prompt can give on this subject",
-                extra={"speedup": speed})]
+    return [
+        Row(
+            "kv",
+            f"floor: a DynamicCache of {int(BUDGET * n)} tokens, {decode_steps} decoding steps",
+            f"N={n}",
+            dec_c,
+            "DynamicCache (sdpa)",
+            dec_b,
+            "report",
+            None,
+            f"{speed:.2f}x: the most a policy keeping {BUDGET} of the prompt can give on this subject",
+            extra={"speedup": speed},
+        )
+    ]
 
 
 def wide_decode_rows(n: int, decode_steps: int, decode_repeats: int) -> list[Row]:
@@ -219,10 +291,20 @@ def wide_decode_rows(n: int, decode_steps: int, decode_repeats: int) -> list[Row
 
         dec_c, dec_b = time_pair(lambda: step(name), lambda: step("full"), repeats=decode_repeats)
         speed = dec_b / dec_c
-        rows.append(Row("kv", f"{name} at budget {BUDGET}: {decode_steps} decoding steps, 8 KV heads of 64", f"N={n}", dec_c,
-                        "DynamicCache (sdpa)", dec_b, f">= {TARGET_DECODE}x tokens/s", speed >= TARGET_DECODE,
-                        f"{decode_steps / dec_c * 1e3:.0f} vs {decode_steps / dec_b * 1e3:.0f} tokens/s, {speed:.2f}x",
-                        extra={"speedup": speed}))
+        rows.append(
+            Row(
+                "kv",
+                f"{name} at budget {BUDGET}: {decode_steps} decoding steps, 8 KV heads of 64",
+                f"N={n}",
+                dec_c,
+                "DynamicCache (sdpa)",
+                dec_b,
+                f">= {TARGET_DECODE}x tokens/s",
+                speed >= TARGET_DECODE,
+                f"{decode_steps / dec_c * 1e3:.0f} vs {decode_steps / dec_b * 1e3:.0f} tokens/s, {speed:.2f}x",
+                extra={"speedup": speed},
+            )
+        )
         del state[name]
     return rows
 
@@ -230,8 +312,10 @@ def wide_decode_rows(n: int, decode_steps: int, decode_repeats: int) -> list[Row
 def run(quick: bool = False, progress=None) -> list[Row]:
     n, repeats, decode_steps, decode_repeats = (512, 2, 4, 3) if quick else (8192, 3, DECODE_STEPS, 9)
     model = tiny_llama(n)
-    steps = [(name, lambda name=name, params=params: measure(name, params, n, repeats, decode_steps, decode_repeats, model))
-             for name, params in POLICIES]
+    steps = [
+        (name, lambda name=name, params=params: measure(name, params, n, repeats, decode_steps, decode_repeats, model))
+        for name, params in POLICIES
+    ]
     steps.append(("attnkit prefill", lambda: attnkit_prefill_row(n, repeats, model)))
     steps.append(("floor", lambda: floor_row(n, decode_steps, decode_repeats, model)))
     steps.append(("8 KV heads of 64: decoding", lambda: wide_decode_rows(n, decode_steps, max(3, decode_repeats - 2))))

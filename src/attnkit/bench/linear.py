@@ -38,7 +38,9 @@ def speed_rows(n: int, repeats: int) -> list[Row]:
     with torch.no_grad():
         for name in MECHANISMS:
             mech = get_mechanism(name)
-            a, b = time_pair(_forward(mech, q, k, v), lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), repeats=repeats)
+            a, b = time_pair(
+                _forward(mech, q, k, v), lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), repeats=repeats
+            )
             rows.append(Row("linear", f"{name} chunked fwd", f"N={n}", a, "sdpa causal", b, ">= 10x faster", a * 10 <= b))
     return rows
 
@@ -50,7 +52,9 @@ def scaling_rows(n: int, repeats: int) -> list[Row]:
         for name in MECHANISMS:
             mech = get_mechanism(name)
             a, b = time_pair(_forward(mech, *long), _forward(mech, *short), repeats=repeats)
-            rows.append(Row("linear", f"{name} chunked fwd, 2N vs N", f"N={2 * n}", a, f"same at N={n}", b, "<= 2.3x", a <= 2.3 * b))
+            rows.append(
+                Row("linear", f"{name} chunked fwd, 2N vs N", f"N={2 * n}", a, f"same at N={n}", b, "<= 2.3x", a <= 2.3 * b)
+            )
     return rows
 
 
@@ -70,8 +74,19 @@ def decode_rows(near: int, far: int, steps: int) -> list[Row]:
                 return lambda: mech(q1, k1, v1, mask=causal(), initial_state=states[n], return_state=True)
 
             a, b = time_pair(step(far), step(near), repeats=steps, warmup=10)
-            rows.append(Row("linear", f"{name} decode 1 token", f"pos={far}", a, f"same at pos={near}", b, "<= 1.2x", a <= 1.2 * b,
-                            note=f"{a * 1e3:.0f} us/token"))
+            rows.append(
+                Row(
+                    "linear",
+                    f"{name} decode 1 token",
+                    f"pos={far}",
+                    a,
+                    f"same at pos={near}",
+                    b,
+                    "<= 1.2x",
+                    a <= 1.2 * b,
+                    note=f"{a * 1e3:.0f} us/token",
+                )
+            )
     return rows
 
 
@@ -88,10 +103,24 @@ mech(q[:, :, :2], k[:, :, :2], v[:, :, :2], mask=causal())  # materialise lazy g
         body = "out = mech(q, k, v, mask=causal(), backend='chunked'); out.backward(torch.ones_like(out))"
         res = peak_rss_growth(setup, body)
         if "error" in res:
-            rows.append(Row("linear", f"{name} fwd+bwd peak RSS growth", f"N={n}", None, "-", None, "<= 1024 MB", False, res["error"]))
+            rows.append(
+                Row("linear", f"{name} fwd+bwd peak RSS growth", f"N={n}", None, "-", None, "<= 1024 MB", False, res["error"])
+            )
             continue
-        rows.append(Row("linear", f"{name} fwd+bwd peak RSS growth", f"N={n}", res["seconds"] * 1e3, "-", None, "<= 1024 MB",
-                        res["growth_mb"] <= 1024, f"{res['growth_mb']:.0f} MB growth", extra={"growth_mb": res["growth_mb"]}))
+        rows.append(
+            Row(
+                "linear",
+                f"{name} fwd+bwd peak RSS growth",
+                f"N={n}",
+                res["seconds"] * 1e3,
+                "-",
+                None,
+                "<= 1024 MB",
+                res["growth_mb"] <= 1024,
+                f"{res['growth_mb']:.0f} MB growth",
+                extra={"growth_mb": res["growth_mb"]},
+            )
+        )
     return rows
 
 

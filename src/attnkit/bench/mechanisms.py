@@ -11,7 +11,6 @@ relative error of their output against exact softmax attention.
 
 from __future__ import annotations
 
-
 import torch
 
 from .. import api
@@ -22,10 +21,26 @@ from .harness import Row, fwd_bwd, peak_rss_growth, time_pair
 
 B, H, D = 1, 8, 64
 SUITE = "mechanisms"
-NAMES = ("sigmoid", "signed", "stick_breaking", "selective", "forgetting", "adaptive_span", "topk", "top_theta",
-         "multi_token", "differential", "talking_heads")
-PARAMS = {"forgetting": {"num_heads": H}, "adaptive_span": {"num_heads": H, "max_span": 1024, "init": 0.5},
-          "topk": {"k": 64}, "multi_token": {"num_heads": H}, "talking_heads": {"num_heads": H}}
+NAMES = (
+    "sigmoid",
+    "signed",
+    "stick_breaking",
+    "selective",
+    "forgetting",
+    "adaptive_span",
+    "topk",
+    "top_theta",
+    "multi_token",
+    "differential",
+    "talking_heads",
+)
+PARAMS = {
+    "forgetting": {"num_heads": H},
+    "adaptive_span": {"num_heads": H, "max_span": 1024, "init": 0.5},
+    "topk": {"k": 64},
+    "multi_token": {"num_heads": H},
+    "talking_heads": {"num_heads": H},
+}
 STEPS = len(NAMES) + 3
 
 
@@ -63,7 +78,11 @@ def timing_rows(name: str, n: int, repeats: int) -> list[Row]:
 def peak_growth(name: str, n: int) -> float | str:
     """MB the resident set peaks above where it stood before one causal forward+backward,
     in a fresh process (Top-theta with fixed thresholds: calibration has its own peak)."""
-    made = f"TopTheta(torch.linspace(1.0, 2.0, {H}))" if name == "top_theta" else f"get_mechanism({name!r}, **{PARAMS.get(name, {})!r})"
+    made = (
+        f"TopTheta(torch.linspace(1.0, 2.0, {H}))"
+        if name == "top_theta"
+        else f"get_mechanism({name!r}, **{PARAMS.get(name, {})!r})"
+    )
     setup = f"""
 import attnkit
 from attnkit.mechanisms import get_mechanism
@@ -85,8 +104,20 @@ def memory_rows(name: str, sizes: list[int]) -> list[Row]:
     ratio = growth[large] / max(growth[small], 1.0)
     linear = ratio <= 1.25 * large / small
     note = f"{growth[small]:.0f} MB at N={small}, {growth[large]:.0f} MB at N={large} ({ratio:.1f}x for {large // small}x tokens)"
-    return [Row(SUITE, f"{name} peak RSS, fwd+bwd", f"N={small},{large}", None, "-", None, "linear in N", linear, note,
-                extra={"growth_mb": growth})]
+    return [
+        Row(
+            SUITE,
+            f"{name} peak RSS, fwd+bwd",
+            f"N={small},{large}",
+            None,
+            "-",
+            None,
+            "linear in N",
+            linear,
+            note,
+            extra={"growth_mb": growth},
+        )
+    ]
 
 
 def sparsity_rows(n: int) -> list[Row]:
@@ -98,13 +129,26 @@ def sparsity_rows(n: int) -> list[Row]:
         q_cal, k_cal, _ = _inputs(n, seed=1)
         theta = calibrate_top_theta(q_cal, k_cal, 64, mask=M.causal(), per_position=True)
         variants = [("topk k=64", get_mechanism("topk", k=64))]
-        variants += [(f"top_theta keep=64, {c}", TopTheta(theta, compensation=c)) for c in ("none", "denominator", "denominator+vmean")]
+        variants += [
+            (f"top_theta keep=64, {c}", TopTheta(theta, compensation=c)) for c in ("none", "denominator", "denominator+vmean")
+        ]
         for label, mech in variants:
             out = mech(q, k, v, mask=M.causal())
             err = float((out - exact).norm() / exact.norm())
-            rows.append(Row(SUITE, f"{label}: kept fraction / rel. error", f"N={n}", None, "exact softmax", None, "report", None,
-                            f"kept {mech.kept_fraction:.4f} of visible pairs, relative output error {err:.3g}",
-                            extra={"kept_fraction": mech.kept_fraction, "relative_error": err}))
+            rows.append(
+                Row(
+                    SUITE,
+                    f"{label}: kept fraction / rel. error",
+                    f"N={n}",
+                    None,
+                    "exact softmax",
+                    None,
+                    "report",
+                    None,
+                    f"kept {mech.kept_fraction:.4f} of visible pairs, relative output error {err:.3g}",
+                    extra={"kept_fraction": mech.kept_fraction, "relative_error": err},
+                )
+            )
     return rows
 
 
@@ -121,7 +165,7 @@ def run(quick: bool = False, progress=None) -> list[Row]:
     rows += sparsity_rows(sizes[0])
     if progress:
         progress("memory")
-    for name in (("sigmoid",) if quick else NAMES):
+    for name in ("sigmoid",) if quick else NAMES:
         rows += memory_rows(name, [1024, 4096] if quick else sizes)
     if progress:
         progress("done")

@@ -48,10 +48,18 @@ def tiny_probe_model():
 
     tokenizer = T.AutoTokenizer.from_pretrained(default_model_path(), local_files_only=True)
     torch.manual_seed(0)
-    config = T.LlamaConfig(vocab_size=len(tokenizer), hidden_size=D_MODEL, intermediate_size=2 * D_MODEL,
-                           num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                           max_position_embeddings=MAX_POSITIONS, pad_token_id=tokenizer.pad_token_id,
-                           bos_token_id=None, eos_token_id=None)
+    config = T.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=D_MODEL,
+        intermediate_size=2 * D_MODEL,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=MAX_POSITIONS,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     model = T.LlamaForCausalLM(config).eval()
     model.generation_config.eos_token_id = None
     return ProbeModel(model, tokenizer, "causal", MAX_POSITIONS, None, "tiny-llama")
@@ -77,15 +85,18 @@ pm = tiny_probe_model()
 
 BODIES = {
     "needle": "from attnkit.probes.needle import needle\n"
-              "needle(pm, lengths=[{n}], depths=[0.5], samples=1, batch_size=1, max_new_tokens={new})",
+    "needle(pm, lengths=[{n}], depths=[0.5], samples=1, batch_size=1, max_new_tokens={new})",
     "heads": "from attnkit.probes.heads import heads\n"
-             "heads(pm, length={n} // 2, repeats=2, samples=1, context={n}, needle=8, batch_size=1)",
+    "heads(pm, length={n} // 2, repeats=2, samples=1, context={n}, needle=8, batch_size=1)",
 }
 
-_EAGER_SETUP = _SETUP + """
+_EAGER_SETUP = (
+    _SETUP
+    + """
 pm.model.set_attn_implementation("eager")
 ids = torch.randint(0, pm.model.config.vocab_size, (1, {n}), generator=torch.Generator().manual_seed(0))
 """
+)
 _EAGER_BODY = "with torch.no_grad():\n    out = pm.model.model(input_ids=ids, output_attentions=True, use_cache=False)"
 
 
@@ -106,12 +117,30 @@ def memory_case(probe: str, n: int) -> Row:
     res = peak_rss_growth(_SETUP.format(cap=MEMORY_CAP_GB), BODIES[probe].format(n=n, new=NEW_TOKENS))
     case = f"peak RSS growth, {probe} probe, tiny Llama, {MEMORY_CAP_GB} GiB address cap"
     if "error" in res:
-        return Row("probes", case, f"N={n}", None, "-", None, f"<= {TARGET_MEMORY_GB} GiB", False,
-                   f"could not run: {_short_error(res['error'])}")
-    return Row("probes", case, f"N={n}", res["seconds"] * 1e3, "-", None, f"<= {TARGET_MEMORY_GB} GiB",
-               res["growth_mb"] <= TARGET_MEMORY_GB * 1024,
-               f"{res['growth_mb']:.0f} MB growth, {res['peak_mb']:.0f} MB peak "
-               f"(eager attentions alone: {eager_weights_gib(n):.2f} GiB)", extra=res)
+        return Row(
+            "probes",
+            case,
+            f"N={n}",
+            None,
+            "-",
+            None,
+            f"<= {TARGET_MEMORY_GB} GiB",
+            False,
+            f"could not run: {_short_error(res['error'])}",
+        )
+    return Row(
+        "probes",
+        case,
+        f"N={n}",
+        res["seconds"] * 1e3,
+        "-",
+        None,
+        f"<= {TARGET_MEMORY_GB} GiB",
+        res["growth_mb"] <= TARGET_MEMORY_GB * 1024,
+        f"{res['growth_mb']:.0f} MB growth, {res['peak_mb']:.0f} MB peak "
+        f"(eager attentions alone: {eager_weights_gib(n):.2f} GiB)",
+        extra=res,
+    )
 
 
 def eager_case(n: int) -> Row:
@@ -120,10 +149,30 @@ def eager_case(n: int) -> Row:
     need = f"needs {eager_weights_gib(n):.2f} GiB of weights (L x H x N^2 float32)"
     case = f"peak RSS growth, eager forward with output_attentions, {MEMORY_CAP_GB} GiB address cap"
     if "error" in res:
-        return Row("probes", case, f"N={n}", None, "-", None, "", None,
-                   f"could not run: {_short_error(res['error'])}; {need}", extra={"ran": False})
-    return Row("probes", case, f"N={n}", res["seconds"] * 1e3, "-", None, "", None,
-               f"{res['growth_mb']:.0f} MB growth, {res['peak_mb']:.0f} MB peak; {need}", extra=res | {"ran": True})
+        return Row(
+            "probes",
+            case,
+            f"N={n}",
+            None,
+            "-",
+            None,
+            "",
+            None,
+            f"could not run: {_short_error(res['error'])}; {need}",
+            extra={"ran": False},
+        )
+    return Row(
+        "probes",
+        case,
+        f"N={n}",
+        res["seconds"] * 1e3,
+        "-",
+        None,
+        "",
+        None,
+        f"{res['growth_mb']:.0f} MB growth, {res['peak_mb']:.0f} MB peak; {need}",
+        extra=res | {"ran": True},
+    )
 
 
 def memory_cases(n: int, probes=("needle", "heads"), eager: bool = True) -> list[Row]:
@@ -147,8 +196,14 @@ def needle_cell_case(n: int, repeats: int) -> list[Row]:
 
     def plain():
         with torch.no_grad():
-            out = pm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                    min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=pm.tokenizer.pad_token_id)
+            out = pm.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=pm.tokenizer.pad_token_id,
+            )
         assert out.shape[1] == ids.shape[1] + NEW_TOKENS
 
     def bare():  # the same decoding through attnkit without the probe around it: where the time goes
@@ -157,17 +212,39 @@ def needle_cell_case(n: int, repeats: int) -> list[Row]:
     a, b = time_pair(cell, plain, repeats=repeats)
     c, d = time_pair(bare, plain, repeats=repeats)
     shape = f"{NEW_TOKENS} new tokens; tiny Llama {LAYERS} layers x {HEADS} heads, hidden {D_MODEL}"
-    return [Row("probes", "needle grid cell (prompt, prefill + decode with the needle meter, score)", f"N={n}", a,
-                "plain generate, sdpa", b, f"<= {TARGET_TIME}x", a / b <= TARGET_TIME, shape),
-            Row("probes", "  of which: attnkit greedy decoding alone (no meter, no prompt building)", f"N={n}", c,
-                "plain generate, sdpa", d, "", None, "for reading the row above")]
+    return [
+        Row(
+            "probes",
+            "needle grid cell (prompt, prefill + decode with the needle meter, score)",
+            f"N={n}",
+            a,
+            "plain generate, sdpa",
+            b,
+            f"<= {TARGET_TIME}x",
+            a / b <= TARGET_TIME,
+            shape,
+        ),
+        Row(
+            "probes",
+            "  of which: attnkit greedy decoding alone (no meter, no prompt building)",
+            f"N={n}",
+            c,
+            "plain generate, sdpa",
+            d,
+            "",
+            None,
+            "for reading the row above",
+        ),
+    ]
 
 
 def run(quick: bool = False, progress=None) -> list[Row]:
     if quick:  # the same three steps at small sizes
-        steps = [("needle cell N=512", lambda: needle_cell_case(512, 3)),
-                 ("memory N=1024", lambda: memory_cases(1024, eager=False)),
-                 ("memory eager N=1024", lambda: [eager_case(1024)])]
+        steps = [
+            ("needle cell N=512", lambda: needle_cell_case(512, 3)),
+            ("memory N=1024", lambda: memory_cases(1024, eager=False)),
+            ("memory eager N=1024", lambda: [eager_case(1024)]),
+        ]
     else:
         steps = [("needle cell N=4096", lambda: needle_cell_case(4096, 5))]
         steps += [(f"memory N={n}", lambda n=n: memory_cases(n)) for n in (8192, 32768)]

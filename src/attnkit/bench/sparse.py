@@ -75,6 +75,7 @@ def hyper_rows(n: int, repeats: int, target: bool) -> list[Row]:
     q, k, v = _random(n, 1)
     outs = {}
     with torch.no_grad():
+
         def sdpa():
             outs["exact"] = F.scaled_dot_product_attention(q, k, v)
 
@@ -84,8 +85,20 @@ def hyper_rows(n: int, repeats: int, target: bool) -> list[Row]:
         clustered_error = _relative_error(mech(qc, kc, vc), F.scaled_dot_product_attention(qc, kc, vc))
     note = f"rel. error {random_error:.2f} random, {clustered_error:.2f} clustered"
     ok = a * 2 <= b if target else None
-    return [Row("sparse", "hyper_attention fwd", f"N={n}", a, "sdpa", b, ">= 2x faster" if target else "", ok, note,
-                extra={"relative_error_random": random_error, "relative_error_clustered": clustered_error})]
+    return [
+        Row(
+            "sparse",
+            "hyper_attention fwd",
+            f"N={n}",
+            a,
+            "sdpa",
+            b,
+            ">= 2x faster" if target else "",
+            ok,
+            note,
+            extra={"relative_error_random": random_error, "relative_error_clustered": clustered_error},
+        )
+    ]
 
 
 def nsa_rows(n: int, repeats: int, target: bool) -> list[Row]:
@@ -95,11 +108,25 @@ def nsa_rows(n: int, repeats: int, target: bool) -> list[Row]:
     for kv_heads in (H, 2):
         q, k, v = _random(n, 3, kv_heads)
         with torch.no_grad():
-            a, b = time_pair(lambda: mech(q, k, v, mask=M.causal()),
-                             lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != H), repeats=repeats)
+            a, b = time_pair(
+                lambda: mech(q, k, v, mask=M.causal()),
+                lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != H),
+                repeats=repeats,
+            )
         gqa = "" if kv_heads == H else f", GQA Hkv={kv_heads}"
-        rows.append(Row("sparse", f"nsa causal fwd{gqa}", f"N={n}", a, "sdpa causal", b, ">= 3x faster" if target else "",
-                        a * 3 <= b if target else None, "compress 32/16, blocks 64, 16 selected, window 512"))
+        rows.append(
+            Row(
+                "sparse",
+                f"nsa causal fwd{gqa}",
+                f"N={n}",
+                a,
+                "sdpa causal",
+                b,
+                ">= 3x faster" if target else "",
+                a * 3 <= b if target else None,
+                "compress 32/16, blocks 64, 16 selected, window 512",
+            )
+        )
     return rows
 
 
@@ -109,14 +136,27 @@ def neighborhood_rows(side: int, repeats: int, target: bool) -> list[Row]:
     q, k, v = _random(side * side, 4)
     outs = {}
     with torch.no_grad():
-        a, b = time_pair(lambda: outs.__setitem__("na", mech(q, k, v)), lambda: F.scaled_dot_product_attention(q, k, v), repeats=repeats)
+        a, b = time_pair(
+            lambda: outs.__setitem__("na", mech(q, k, v)), lambda: F.scaled_dot_product_attention(q, k, v), repeats=repeats
+        )
         exact = api.attention(q, k, v, mask=M.neighborhood_2d(grid, kernel))
         err = float((outs["na"] - exact).abs().max())
     exact_ok = err <= 2e-5  # float32 tolerance of tests/helpers.py
     ok = (a * 10 <= b and exact_ok) if target else None
-    return [Row("sparse", "neighborhood 2d fwd, kernel 13", f"{side}x{side}", a, "sdpa (full)", b,
-                ">= 10x faster, exact" if target else "", ok, f"max |diff| vs neighborhood_2d mask {err:.1e}",
-                extra={"max_abs_diff": err})]
+    return [
+        Row(
+            "sparse",
+            "neighborhood 2d fwd, kernel 13",
+            f"{side}x{side}",
+            a,
+            "sdpa (full)",
+            b,
+            ">= 10x faster, exact" if target else "",
+            ok,
+            f"max |diff| vs neighborhood_2d mask {err:.1e}",
+            extra={"max_abs_diff": err},
+        )
+    ]
 
 
 def block_sparse_rows(n: int, repeats: int) -> list[Row]:
@@ -124,6 +164,7 @@ def block_sparse_rows(n: int, repeats: int) -> list[Row]:
     q, k, v = _local_with_sinks(n, 5)
     outs = {}
     with torch.no_grad():
+
         def sdpa():
             outs["exact"] = F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
@@ -131,8 +172,20 @@ def block_sparse_rows(n: int, repeats: int) -> list[Row]:
     stats = mech.last_stats
     err = _relative_error(outs["bs"], outs["exact"])
     note = f"density {float(stats.density.mean()):.2f}, kept mass {float(stats.kept_mass.mean()):.3f}, rel. error {err:.3f}"
-    return [Row("sparse", "block_sparse causal fwd (local+sinks)", f"N={n}", a, "sdpa causal", b, "", None, note,
-                extra={"density": float(stats.density.mean()), "kept_mass": float(stats.kept_mass.mean()), "relative_error": err})]
+    return [
+        Row(
+            "sparse",
+            "block_sparse causal fwd (local+sinks)",
+            f"N={n}",
+            a,
+            "sdpa causal",
+            b,
+            "",
+            None,
+            note,
+            extra={"density": float(stats.density.mean()), "kept_mass": float(stats.kept_mass.mean()), "relative_error": err},
+        )
+    ]
 
 
 def run(quick: bool = False, progress=None) -> list[Row]:

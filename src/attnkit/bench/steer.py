@@ -50,9 +50,11 @@ def interventions(n: int, heads: int) -> dict:
     from .. import steer
 
     half = {layer: list(range(heads // 2)) for layer in range(2)}
-    return {"emphasize": steer.emphasize([(n // 4, n // 4 + n // 8)], "all", 0.01),
-            "ablate": steer.ablate(half),
-            "temperature": steer.temperature(half, 2.0)}
+    return {
+        "emphasize": steer.emphasize([(n // 4, n // 4 + n // 8)], "all", 0.01),
+        "ablate": steer.ablate(half),
+        "temperature": steer.temperature(half, 2.0),
+    }
 
 
 def forward_cases(n: int, repeats: int) -> list[Row]:
@@ -63,6 +65,7 @@ def forward_cases(n: int, repeats: int) -> list[Row]:
     ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
     rows = []
     for name, iv in interventions(n, model.config.num_attention_heads).items():
+
         def steered(iv=iv):
             with torch.no_grad(), steer.apply(model, iv):
                 model(ids, logits_to_keep=1)
@@ -72,8 +75,19 @@ def forward_cases(n: int, repeats: int) -> list[Row]:
                 model(ids, logits_to_keep=1)
 
         a, b = time_pair(steered, plain, repeats=repeats)
-        rows.append(Row("steer", f"forward with {name}", f"N={n}", a, "same forward, no intervention", b,
-                        f"<= {TARGET_FORWARD}x", a / b <= TARGET_FORWARD, repr(iv)))
+        rows.append(
+            Row(
+                "steer",
+                f"forward with {name}",
+                f"N={n}",
+                a,
+                "same forward, no intervention",
+                b,
+                f"<= {TARGET_FORWARD}x",
+                a / b <= TARGET_FORWARD,
+                repr(iv),
+            )
+        )
     return rows
 
 
@@ -112,10 +126,24 @@ def rerank_cases(tokens_each: int, repeats: int) -> list[Row]:
         a, b = time_pair(lambda m=method: rerank(pm, None, QUERY, docs, method=m), one_forward, repeats=repeats)
         target = f"<= {TARGET_RERANK}x" if method == "icr" else ""
         ok = a / b <= TARGET_RERANK if method == "icr" else None
-        what = {"icr": "1 prefill + 2 query-row passes", "sorting": "2 rounds: prefill + last query row each",
-                "basin": "as icr, then placed"}[method]
-        rows.append(Row("steer", f"rerank {DOCUMENTS} documents, {method}", f"N={full.shape[1]}", a,
-                        "one forward of the same prompt, sdpa", b, target, ok, what))
+        what = {
+            "icr": "1 prefill + 2 query-row passes",
+            "sorting": "2 rounds: prefill + last query row each",
+            "basin": "as icr, then placed",
+        }[method]
+        rows.append(
+            Row(
+                "steer",
+                f"rerank {DOCUMENTS} documents, {method}",
+                f"N={full.shape[1]}",
+                a,
+                "one forward of the same prompt, sdpa",
+                b,
+                target,
+                ok,
+                what,
+            )
+        )
     return rows
 
 
@@ -131,18 +159,21 @@ pm = subject()
 
 BODIES = {
     "emphasize forward": "import attnkit.steer as steer, attnkit\n"
-                         "ids = torch.randint(0, pm.model.config.vocab_size, (1, {n}), generator=torch.Generator().manual_seed(0))\n"
-                         "with torch.no_grad(), steer.apply(pm.model, steer.emphasize([({n} // 4, {n} // 4 + {n} // 8)], 'all', 0.01)):\n"
-                         "    pm.model(ids, logits_to_keep=1)",
+    "ids = torch.randint(0, pm.model.config.vocab_size, (1, {n}), generator=torch.Generator().manual_seed(0))\n"
+    "with torch.no_grad(), steer.apply(pm.model, steer.emphasize([({n} // 4, {n} // 4 + {n} // 8)], 'all', 0.01)):\n"
+    "    pm.model(ids, logits_to_keep=1)",
     "icr rerank": "from attnkit.steer import rerank\n"
-                  "docs = documents(pm, {n} // 20)\n"
-                  "rerank(pm, None, 'Which sentence says where we go?', docs)",
+    "docs = documents(pm, {n} // 20)\n"
+    "rerank(pm, None, 'Which sentence says where we go?', docs)",
 }
 
-_EAGER_SETUP = _SETUP + """
+_EAGER_SETUP = (
+    _SETUP
+    + """
 pm.model.set_attn_implementation("eager")
 ids = torch.randint(0, pm.model.config.vocab_size, (1, {n}), generator=torch.Generator().manual_seed(0))
 """
+)
 _EAGER_BODY = "with torch.no_grad():\n    pm.model.model(input_ids=ids, output_attentions=True, use_cache=False)"
 
 
@@ -155,13 +186,35 @@ def memory_ours(n: int) -> list[Row]:
         res = peak_rss_growth(_SETUP.format(cap=MEMORY_CAP_GB), body.format(n=n))
         case = f"peak RSS growth, {name}, {MEMORY_CAP_GB} GiB address cap"
         if "error" in res:
-            rows.append(Row("steer", case, f"N={n}", None, "-", None, f"<= {TARGET_MEMORY_GB} GiB", False,
-                            f"could not run: {_short_error(res['error'])}"))
+            rows.append(
+                Row(
+                    "steer",
+                    case,
+                    f"N={n}",
+                    None,
+                    "-",
+                    None,
+                    f"<= {TARGET_MEMORY_GB} GiB",
+                    False,
+                    f"could not run: {_short_error(res['error'])}",
+                )
+            )
             continue
-        rows.append(Row("steer", case, f"N={n}", res["seconds"] * 1e3, "-", None, f"<= {TARGET_MEMORY_GB} GiB",
-                        res["growth_mb"] <= TARGET_MEMORY_GB * 1024,
-                        f"{res['growth_mb']:.0f} MB growth, {res['peak_mb']:.0f} MB peak "
-                        f"(eager attentions alone: {eager_weights_gib(n):.2f} GiB)", extra=res))
+        rows.append(
+            Row(
+                "steer",
+                case,
+                f"N={n}",
+                res["seconds"] * 1e3,
+                "-",
+                None,
+                f"<= {TARGET_MEMORY_GB} GiB",
+                res["growth_mb"] <= TARGET_MEMORY_GB * 1024,
+                f"{res['growth_mb']:.0f} MB growth, {res['peak_mb']:.0f} MB peak "
+                f"(eager attentions alone: {eager_weights_gib(n):.2f} GiB)",
+                extra=res,
+            )
+        )
     return rows
 
 
@@ -174,23 +227,51 @@ def memory_eager(n: int) -> list[Row]:
     need = f"needs {eager_weights_gib(n):.2f} GiB of weights (L x H x N^2 float32)"
     case = f"peak RSS growth, eager forward (PASTA's path) with output_attentions, {MEMORY_CAP_GB} GiB address cap"
     if "error" in res:
-        rows.append(Row("steer", case, f"N={n}", None, "-", None, "", None,
-                        f"could not run: {_short_error(res['error'])}; {need}", extra={"ran": False}))
+        rows.append(
+            Row(
+                "steer",
+                case,
+                f"N={n}",
+                None,
+                "-",
+                None,
+                "",
+                None,
+                f"could not run: {_short_error(res['error'])}; {need}",
+                extra={"ran": False},
+            )
+        )
     else:
-        rows.append(Row("steer", case, f"N={n}", res["seconds"] * 1e3, "-", None, "", None,
-                        f"{res['growth_mb']:.0f} MB growth, {res['peak_mb']:.0f} MB peak; {need}", extra=res | {"ran": True}))
+        rows.append(
+            Row(
+                "steer",
+                case,
+                f"N={n}",
+                res["seconds"] * 1e3,
+                "-",
+                None,
+                "",
+                None,
+                f"{res['growth_mb']:.0f} MB growth, {res['peak_mb']:.0f} MB peak; {need}",
+                extra=res | {"ran": True},
+            )
+        )
     return rows
 
 
 def run(quick: bool = False, progress=None) -> list[Row]:
     if quick:  # no memory subprocesses: seconds, for smoke runs and tests
-        steps = [("forward N=256", lambda: forward_cases(256, 2)),
-                 ("rerank 20 x 12 tokens", lambda: rerank_cases(12, 2)),
-                 ("memory: full mode only", lambda: []),
-                 ("done", lambda: [])]
+        steps = [
+            ("forward N=256", lambda: forward_cases(256, 2)),
+            ("rerank 20 x 12 tokens", lambda: rerank_cases(12, 2)),
+            ("memory: full mode only", lambda: []),
+            ("done", lambda: []),
+        ]
     else:
-        steps = [("forward N=4096", lambda: forward_cases(4096, 5)),
-                 ("rerank 20 x 200 tokens", lambda: rerank_cases(200, 5)),
-                 ("memory N=16384", lambda: memory_ours(16384)),
-                 ("memory eager N=16384", lambda: memory_eager(16384))]
+        steps = [
+            ("forward N=4096", lambda: forward_cases(4096, 5)),
+            ("rerank 20 x 200 tokens", lambda: rerank_cases(200, 5)),
+            ("memory N=16384", lambda: memory_ours(16384)),
+            ("memory eager N=16384", lambda: memory_eager(16384)),
+        ]
     return run_steps(steps, progress)

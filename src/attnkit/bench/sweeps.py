@@ -30,9 +30,13 @@ def _arena_cells(count: int, steps: int):
 
     task = make_task("mqar", seq_len=16, num_kv_pairs=2, vocab_size=16)
     seeds = list(range(count // 2))
-    return arena_cells(task, "softmax,linear_elu", [16], seeds=seeds,
-                       overrides={"steps": steps, "batch_size": 32, "eval_every": steps, "eval_examples": 64,
-                                  "target_accuracy": None})
+    return arena_cells(
+        task,
+        "softmax,linear_elu",
+        [16],
+        seeds=seeds,
+        overrides={"steps": steps, "batch_size": 32, "eval_every": steps, "eval_examples": 64, "target_accuracy": None},
+    )
 
 
 def _wall(cells, engine) -> tuple[float, float]:
@@ -61,10 +65,20 @@ def speedup(quick: bool) -> list[Row]:
     t2, t1 = statistics.median(two), statistics.median(one)
     # A cell that takes longer on 2 workers than on 1 says the machine had no second core to give.
     per_cell_2, per_cell_1 = (1e3 * statistics.median(w) / count for w in (work_2, work_1))
-    return [Row("sweeps", "local engine, 2 workers", f"{count} MQAR cells x {steps} steps", 1e3 * t2,
-                "local engine, 1 worker (serial)", 1e3 * t1, "<= 0.6x", t2 <= 0.6 * t1,
-                f"{repeats} repeats, 1 thread per worker; mean cell {per_cell_2:.0f} ms on 2 workers, {per_cell_1:.0f} ms on 1",
-                {"walls_2": two, "walls_1": one, "cell_seconds_2": work_2, "cell_seconds_1": work_1})]
+    return [
+        Row(
+            "sweeps",
+            "local engine, 2 workers",
+            f"{count} MQAR cells x {steps} steps",
+            1e3 * t2,
+            "local engine, 1 worker (serial)",
+            1e3 * t1,
+            "<= 0.6x",
+            t2 <= 0.6 * t1,
+            f"{repeats} repeats, 1 thread per worker; mean cell {per_cell_2:.0f} ms on 2 workers, {per_cell_1:.0f} ms on 1",
+            {"walls_2": two, "walls_1": one, "cell_seconds_2": work_2, "cell_seconds_1": work_1},
+        )
+    ]
 
 
 def overhead(quick: bool) -> list[Row]:
@@ -75,13 +89,35 @@ def overhead(quick: bool) -> list[Row]:
     rows = []
     wall, cell_s = _wall(cells, LocalEngine(workers=2, threads=1))
     per_cell = (wall - cell_s / 2) / count
-    rows.append(Row("sweeps", "local engine overhead per cell", f"{count} cells x {work_ms} ms", 1e3 * per_cell,
-                    "none", None, "< 1000 ms", per_cell < 1.0, "2 workers; includes starting them"))
+    rows.append(
+        Row(
+            "sweeps",
+            "local engine overhead per cell",
+            f"{count} cells x {work_ms} ms",
+            1e3 * per_cell,
+            "none",
+            None,
+            "< 1000 ms",
+            per_cell < 1.0,
+            "2 workers; includes starting them",
+        )
+    )
     try:
         import ray
     except ImportError:
-        return rows + [Row("sweeps", "ray engine overhead per cell", "", None, "none", None, "< 1000 ms", None,
-                           "skipped: pip install 'attnkit[ray]'")]
+        return rows + [
+            Row(
+                "sweeps",
+                "ray engine overhead per cell",
+                "",
+                None,
+                "none",
+                None,
+                "< 1000 ms",
+                None,
+                "skipped: pip install 'attnkit[ray]'",
+            )
+        ]
     start = time.perf_counter()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     started = time.perf_counter() - start
@@ -91,11 +127,23 @@ def overhead(quick: bool) -> list[Row]:
     finally:
         ray.shutdown()
     per_cell = (wall - cell_s / 2) / count
-    rows.append(Row("sweeps", "ray engine overhead per cell", f"{count} cells x {work_ms} ms", 1e3 * per_cell,
-                    "none", None, "< 1000 ms", per_cell < 1.0, f"local Ray, 2 CPUs; its start: {started:.1f} s, not counted"))
+    rows.append(
+        Row(
+            "sweeps",
+            "ray engine overhead per cell",
+            f"{count} cells x {work_ms} ms",
+            1e3 * per_cell,
+            "none",
+            None,
+            "< 1000 ms",
+            per_cell < 1.0,
+            f"local Ray, 2 CPUs; its start: {started:.1f} s, not counted",
+        )
+    )
     return rows
 
 
 def run(quick: bool = False, progress=None) -> list[Row]:
-    return run_steps([("local 2 workers vs serial", lambda: speedup(quick)),
-                      ("engine overhead per cell", lambda: overhead(quick))], progress)
+    return run_steps(
+        [("local 2 workers vs serial", lambda: speedup(quick)), ("engine overhead per cell", lambda: overhead(quick))], progress
+    )

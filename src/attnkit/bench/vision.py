@@ -36,12 +36,27 @@ def tiny_llava(image_size: int):
     import transformers as T
 
     torch.manual_seed(0)
-    vision = T.CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                                image_size=image_size, patch_size=4)
-    text = dict(model_type="llama", vocab_size=1000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192, pad_token_id=0)
-    config = T.LlavaConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN, vision_feature_layer=-1,
-                           vision_feature_select_strategy="default")
+    vision = T.CLIPVisionConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, image_size=image_size, patch_size=4
+    )
+    text = dict(
+        model_type="llama",
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        pad_token_id=0,
+    )
+    config = T.LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=IMAGE_TOKEN,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+    )
     model = T.LlavaForConditionalGeneration._from_config(config, attn_implementation="sdpa").eval()
     model.generation_config.eos_token_id = None
     return model
@@ -52,7 +67,11 @@ def llava_inputs(n: int, image_size: int) -> dict:
     n_image = (image_size // 4) ** 2
     text = torch.randint(1, 998, (n - n_image,), generator=g)
     ids = torch.cat([text[:8], torch.full((n_image,), IMAGE_TOKEN), text[8:]]).unsqueeze(0)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": torch.randn(1, 3, image_size, image_size, generator=g)}
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "pixel_values": torch.randn(1, 3, image_size, image_size, generator=g),
+    }
 
 
 def organism_subject():
@@ -80,6 +99,7 @@ def meter_rows(name: str, model, inputs: dict, new_tokens: int, repeats: int) ->
     n = spans.length
     rows = []
     for label, queries in (("generated rows", (spans.first_step, None)), ("every row", None)):
+
         def plain():
             model.generate(**inputs, **kw)
 
@@ -90,8 +110,18 @@ def meter_rows(name: str, model, inputs: dict, new_tokens: int, repeats: int) ->
 
         with torch.no_grad():
             a, b = time_pair(metered, plain, repeats=repeats)
-        rows.append(Row("vision", f"{name}: generate with VisualAttention ({label})", f"prompt={n} ({int(spans.mask.sum())} image) +{new_tokens}",
-                        a, "plain generate (sdpa)", b, f"<= {TARGET_METERS}x", a / b <= TARGET_METERS))
+        rows.append(
+            Row(
+                "vision",
+                f"{name}: generate with VisualAttention ({label})",
+                f"prompt={n} ({int(spans.mask.sum())} image) +{new_tokens}",
+                a,
+                "plain generate (sdpa)",
+                b,
+                f"<= {TARGET_METERS}x",
+                a / b <= TARGET_METERS,
+            )
+        )
     return rows
 
 
@@ -117,8 +147,19 @@ def intervention_rows(name: str, model, inputs: dict, repeats: int) -> list[Row]
     for label, iv in cases.items():
         with torch.no_grad(), hf.use(twin), steer.apply(model, iv):
             a, b = time_pair(lambda: model(**inputs), lambda: twin(**inputs), repeats=repeats)
-        rows.append(Row("vision", f"{name}: forward with {label}", f"N={spans.length}", a, "attnkit.hf.use forward", b,
-                        f"<= {TARGET_INTERVENTION}x", a / b <= TARGET_INTERVENTION, "every decoder head; blocks opened once"))
+        rows.append(
+            Row(
+                "vision",
+                f"{name}: forward with {label}",
+                f"N={spans.length}",
+                a,
+                "attnkit.hf.use forward",
+                b,
+                f"<= {TARGET_INTERVENTION}x",
+                a / b <= TARGET_INTERVENTION,
+                "every decoder head; blocks opened once",
+            )
+        )
     return rows
 
 
@@ -138,7 +179,11 @@ def run(quick: bool = False, progress=None) -> list[Row]:
         if subject is None:
             return [Row("vision", "shapes-vlm", "-", None, "-", None, note="the visual organism is not installed: skipped")]
         model, inputs = subject
-        return meter_rows("shapes-vlm", model, inputs, new_tokens, repeats) + intervention_rows("shapes-vlm", model, inputs, repeats)
+        return meter_rows("shapes-vlm", model, inputs, new_tokens, repeats) + intervention_rows(
+            "shapes-vlm", model, inputs, repeats
+        )
 
-    return run_steps([("tiny LLaVA meters", llava_meters), ("tiny LLaVA interventions", llava_interventions),
-                      ("shapes-vlm", organism)], progress)
+    return run_steps(
+        [("tiny LLaVA meters", llava_meters), ("tiny LLaVA interventions", llava_interventions), ("shapes-vlm", organism)],
+        progress,
+    )

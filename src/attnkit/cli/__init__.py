@@ -47,8 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args, extra = build_parser().parse_known_args(argv)
         if extra:  # name the sub-command and the option, not just "unrecognized arguments"
-            raise UsageError(f"attnkit {args.command}", f"{extra[0]}: unrecognized arguments: {' '.join(extra)} "
-                                                        f"(attnkit {args.command} --help lists the options)")
+            raise UsageError(
+                f"attnkit {args.command}",
+                f"{extra[0]}: unrecognized arguments: {' '.join(extra)} (attnkit {args.command} --help lists the options)",
+            )
     except UsageError as e:
         print(f"{e.prog}: error: {e}\n{e.usage}", end="", file=sys.stderr)
         return 2

@@ -34,66 +34,144 @@ from .progress import Progress
 def add_parser(sub) -> None:
     from ..arena.tasks import TASKS
 
-    p = sub.add_parser("arena", help="compare attention mechanisms on synthetic tasks with a tiny trainer",
-                       description="Train a model per mechanism x width x sequence length x seed on a synthetic task (CPU, "
-                                   "deterministic from the seed) and write a results table (CSV, JSON) and plots.")
-    p.add_argument("task", choices=[*TASKS, "sweep"], help="the synthetic task, or 'sweep [TASK]': the grid through a sweep engine")
+    p = sub.add_parser(
+        "arena",
+        help="compare attention mechanisms on synthetic tasks with a tiny trainer",
+        description="Train a model per mechanism x width x sequence length x seed on a synthetic task (CPU, "
+        "deterministic from the seed) and write a results table (CSV, JSON) and plots.",
+    )
+    p.add_argument(
+        "task", choices=[*TASKS, "sweep"], help="the synthetic task, or 'sweep [TASK]': the grid through a sweep engine"
+    )
     p.add_argument("sweep_task", nargs="?", action=SweepTask, metavar="task", help=argparse.SUPPRESS)
-    p.add_argument("--mechanisms", default=Default("softmax"), metavar="LIST",
-                   help="comma-separated registered mechanisms, each optionally name:key=value:... (default: softmax)")
-    p.add_argument("--d-model", type=int_list, default=DefaultList([64]), metavar="LIST", help="model widths, e.g. 64,128 (default: 64)")
+    p.add_argument(
+        "--mechanisms",
+        default=Default("softmax"),
+        metavar="LIST",
+        help="comma-separated registered mechanisms, each optionally name:key=value:... (default: softmax)",
+    )
+    p.add_argument(
+        "--d-model", type=int_list, default=DefaultList([64]), metavar="LIST", help="model widths, e.g. 64,128 (default: 64)"
+    )
     p.add_argument("--layers", type=positive_int, metavar="N", help="attention layers (default: 2; the associative probe has 1)")
     p.add_argument("--heads", type=positive_int, metavar="N", help="attention heads (default: the task's, 4 or 1)")
-    p.add_argument("--seeds", type=positive_int, default=DefaultInt(1), metavar="N", help="seeds 0..N-1 per configuration (default: 1)")
-    p.add_argument("--seq-len", type=int_list, metavar="LIST", help="training sequence lengths, e.g. 64,128 (default: the task's)")
+    p.add_argument(
+        "--seeds", type=positive_int, default=DefaultInt(1), metavar="N", help="seeds 0..N-1 per configuration (default: 1)"
+    )
+    p.add_argument(
+        "--seq-len", type=int_list, metavar="LIST", help="training sequence lengths, e.g. 64,128 (default: the task's)"
+    )
     p.add_argument("--steps", type=positive_int, metavar="N", help="training steps at most (default: the task's)")
     p.add_argument("--batch-size", type=positive_int, metavar="N", help="examples per step (default: the task's)")
     p.add_argument("--lr", type=positive_float, help="peak learning rate (default: the task's)")
     p.add_argument("--eval-every", type=positive_int, metavar="N", help="steps between held-out evaluations (default: 100)")
     p.add_argument("--eval-examples", type=positive_int, metavar="N", help="held-out examples (default: 256)")
-    p.add_argument("--target", type=target_accuracy, metavar="ACC", help="stop a run once held-out accuracy reaches ACC, or 'none' (default: the task's)")
-    p.add_argument("--param", action="append", default=DefaultList(), metavar="KEY=VALUE",
-                   help="a task parameter, VALUE as JSON, e.g. num_kv_pairs=[4,8] (repeatable)")
+    p.add_argument(
+        "--target",
+        type=target_accuracy,
+        metavar="ACC",
+        help="stop a run once held-out accuracy reaches ACC, or 'none' (default: the task's)",
+    )
+    p.add_argument(
+        "--param",
+        action="append",
+        default=DefaultList(),
+        metavar="KEY=VALUE",
+        help="a task parameter, VALUE as JSON, e.g. num_kv_pairs=[4,8] (repeatable)",
+    )
     p.add_argument("--out", default="attnkit-arena", metavar="DIR", help="output directory (default: ./attnkit-arena)")
-    p.add_argument("--checkpoint-every", type=positive_int, metavar="N", help="write a checkpoint every N steps under DIR/checkpoints")
+    p.add_argument(
+        "--checkpoint-every", type=positive_int, metavar="N", help="write a checkpoint every N steps under DIR/checkpoints"
+    )
     p.add_argument("--resume", action="store_true", help="continue runs from their checkpoints in DIR/checkpoints")
-    p.add_argument("--threads", type=positive_int, metavar="N",
-                   help="torch CPU threads (default: 1; the models are tiny, and a second thread only waits on a busy machine; "
-                        "sweep: per worker, default cores // workers)")
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        metavar="N",
+        help="torch CPU threads (default: 1; the models are tiny, and a second thread only waits on a busy machine; "
+        "sweep: per worker, default cores // workers)",
+    )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
-    p.add_argument("--export", metavar="DIR", help="write the trained model to DIR as a transformers LlamaForCausalLM with "
-                                                   "its tokenizer and task.json (one run only; softmax + RoPE models)")
-    p.add_argument("--init", metavar="PATH", help="start from these weights: an arena export directory, an arena checkpoint "
-                                                  "(.safetensors) or an organism name (embeddings grown or cut to the task's "
-                                                  "vocabulary; any other mismatch is an error naming the tensor)")
-    p.add_argument("--schedule", type=schedule_option, metavar="STAGES",
-                   help=f"a length curriculum instead of one training length: {FORM_HELP}; its steps replace --steps")
-    p.add_argument("--max-len", type=positive_int, metavar="N",
-                   help="the longest sequence the model is built for (RoPE context, the export's max_position_embeddings; "
-                        "default: the longest length the run trains or is evaluated at)")
-    p.add_argument("--eval-lengths", type=int_list, metavar="LIST",
-                   help="lengths every evaluation measures, and the final table's (default: the training length, or the "
-                        "last stage's lengths with --schedule; the table: the task's test lengths)")
-    p.add_argument("--criterion", choices=("accuracy", "cell"),
-                   help="what early stopping (--target) and --keep-best go by: 'accuracy' the lowest accuracy over the "
-                        "evaluated lengths (default), 'cell' the lowest over every length x group cell (needle: each depth)")
-    p.add_argument("--keep-best", action="store_true",
-                   help="end each run on the weights of its best-scoring evaluation (by --criterion), not its last step")
+    p.add_argument(
+        "--export",
+        metavar="DIR",
+        help="write the trained model to DIR as a transformers LlamaForCausalLM with "
+        "its tokenizer and task.json (one run only; softmax + RoPE models)",
+    )
+    p.add_argument(
+        "--init",
+        metavar="PATH",
+        help="start from these weights: an arena export directory, an arena checkpoint "
+        "(.safetensors) or an organism name (embeddings grown or cut to the task's "
+        "vocabulary; any other mismatch is an error naming the tensor)",
+    )
+    p.add_argument(
+        "--schedule",
+        type=schedule_option,
+        metavar="STAGES",
+        help=f"a length curriculum instead of one training length: {FORM_HELP}; its steps replace --steps",
+    )
+    p.add_argument(
+        "--max-len",
+        type=positive_int,
+        metavar="N",
+        help="the longest sequence the model is built for (RoPE context, the export's max_position_embeddings; "
+        "default: the longest length the run trains or is evaluated at)",
+    )
+    p.add_argument(
+        "--eval-lengths",
+        type=int_list,
+        metavar="LIST",
+        help="lengths every evaluation measures, and the final table's (default: the training length, or the "
+        "last stage's lengths with --schedule; the table: the task's test lengths)",
+    )
+    p.add_argument(
+        "--criterion",
+        choices=("accuracy", "cell"),
+        help="what early stopping (--target) and --keep-best go by: 'accuracy' the lowest accuracy over the "
+        "evaluated lengths (default), 'cell' the lowest over every length x group cell (needle: each depth)",
+    )
+    p.add_argument(
+        "--keep-best",
+        action="store_true",
+        help="end each run on the weights of its best-scoring evaluation (by --criterion), not its last step",
+    )
     p.add_argument("--json", action="store_true", help="print the rows and file paths as JSON instead of a table")
     p.add_argument("--quiet", action="store_true", help="no progress output")
-    g = p.add_argument_group("sweep", "attnkit arena sweep [TASK]: the grid as cells through an engine into a resumable "
-                                      "store (DIR/sweep.sqlite); no grid option given: Zoology's MQAR figure (arXiv 2312.04927)")
-    g.add_argument("--engine", choices=("local", "ray"), help="local: worker processes on this machine (default); "
-                                                               "ray: Ray tasks (pip install 'attnkit[ray]')")
-    g.add_argument("--workers", type=positive_int, metavar="N",
-                   help="local: worker processes (default: 2); ray without --address: the local instance's CPUs (default: all)")
-    g.add_argument("--address", metavar="ADDR", help="ray: join a cluster, 'auto', HOST:PORT or ray://HOST:PORT "
-                                                     "(default: start a Ray instance on this machine)")
-    g.add_argument("--connect-timeout", type=positive_float, metavar="S",
-                   help=f"ray: seconds to reach --address before failing (default: {CONNECT_TIMEOUT_S:g})")
+    g = p.add_argument_group(
+        "sweep",
+        "attnkit arena sweep [TASK]: the grid as cells through an engine into a resumable "
+        "store (DIR/sweep.sqlite); no grid option given: Zoology's MQAR figure (arXiv 2312.04927)",
+    )
+    g.add_argument(
+        "--engine",
+        choices=("local", "ray"),
+        help="local: worker processes on this machine (default); ray: Ray tasks (pip install 'attnkit[ray]')",
+    )
+    g.add_argument(
+        "--workers",
+        type=positive_int,
+        metavar="N",
+        help="local: worker processes (default: 2); ray without --address: the local instance's CPUs (default: all)",
+    )
+    g.add_argument(
+        "--address",
+        metavar="ADDR",
+        help="ray: join a cluster, 'auto', HOST:PORT or ray://HOST:PORT (default: start a Ray instance on this machine)",
+    )
+    g.add_argument(
+        "--connect-timeout",
+        type=positive_float,
+        metavar="S",
+        help=f"ray: seconds to reach --address before failing (default: {CONNECT_TIMEOUT_S:g})",
+    )
     g.add_argument("--rerun", action="store_true", help="compute every cell again (default: skip the cells the store has)")
-    g.add_argument("--max-failures", type=nonnegative_int, metavar="N",
-                   help="stop starting cells once more than N have failed (default: never stop; failures are recorded)")
+    g.add_argument(
+        "--max-failures",
+        type=nonnegative_int,
+        metavar="N",
+        help="stop starting cells once more than N have failed (default: never stop; failures are recorded)",
+    )
     p.set_defaults(func=run)
 
 
@@ -123,8 +201,11 @@ class SweepTask(argparse.Action):
         namespace.sweep = namespace.task == "sweep"
         if not namespace.sweep:
             if value is not None:
-                raise argparse.ArgumentError(self, f"expected one task, got {namespace.task!r} and {value!r} "
-                                                   f"(a grid through a sweep engine is 'attnkit arena sweep {value}')")
+                raise argparse.ArgumentError(
+                    self,
+                    f"expected one task, got {namespace.task!r} and {value!r} "
+                    f"(a grid through a sweep engine is 'attnkit arena sweep {value}')",
+                )
             return
         if value is not None and value not in TASKS:
             raise argparse.ArgumentError(self, f"invalid choice: {value!r} (choose from {', '.join(TASKS)})")
@@ -218,8 +299,10 @@ def check_grid(task, args, widths: list[int], seq_lens: list[int] | None) -> Non
         if args.steps is not None:
             raise ValueError("--steps: with --schedule the steps are the stages' (leave --steps out)")
         if seq_lens and len(seq_lens) > 1:
-            raise ValueError("--seq-len: with --schedule the training lengths are the stages'; give one --seq-len "
-                             "(the task's nominal length) and --eval-lengths for the lengths to test")
+            raise ValueError(
+                "--seq-len: with --schedule the training lengths are the stages'; give one --seq-len "
+                "(the task's nominal length) and --eval-lengths for the lengths to test"
+            )
 
 
 #: library argument names -> the options that set them (errors name the option)
@@ -281,10 +364,19 @@ def run_grid_command(args) -> int:
         require("transformers", "attnkit arena --export")
     if args.checkpoint_every or args.resume or args.export:
         require("safetensors", "attnkit arena's checkpoints")
-    overrides = {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "eval_every": args.eval_every,
-                 "eval_examples": args.eval_examples, "checkpoint_every": args.checkpoint_every, **parse_target(args.target),
-                 "schedule": args.schedule, "eval_lengths": args.eval_lengths, "criterion": args.criterion,
-                 "keep_best": args.keep_best or None}
+    overrides = {
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "eval_every": args.eval_every,
+        "eval_examples": args.eval_examples,
+        "checkpoint_every": args.checkpoint_every,
+        **parse_target(args.target),
+        "schedule": args.schedule,
+        "eval_lengths": args.eval_lengths,
+        "criterion": args.criterion,
+        "keep_best": args.keep_best or None,
+    }
     init = resolve_init(args.init)
     with options_named({"mechanisms": "--mechanisms"}):
         runs = plan(task, args.mechanisms, widths, args.layers, args.heads, seeds, seq_lens, args.max_len, init)
@@ -299,7 +391,9 @@ def run_grid_command(args) -> int:
         from ..arena.export import check_run
 
         if len(runs) != 1:
-            raise ValueError(f"--export: exports one run (one mechanism, width, sequence length and seed), this grid has {len(runs)}")
+            raise ValueError(
+                f"--export: exports one run (one mechanism, width, sequence length and seed), this grid has {len(runs)}"
+            )
         check_run(runs[0])  # refuse before training
     # One progress tick per evaluation; a run that stops early jumps to its last tick.
     ticks = [math.ceil(c.steps / c.eval_every) for c in (train_config(r.task, r.seed, overrides) for r in runs)]
@@ -311,9 +405,16 @@ def run_grid_command(args) -> int:
 
     output_dir(args.out)
     files = {"csv": os.path.join(args.out, "results.csv"), "json": os.path.join(args.out, "results.json")}
-    meta = {"task": task.name, "task_params": task.params(), "mechanisms": args.mechanisms, "widths": widths,
-            "seeds": seeds, "overrides": {k: schedule_text(v) if k == "schedule" else v for k, v in overrides.items() if v is not None},
-            "init": init, "max_len": args.max_len}
+    meta = {
+        "task": task.name,
+        "task_params": task.params(),
+        "mechanisms": args.mechanisms,
+        "widths": widths,
+        "seeds": seeds,
+        "overrides": {k: schedule_text(v) if k == "schedule" else v for k, v in overrides.items() if v is not None},
+        "init": init,
+        "max_len": args.max_len,
+    }
     finished_rows, finished_records, live = [], [], {}
 
     def write_results(rows, records, finished):
@@ -340,11 +441,29 @@ def run_grid_command(args) -> int:
     checkpoints = os.path.join(args.out, "checkpoints") if (args.checkpoint_every or args.resume or args.export) else None
     try:
         with options_named({"mechanisms": "--mechanisms"}):  # a mechanism that cannot read the task fails before training
-            rows, records = run_grid(task, args.mechanisms, widths, args.layers, args.heads, seeds, seq_lens, overrides,
-                                     checkpoints, args.resume, on_eval, on_run, args.max_len, init, on_snapshot)
+            rows, records = run_grid(
+                task,
+                args.mechanisms,
+                widths,
+                args.layers,
+                args.heads,
+                seeds,
+                seq_lens,
+                overrides,
+                checkpoints,
+                args.resume,
+                on_eval,
+                on_run,
+                args.max_len,
+                init,
+                on_snapshot,
+            )
     except KeyboardInterrupt:
-        print(f"\nattnkit arena: interrupted; what was measured is in {files['json']}"
-              + (f" and {args.export}" if args.export and live else ""), file=sys.stderr)
+        print(
+            f"\nattnkit arena: interrupted; what was measured is in {files['json']}"
+            + (f" and {args.export}" if args.export and live else ""),
+            file=sys.stderr,
+        )
         return 130
     write_results(rows, records, True)
     figures = [] if args.no_plots else write_plots(rows, records, args.out)

@@ -14,14 +14,26 @@ import json
 import sys
 
 from ..extras import require
-from .arena import (CONNECT_TIMEOUT_S, LIBRARY_OPTIONS, Default, DefaultInt, DefaultList, check_grid, parse_params,
-                    parse_target, resolve_init, task_from_params)
+from .arena import (
+    CONNECT_TIMEOUT_S,
+    LIBRARY_OPTIONS,
+    Default,
+    DefaultInt,
+    DefaultList,
+    check_grid,
+    parse_params,
+    parse_target,
+    resolve_init,
+    task_from_params,
+)
 from .options import options_named, output_dir
 
 #: options that make no sense cell by cell: what to use instead
-REFUSED = {"export": "export one run with 'attnkit arena TASK ... --export DIR'",
-           "checkpoint_every": "a sweep resumes cell by cell from its store",
-           "resume": "a sweep resumes from its store by itself (--rerun recomputes)"}
+REFUSED = {
+    "export": "export one run with 'attnkit arena TASK ... --export DIR'",
+    "checkpoint_every": "a sweep resumes cell by cell from its store",
+    "resume": "a sweep resumes from its store by itself (--rerun recomputes)",
+}
 
 
 def grid_of(args) -> dict:
@@ -36,10 +48,18 @@ def grid_of(args) -> dict:
     mechanisms = FIGURE["mechanisms"] if isinstance(args.mechanisms, Default) and figure else str(args.mechanisms)
     widths = list(FIGURE["widths"]) if isinstance(args.d_model, DefaultList) and figure else list(args.d_model)
     seeds = FIGURE["seeds"] if isinstance(args.seeds, DefaultInt) and figure else int(args.seeds)
-    given = {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "eval_every": args.eval_every,
-             "eval_examples": args.eval_examples, **parse_target(args.target), "eval_lengths": args.eval_lengths,
-             "criterion": args.criterion, "keep_best": args.keep_best or None,
-             "schedule": None if args.schedule is None else args.schedule}
+    given = {
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "eval_every": args.eval_every,
+        "eval_examples": args.eval_examples,
+        **parse_target(args.target),
+        "eval_lengths": args.eval_lengths,
+        "criterion": args.criterion,
+        "keep_best": args.keep_best or None,
+        "schedule": None if args.schedule is None else args.schedule,
+    }
     overrides = {**(FIGURE["overrides"] if figure else {}), **{k: v for k, v in given.items() if v is not None}}
     return {"params": params, "mechanisms": mechanisms, "widths": widths, "seeds": list(range(seeds)), "overrides": overrides}
 
@@ -95,22 +115,38 @@ def run_sweep_command(args) -> int:
     init = resolve_init(args.init)
     engine = make_engine(args)
     with options_named({"mechanisms": "--mechanisms", **LIBRARY_OPTIONS}):
-        cells = arena_cells(task, grid["mechanisms"], grid["widths"], args.layers, args.heads, grid["seeds"], args.seq_len,
-                            grid["overrides"], args.max_len, init)
-        check(plan(task, grid["mechanisms"], grid["widths"], args.layers, args.heads, grid["seeds"], args.seq_len,
-                   args.max_len, init))  # a mechanism that cannot read the task fails before any cell runs
+        cells = arena_cells(
+            task,
+            grid["mechanisms"],
+            grid["widths"],
+            args.layers,
+            args.heads,
+            grid["seeds"],
+            args.seq_len,
+            grid["overrides"],
+            args.max_len,
+            init,
+        )
+        check(
+            plan(
+                task, grid["mechanisms"], grid["widths"], args.layers, args.heads, grid["seeds"], args.seq_len, args.max_len, init
+            )
+        )  # a mechanism that cannot read the task fails before any cell runs
     output_dir(args.out)
     try:
         with options_named({"out": "--out", "address": "--address"}):
-            result = run_sweep(cells, args.out, engine, rerun=args.rerun, max_failures=args.max_failures,
-                               on_status=status_printer(args.quiet))
+            result = run_sweep(
+                cells, args.out, engine, rerun=args.rerun, max_failures=args.max_failures, on_status=status_printer(args.quiet)
+            )
     except ConnectionError as e:  # the engine's message starts with "address:"
         if str(e).startswith("address:"):
             raise ValueError(f"--{e}") from None
         raise
     except KeyboardInterrupt:
-        print(f"\nattnkit arena sweep: interrupted; finished cells are in {args.out} (run the command again to go on)",
-              file=sys.stderr)
+        print(
+            f"\nattnkit arena sweep: interrupted; finished cells are in {args.out} (run the command again to go on)",
+            file=sys.stderr,
+        )
         return 130
     if not args.quiet and sys.stderr.isatty():
         sys.stderr.write("\n")
@@ -124,16 +160,34 @@ def run_sweep_command(args) -> int:
 
         figures.append(accuracy_vs_width(rows, f"{args.out}/accuracy_vs_width.png"))
     failed = [c for c in cell_records(args.out) if c["status"] == "failed" and c["hash"] in order]
-    summary = {"cells": len(cells), "computed": len(result.computed), "from_store": len(result.skipped),
-               "failed": len(failed), "stopped": result.stopped, "seconds": round(result.seconds, 1),
-               "engine": engine.name, "grid_hash": result.grid_hash}
+    summary = {
+        "cells": len(cells),
+        "computed": len(result.computed),
+        "from_store": len(result.skipped),
+        "failed": len(failed),
+        "stopped": result.stopped,
+        "seconds": round(result.seconds, 1),
+        "engine": engine.name,
+        "grid_hash": result.grid_hash,
+    }
     if args.json:
-        print(json.dumps({"rows": rows, "summary": summary, "failed": [{k: c[k] for k in ("label", "error")} for c in failed],
-                          "files": {**files, "figures": figures}}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "rows": rows,
+                    "summary": summary,
+                    "failed": [{k: c[k] for k in ("label", "error")} for c in failed],
+                    "files": {**files, "figures": figures},
+                },
+                indent=1,
+            )
+        )
     else:
-        print(f"attnkit arena sweep {task.name} ({task.paper}) — {engine.name} engine, {len(cells)} cells: "
-              f"{summary['computed']} computed, {summary['from_store']} from the store, {summary['failed']} failed, "
-              f"{summary['seconds']} s")
+        print(
+            f"attnkit arena sweep {task.name} ({task.paper}) — {engine.name} engine, {len(cells)} cells: "
+            f"{summary['computed']} computed, {summary['from_store']} from the store, {summary['failed']} failed, "
+            f"{summary['seconds']} s"
+        )
         if rows:
             print(format_table(rows))
         for c in failed:

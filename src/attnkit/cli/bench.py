@@ -8,8 +8,11 @@ from .progress import Progress
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmark attnkit against torch SDPA on this machine",
-                       description="Time attnkit against baselines measured in the same run (medians over repeats); peak memory in fresh subprocesses.")
+    p = sub.add_parser(
+        "bench",
+        help="benchmark attnkit against torch SDPA on this machine",
+        description="Time attnkit against baselines measured in the same run (medians over repeats); peak memory in fresh subprocesses.",
+    )
     p.add_argument("--quick", action="store_true", help="small sizes, about a minute on 2 cores")
     p.add_argument("--suite", action="append", choices=SUITES, help="suite to run (repeatable; default: all)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
@@ -28,8 +31,13 @@ def run(args) -> int:
     meta = {"quick": args.quick, **machine_info()}
     if args.json:
         write_json(rows, args.json, meta)
-    print(f"attnkit bench ({'quick' if args.quick else 'full'}) — torch {meta['torch']}, {meta['threads']} threads, CPU {meta['cpu_capability']}")
+    print(
+        f"attnkit bench ({'quick' if args.quick else 'full'}) — torch {meta['torch']}, {meta['threads']} threads, CPU {meta['cpu_capability']}"
+    )
     print(format_table(rows))
     missed = [r for r in rows if r.ok is False]
-    print(f"\n{len(rows) - len(missed)}/{len(rows)} rows meet their targets" + (f"; missed: {', '.join(r.case + ' ' + r.size for r in missed)}" if missed else ""))
+    print(
+        f"\n{len(rows) - len(missed)}/{len(rows)} rows meet their targets"
+        + (f"; missed: {', '.join(r.case + ' ' + r.size for r in missed)}" if missed else "")
+    )
     return 0

@@ -11,9 +11,12 @@ from ..kernels.machine import cpu_name
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("doctor", help="show the build status of the C++ operators, compiler, CPU, threads and versions",
-                       description="Build (first run) or load attnkit's C++ CPU operators and report what attnkit "
-                                   "will run on: operator status and why, compiler, CPU capability, threads, versions.")
+    p = sub.add_parser(
+        "doctor",
+        help="show the build status of the C++ operators, compiler, CPU, threads and versions",
+        description="Build (first run) or load attnkit's C++ CPU operators and report what attnkit "
+        "will run on: operator status and why, compiler, CPU capability, threads, versions.",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
 

@@ -11,8 +11,13 @@ import os
 from .options import options_named, output_dir
 
 #: options of the text report that mean nothing here: refused, not ignored
-_TEXT_ONLY = {"meters": "--meters", "span": "--span", "token_heads": "--token-heads", "queries": "--queries",
-              "max_tokens": "--max-tokens"}
+_TEXT_ONLY = {
+    "meters": "--meters",
+    "span": "--span",
+    "token_heads": "--token-heads",
+    "queries": "--queries",
+    "max_tokens": "--max-tokens",
+}
 
 
 def run(args, text: str) -> int:
@@ -27,23 +32,38 @@ def run(args, text: str) -> int:
 
     layers, heads = parse_indices(args.layers, "--layers"), parse_indices(args.heads, "--heads")
     output_dir(args.out)
-    names = {"model": "--model", "image": "--image", "inputs": "--prompt" if args.prompt is not None else "--text",
-             "max_new_tokens": "--max-new-tokens", "layers": "--layers", "heads": "--heads", "top_k": "--top-k"}
+    names = {
+        "model": "--model",
+        "image": "--image",
+        "inputs": "--prompt" if args.prompt is not None else "--text",
+        "max_new_tokens": "--max-new-tokens",
+        "layers": "--layers",
+        "heads": "--heads",
+        "top_k": "--top-k",
+    }
     with options_named(names):
         return _measure(args, text, layers, heads)
 
 
 def _measure(args, text: str, layers, heads) -> int:
+    from transformers.utils import logging as hf_logging
+
     from ..inspect.vision_run import inspect_image, load_vlm, read_image
     from ..report.vision import write_vision_report
-
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     model, processor = load_vlm(args.model)
     image = read_image(args.image)
-    profile = inspect_image(model, processor, image, text, max_new_tokens=args.max_new_tokens or 16, layers=layers, heads=heads,
-                            top_k=min(args.top_k, 64))
+    profile = inspect_image(
+        model,
+        processor,
+        image,
+        text,
+        max_new_tokens=args.max_new_tokens or 16,
+        layers=layers,
+        heads=heads,
+        top_k=min(args.top_k, 64),
+    )
     profile.meta["model"] = args.model
     profile.meta["image"] = os.path.basename(args.image)
     buf = io.BytesIO()
@@ -57,12 +77,26 @@ def _measure(args, text: str, layers, heads) -> int:
     share = profile.values("visual.share")
     mean = sum(share.values()) / len(share) if share else float("nan")
     if args.json:
-        print(json.dumps({"report": paths["html"], "csv": paths["csv"], "json": paths["json"], "model": args.model,
-                          "tokens": profile.meta["tokens"], "generated": vis["generated"], "steps": vis["steps"],
-                          "visual_share": mean, "seconds": profile.meta["seconds"]}))
+        print(
+            json.dumps(
+                {
+                    "report": paths["html"],
+                    "csv": paths["csv"],
+                    "json": paths["json"],
+                    "model": args.model,
+                    "tokens": profile.meta["tokens"],
+                    "generated": vis["generated"],
+                    "steps": vis["steps"],
+                    "visual_share": mean,
+                    "seconds": profile.meta["seconds"],
+                }
+            )
+        )
         return 0
-    print(f"{args.model}: {profile.meta['prompt_tokens']} prompt tokens ({sum(i['end'] - i['start'] for i in vis['images'])} image), "
-          f"{vis['steps']} generated in {profile.meta['seconds']:.2f} s")
+    print(
+        f"{args.model}: {profile.meta['prompt_tokens']} prompt tokens ({sum(i['end'] - i['start'] for i in vis['images'])} image), "
+        f"{vis['steps']} generated in {profile.meta['seconds']:.2f} s"
+    )
     print(f"answer: {vis['generated']!r}")
     print(f"visual share (mean over heads and generated tokens): {mean:.3f}")
     print(f"profile: {paths['csv']}, {paths['json']}")

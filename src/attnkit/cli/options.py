@@ -157,7 +157,9 @@ def read_utf8(path: str, option: str) -> str:
         with open(path, encoding="utf-8") as f:
             return f.read()
     except UnicodeDecodeError as e:
-        raise ValueError(f"{option}: {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
-                         f"convert it, e.g. iconv -t UTF-8") from None
+        raise ValueError(
+            f"{option}: {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+            f"convert it, e.g. iconv -t UTF-8"
+        ) from None
     except OSError as e:
         raise ValueError(f"{option}: cannot read {path}: {e.strerror or e}") from None

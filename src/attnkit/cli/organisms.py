@@ -1,9 +1,9 @@
 """``attnkit organisms list|card|build|path``: the shipped model organisms and their cards.
 
-    attnkit organisms list                 # every recipe, with its card's accuracies
-    attnkit organisms card needle-1k       # accuracy per length x depth, training, machine, failures
-    attnkit organisms path needle-1k       # the shipped export (use it, or the name, as --model)
-    attnkit organisms build needle-1k --out built/   # retrain from the recipe; compare with the shipped card
+attnkit organisms list                 # every recipe, with its card's accuracies
+attnkit organisms card needle-1k       # accuracy per length x depth, training, machine, failures
+attnkit organisms path needle-1k       # the shipped export (use it, or the name, as --model)
+attnkit organisms build needle-1k --out built/   # retrain from the recipe; compare with the shipped card
 """
 
 from __future__ import annotations
@@ -20,12 +20,19 @@ NAME = {"name": "NAME"}
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("organisms", help="small trained models shipped with measured cards (list, card, build, path)",
-                       description="Model organisms: small models grown with the arena (warm starts, length curricula), "
-                                   "shipped with a card of their measured accuracy. An organism name works wherever a "
-                                   "model path does.")
-    p.add_argument("action", choices=ACTIONS, help="list: every organism; card: one's card; path: its shipped export; "
-                                                   "build: retrain it from its recipe and compare with the shipped card")
+    p = sub.add_parser(
+        "organisms",
+        help="small trained models shipped with measured cards (list, card, build, path)",
+        description="Model organisms: small models grown with the arena (warm starts, length curricula), "
+        "shipped with a card of their measured accuracy. An organism name works wherever a "
+        "model path does.",
+    )
+    p.add_argument(
+        "action",
+        choices=ACTIONS,
+        help="list: every organism; card: one's card; path: its shipped export; "
+        "build: retrain it from its recipe and compare with the shipped card",
+    )
     p.add_argument("name", nargs="?", metavar="NAME", help="the organism (card, build, path)")
     p.add_argument("--out", metavar="DIR", help="build: where the new export and card go (default: ./attnkit-organisms/NAME)")
     p.add_argument("--work", metavar="DIR", help="build: keep each stage's arena run (results, checkpoints, export) here")
@@ -33,10 +40,17 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--markdown", action="store_true", help="list: the shipped cards as a Markdown table")
     p.add_argument("--quiet", action="store_true", help="build: no progress output")
-    p.add_argument("--engine", choices=("local", "ray"), help="build: several organisms (NAME a comma-separated list, or "
-                                                            "'all'), one sweep cell each, on worker processes or Ray")
-    p.add_argument("--workers", type=positive_int, metavar="N", help="build --engine: worker processes (local, default 2) "
-                                                                     "or the CPUs of a local Ray instance")
+    p.add_argument(
+        "--engine",
+        choices=("local", "ray"),
+        help="build: several organisms (NAME a comma-separated list, or 'all'), one sweep cell each, on worker processes or Ray",
+    )
+    p.add_argument(
+        "--workers",
+        type=positive_int,
+        metavar="N",
+        help="build --engine: worker processes (local, default 2) or the CPUs of a local Ray instance",
+    )
     p.add_argument("--address", metavar="ADDR", help="build --engine ray: a cluster to join (auto, host:port)")
     p.add_argument("--store", metavar="DIR", help="build --engine: the sweep's results store (a rerun resumes it)")
     p.set_defaults(func=run)
@@ -53,7 +67,9 @@ def run(args) -> int:
         if getattr(args, option) is not None:
             raise ValueError(f"--{option}: only with 'build --engine local|ray'")
     if not args.name:
-        raise ValueError(f"NAME: 'attnkit organisms {args.action}' needs an organism; known: {', '.join(organisms.names() + organisms.visual.names())}")
+        raise ValueError(
+            f"NAME: 'attnkit organisms {args.action}' needs an organism; known: {', '.join(organisms.names() + organisms.visual.names())}"
+        )
     with options_named(NAME):
         organisms.known(args.name)
     if args.action == "path":
@@ -98,16 +114,24 @@ def _list(args) -> int:
         from ..organisms.cards import markdown_table
 
         cards = [organisms.card(r["name"]) for r in rows if r["shipped"]]
-        print("\n".join([markdown_table([c for c in cards if not organisms.visual.is_visual(c)])]
-                        + [organisms.visual.markdown_row(c) for c in cards if organisms.visual.is_visual(c)]))
+        print(
+            "\n".join(
+                [markdown_table([c for c in cards if not organisms.visual.is_visual(c)])]
+                + [organisms.visual.markdown_row(c) for c in cards if organisms.visual.is_visual(c)]
+            )
+        )
         return 0
     # columns as wide as their longest entry, so a long name or mechanism never shifts the row
     name_w = max(len("organism"), *(len(r["name"]) for r in rows))
     mech_w = max(len("mechanism"), *(len(r.get("mechanism", "")) for r in rows if r["shipped"]))
-    acc_w = max(len("accuracy by length"), *(len(" ".join(f"{n}:{a:.2f}" for n, a in r["accuracy"].items()))
-                                             for r in rows if r["shipped"]))
-    print(f"{'organism':<{name_w}} {'task':<10} {'mechanism':<{mech_w}} {'trained':>7}  {'accuracy by length':<{acc_w}} "
-          f"{'worst cell':<24} {'build':>6}")
+    acc_w = max(
+        len("accuracy by length"),
+        *(len(" ".join(f"{n}:{a:.2f}" for n, a in r["accuracy"].items())) for r in rows if r["shipped"]),
+    )
+    print(
+        f"{'organism':<{name_w}} {'task':<10} {'mechanism':<{mech_w}} {'trained':>7}  {'accuracy by length':<{acc_w}} "
+        f"{'worst cell':<24} {'build':>6}"
+    )
     for row in rows:
         if not row["shipped"]:
             print(f"{row['name']:<{name_w}} (not shipped: attnkit organisms build {row['name']})  {row['summary']}")
@@ -116,9 +140,11 @@ def _list(args) -> int:
         w = row["worst"]
         where = w and (w["kind"] if row.get("kind") == "visual" else w["length"])
         worst = f"{w['accuracy']:.2f} @{where} {w['group']}" if w else ""
-        print(f"{row['name']:<{name_w}} {row['task']:<10} {row['mechanism']:<{mech_w}} {row['trained_up_to']:>7}  "
-              f"{accuracy:<{acc_w}} {worst:<24} "
-              f"{row['seconds'] / 60:>5.1f}m")
+        print(
+            f"{row['name']:<{name_w}} {row['task']:<10} {row['mechanism']:<{mech_w}} {row['trained_up_to']:>7}  "
+            f"{accuracy:<{acc_w}} {worst:<24} "
+            f"{row['seconds'] / 60:>5.1f}m"
+        )
     return 0
 
 
@@ -128,7 +154,7 @@ def _build(args) -> int:
 
     if args.name in organisms.visual.VISUAL:
         return _build_visual(args)
-    recipe = organisms.recipe(args.name)
+    organisms.recipe(args.name)  # an unknown name lists the known ones
     out = args.out or os.path.join("attnkit-organisms", args.name)
     output_dir(os.path.dirname(os.path.abspath(out)))
     if args.work:
@@ -159,8 +185,10 @@ def _build(args) -> int:
     print(format_card(card))
     print(f"\nwritten to {out}")
     if distance is not None:
-        print(f"against the shipped card: largest difference {distance['largest']:.3f} "
-              f"(per length: " + ", ".join(f"{n} {d['all']:+.3f}" for n, d in distance["differences"].items()) + ")")
+        print(
+            f"against the shipped card: largest difference {distance['largest']:.3f} "
+            f"(per length: " + ", ".join(f"{n} {d['all']:+.3f}" for n, d in distance["differences"].items()) + ")"
+        )
     return 0
 
 
@@ -218,8 +246,9 @@ def _build_visual(args) -> int:
 
     def on_eval(record):
         progress.total = progress.done + 1
-        progress.step(f"step {record['step']} loss {record['loss']:.3f} "
-                      + " ".join(f"{k} {a:.3f}" for k, a in record["accuracy"].items()))
+        progress.step(
+            f"step {record['step']} loss {record['loss']:.3f} " + " ".join(f"{k} {a:.3f}" for k, a in record["accuracy"].items())
+        )
 
     def on_measure(spec):
         progress.total = progress.done + 1
@@ -229,8 +258,11 @@ def _build_visual(args) -> int:
         card = organisms.build(args.name, out, work_dir=args.work, on_eval=on_eval, on_measure=on_measure)
     distance = None
     if shipped:
-        diffs = {k: round(e["accuracy"] - shipped["accuracy"][k]["accuracy"], 4) for k, e in card["accuracy"].items()
-                 if k in shipped["accuracy"]}
+        diffs = {
+            k: round(e["accuracy"] - shipped["accuracy"][k]["accuracy"], 4)
+            for k, e in card["accuracy"].items()
+            if k in shipped["accuracy"]
+        }
         distance = {"differences": diffs, "largest": max((abs(v) for v in diffs.values()), default=0.0)}
     if args.json:
         print(json.dumps({"card": card, "path": out, "against_shipped": distance}, indent=1))
@@ -238,6 +270,9 @@ def _build_visual(args) -> int:
     print(organisms.visual.format_card(card))
     print(f"\nwritten to {out}")
     if distance is not None:
-        print(f"against the shipped card: largest difference {distance['largest']:.3f} (per question kind: "
-              + ", ".join(f"{k} {d:+.3f}" for k, d in distance["differences"].items()) + ")")
+        print(
+            f"against the shipped card: largest difference {distance['largest']:.3f} (per question kind: "
+            + ", ".join(f"{k} {d:+.3f}" for k, d in distance["differences"].items())
+            + ")"
+        )
     return 0

@@ -34,13 +34,16 @@ USAGE = "attnkit probe NAME [--model PATH] [--out DIR] [--json] [--quiet] [--ste
 def add_parser(sub) -> None:
     from ..probes import PROBES
 
-    p = sub.add_parser("probe", help="run a long-context probe (needle, RULER, head scores ...) and write an HTML report",
-                       usage=USAGE,
-                       description="Run one probe on a local transformers model (default: the bundled all-MiniLM-L6-v2 for "
-                                   "probes of encoders) and write results.csv, results.json and a self-contained report.html. "
-                                   "`attnkit probe NAME --help` lists NAME's own options, one per keyword argument of its "
-                                   "Python function.",
-                       epilog=f"probes: {', '.join(PROBES)}")
+    p = sub.add_parser(
+        "probe",
+        help="run a long-context probe (needle, RULER, head scores ...) and write an HTML report",
+        usage=USAGE,
+        description="Run one probe on a local transformers model (default: the bundled all-MiniLM-L6-v2 for "
+        "probes of encoders) and write results.csv, results.json and a self-contained report.html. "
+        "`attnkit probe NAME --help` lists NAME's own options, one per keyword argument of its "
+        "Python function.",
+        epilog=f"probes: {', '.join(PROBES)}",
+    )
     p.add_argument("name", nargs="?", metavar="NAME", help=f"the probe: {', '.join(PROBES)}")
     p.add_argument("options", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
@@ -71,9 +74,23 @@ def _annotation_text(annotation) -> str:
 
 
 #: how the common parameters read when a probe's default (None) and annotation say nothing
-NAMED_KINDS = {"lengths": "ints", "depths": "floats", "positions": "ints", "pairs": "ints", "layers": "ints",
-               "heads": "ints", "updates": "ints", "tasks": "strs", "scores": "strs", "samples": "int", "seed": "int",
-               "batch_size": "int", "top": "int", "threshold": "float", "max_new_tokens": "int"}
+NAMED_KINDS = {
+    "lengths": "ints",
+    "depths": "floats",
+    "positions": "ints",
+    "pairs": "ints",
+    "layers": "ints",
+    "heads": "ints",
+    "updates": "ints",
+    "tasks": "strs",
+    "scores": "strs",
+    "samples": "int",
+    "seed": "int",
+    "batch_size": "int",
+    "top": "int",
+    "threshold": "float",
+    "max_new_tokens": "int",
+}
 
 
 def value_kind(default, annotation="", name: str = "") -> str:
@@ -152,8 +169,13 @@ def _any(text: str):
     return text
 
 
-_READERS = {"int": (_int, "an int (e.g. 8 or 4k = 4096)"), "float": (_float, "a finite number"),
-            "bool": (_bool, "true or false"), "str": (str, "text"), "any": (_any, "a value or a comma-separated list")}
+_READERS = {
+    "int": (_int, "an int (e.g. 8 or 4k = 4096)"),
+    "float": (_float, "a finite number"),
+    "bool": (_bool, "true or false"),
+    "str": (str, "text"),
+    "any": (_any, "a value or a comma-separated list"),
+}
 
 
 def parse_value(text: str, kind: str, option: str):
@@ -210,7 +232,7 @@ def _doc_lines(function) -> dict:
         if not m:
             continue
         text, depth = [m.group(3)], len(m.group(1))
-        for more in lines[i + 1:]:
+        for more in lines[i + 1 :]:
             if not more.strip() or len(more) - len(more.lstrip()) <= depth:
                 break
             text.append(more.strip())
@@ -235,20 +257,33 @@ def build_probe_parser(name: str, function) -> tuple[_Parser, dict]:
     options = probe_options(function)
     docs = _doc_lines(function)
     summary = (_pyinspect.getdoc(function) or "").strip().split("\n\n")[0].replace("\n", " ")
-    p = _Parser(prog=f"attnkit probe {name}", allow_abbrev=False, description=summary or None,
-                epilog="Lists: comma-separated (ints take k = 1024: --lengths 1k,4k). Any keyword by its Python name: "
-                       "--param KEY=VALUE (repeatable).")
-    p.add_argument("--model", metavar="PATH", help="local transformers model directory (an arena export, any causal LM or encoder); "
-                                                    "default: the bundled all-MiniLM-L6-v2, for probes of encoders")
+    p = _Parser(
+        prog=f"attnkit probe {name}",
+        allow_abbrev=False,
+        description=summary or None,
+        epilog="Lists: comma-separated (ints take k = 1024: --lengths 1k,4k). Any keyword by its Python name: "
+        "--param KEY=VALUE (repeatable).",
+    )
+    p.add_argument(
+        "--model",
+        metavar="PATH",
+        help="local transformers model directory (an arena export, any causal LM or encoder); "
+        "default: the bundled all-MiniLM-L6-v2, for probes of encoders",
+    )
     p.add_argument("--out", metavar="DIR", help=f"output directory (default: ./attnkit-probe-{name})")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout (progress stays on stderr)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="set the probe's keyword KEY (repeatable)")
-    p.add_argument("--steer", action="append", default=[], metavar="SPEC",
-                   help="also run the probe steered, shown beside the plain run (repeatable; all apply together): "
-                        "emphasize:span=needle:alpha=0.01:heads=top8, ablate:heads=top5-retrieval, scale:heads=0.1:factor=0.5, "
-                        "temperature:heads=all:t=2, disperse:heads=0.0:strength=1; heads: all, layer.head pairs, topK-SCORE, "
-                        "topK-SCORE@results.json or a head-set file (see attnkit.cli.steer_spec)")
+    p.add_argument(
+        "--steer",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="also run the probe steered, shown beside the plain run (repeatable; all apply together): "
+        "emphasize:span=needle:alpha=0.01:heads=top8, ablate:heads=top5-retrieval, scale:heads=0.1:factor=0.5, "
+        "temperature:heads=all:t=2, disperse:heads=0.0:strength=1; heads: all, layer.head pairs, topK-SCORE, "
+        "topK-SCORE@results.json or a head-set file (see attnkit.cli.steer_spec)",
+    )
     dests = {}
     for keyword, (option, kind, default) in options.items():
         if keyword in COMMON:
@@ -257,8 +292,9 @@ def build_probe_parser(name: str, function) -> tuple[_Parser, dict]:
         shown = "" if default is None else f" (default: {_show(default)})"
         dest = f"probe_{keyword}"
         if kind == "bool":
-            p.add_argument(option, dest=dest, action=argparse.BooleanOptionalAction, default=None,
-                           help=(text + shown).strip() or None)
+            p.add_argument(
+                option, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=(text + shown).strip() or None
+            )
         else:
             metavar = {"ints": "N,...", "floats": "X,...", "strs": "A,...", "int": "N", "float": "X"}.get(kind, keyword.upper())
             if kind in ("str", "any") and (keyword in ("text", "haystack") or keyword.endswith(("file", "path"))):
@@ -278,8 +314,10 @@ def probe_arguments(name: str, function, argv: list[str]) -> tuple[argparse.Name
         if arg.startswith("--") and len(arg) > 2:
             flag = arg.split("=", 1)[0]
             if not any(flag in a.option_strings for a in parser._actions):
-                raise _OptionError(f"{flag}: the {name} probe has no such option (its options: {known or 'none'}; "
-                                   f"see attnkit probe {name} --help)")
+                raise _OptionError(
+                    f"{flag}: the {name} probe has no such option (its options: {known or 'none'}; "
+                    f"see attnkit probe {name} --help)"
+                )
     args, extra = parser.parse_known_args(argv)
     if extra:
         raise _OptionError(f"{extra[0]}: unexpected argument (options take one value: --lengths 1k,2k)")
@@ -359,8 +397,10 @@ def run(args) -> int:
         return 0
     seconds = result.meta.get("seconds")
     took = f" in {seconds:.1f} s" if isinstance(seconds, (int, float)) else ""
-    print(f"{args.name} on {result.meta.get('model') or opts.model or 'all-MiniLM-L6-v2'}: {len(result.rows)} rows, "
-          f"metrics {', '.join(result.metrics) or 'none'}{took}")
+    print(
+        f"{args.name} on {result.meta.get('model') or opts.model or 'all-MiniLM-L6-v2'}: {len(result.rows)} rows, "
+        f"metrics {', '.join(result.metrics) or 'none'}{took}"
+    )
     for line in _summary(result):
         print(line)
     print(f"results: {paths['csv']}, {paths['json']}")
@@ -374,19 +414,21 @@ def _run_probe(function, model_path: str | None, steps, kwargs: dict, steer: lis
     pm = load_probe_model(model_path)
     takes_progress = "progress" in _pyinspect.signature(function).parameters or _takes_any_keyword(function)
     # a check that names the probe's keyword (``attnkit.validate``) names its option here
-    keywords = {name: "--" + name.replace("_", "-") for name in _pyinspect.signature(function).parameters
-                if name not in RESERVED}
+    keywords = {name: "--" + name.replace("_", "-") for name in _pyinspect.signature(function).parameters if name not in RESERVED}
     try:
         call_kwargs = {**({"progress": steps} if takes_progress else {}), **kwargs}
         with options_named(keywords):
             if steer:  # with and without the interventions, in one result (a ``steered`` column)
                 from .steer_spec import run_with_and_without
+
                 return run_with_and_without(function, pm, steer, call_kwargs)
             return function(pm, None, **call_kwargs)
     except ValueError as e:
         if model_path is None and str(e).startswith("--model:"):
-            raise ValueError(f"{e} (without --model the probe runs the bundled all-MiniLM-L6-v2, an encoder: "
-                             f"give --model PATH, a causal LM directory such as an arena export)") from None
+            raise ValueError(
+                f"{e} (without --model the probe runs the bundled all-MiniLM-L6-v2, an encoder: "
+                f"give --model PATH, a causal LM directory such as an arena export)"
+            ) from None
         raise
 
 
@@ -396,8 +438,10 @@ def _summary(result, limit: int = 6) -> list[str]:
     runs = list(dict.fromkeys(r["steered"] for r in result.rows if "steered" in r))  # --steer: plain and steered
     for metric in result.metrics[:limit]:
         if len(runs) > 1:
-            lines.append(f"  {metric}: " + " | ".join(f"mean {result.mean(metric, steered=run):.4g} ({'plain' if run == 'none' else run})"
-                                                       for run in runs))
+            lines.append(
+                f"  {metric}: "
+                + " | ".join(f"mean {result.mean(metric, steered=run):.4g} ({'plain' if run == 'none' else run})" for run in runs)
+            )
             continue
         mean = result.mean(metric)
         if mean == mean:

@@ -21,5 +21,9 @@ class Progress:
         filled = int(width * self.done / max(self.total, 1))
         bar = "#" * filled + "." * (width - filled)
         end = "\n" if self.done >= self.total or not sys.stderr.isatty() else "\r"
-        sys.stderr.write(f"{self.label} [{bar}] {self.done}/{self.total} {elapsed:5.1f}s {what}\033[K{end}" if sys.stderr.isatty() else f"{self.label} {self.done}/{self.total} {elapsed:.1f}s {what}{end}")
+        sys.stderr.write(
+            f"{self.label} [{bar}] {self.done}/{self.total} {elapsed:5.1f}s {what}\033[K{end}"
+            if sys.stderr.isatty()
+            else f"{self.label} {self.done}/{self.total} {elapsed:.1f}s {what}{end}"
+        )
         sys.stderr.flush()

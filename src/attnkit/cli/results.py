@@ -14,8 +14,11 @@ import sys
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("results", help="print a sweep's results store (attnkit arena sweep --out DIR)",
-                       description="Print the tidy rows of a sweep's store (DIR/sweep.sqlite) as a table, JSON or CSV.")
+    p = sub.add_parser(
+        "results",
+        help="print a sweep's results store (attnkit arena sweep --out DIR)",
+        description="Print the tidy rows of a sweep's store (DIR/sweep.sqlite) as a table, JSON or CSV.",
+    )
     p.add_argument("dir", metavar="DIR", help="the sweep's --out directory (or its sweep.sqlite)")
     form = p.add_mutually_exclusive_group()
     form.add_argument("--json", action="store_true", help="rows, cells and the store's meta as JSON")
@@ -32,15 +35,25 @@ def run(args) -> int:
         rows, cells, meta = store.rows(), store.cells(), store.meta()
     failed = [c for c in cells if c["status"] == "failed"]
     if args.json:
-        print(json.dumps({"meta": meta, "rows": rows, "cells": [{k: v for k, v in c.items() if k != "traceback" or args.failed}
-                                                                  for c in cells]}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "meta": meta,
+                    "rows": rows,
+                    "cells": [{k: v for k, v in c.items() if k != "traceback" or args.failed} for c in cells],
+                },
+                indent=1,
+            )
+        )
         return 0
     if args.csv:
         sys.stdout.write(to_csv(rows))
         return 0
     done = len(cells) - len(failed)
-    print(f"{args.dir}: {done} cells done, {len(failed)} failed, {len(rows)} rows "
-          f"(attnkit {meta.get('attnkit_version')}, grid {meta.get('grid_hash')})")
+    print(
+        f"{args.dir}: {done} cells done, {len(failed)} failed, {len(rows)} rows "
+        f"(attnkit {meta.get('attnkit_version')}, grid {meta.get('grid_hash')})"
+    )
     if rows:
         print(format_table(rows))
     for c in failed:

@@ -25,8 +25,10 @@ import time
 import weakref
 
 SCORE_NAMES = ("retrieval", "induction", "previous_token", "duplicate_token", "sink")
-HEADS_HELP = ("all, layer.head pairs (0.1,1.0), topK-SCORE (computed on the fly), topK-SCORE@results.json of attnkit "
-              "probe heads, or a head-set file")
+HEADS_HELP = (
+    "all, layer.head pairs (0.1,1.0), topK-SCORE (computed on the fly), topK-SCORE@results.json of attnkit "
+    "probe heads, or a head-set file"
+)
 
 
 def parse_spec(text: str) -> tuple[str, dict[str, str]]:
@@ -62,9 +64,14 @@ def _registry():
     from ..steer.registry import INTERVENTIONS, number, register_intervention, text
 
     if "emphasize" not in INTERVENTIONS:  # the command line's PASTA: on a span the running probe measures
-        register_intervention("emphasize", lambda heads, span, alpha: probe_span_emphasis(span, heads, alpha),
-                              params={"span": text, "alpha": number}, required=("span",), defaults={"alpha": "0.01"},
-                              example="emphasize:span=needle:alpha=0.01:heads=top8")
+        register_intervention(
+            "emphasize",
+            lambda heads, span, alpha: probe_span_emphasis(span, heads, alpha),
+            params={"span": text, "alpha": number},
+            required=("span",),
+            defaults={"alpha": "0.01"},
+            example="emphasize:span=needle:alpha=0.01:heads=top8",
+        )
     return INTERVENTIONS
 
 
@@ -151,14 +158,18 @@ def probe_span_emphasis(span: str, heads, alpha: float):
             rows = [[] for _ in range(batch)]
             for meter in meters:
                 for name, ranges in meter.spans.items():
-                    if name == span or name.startswith(span + "#") or (name.startswith(span) and name[len(span):].isdigit()):
+                    if name == span or name.startswith(span + "#") or (name.startswith(span) and name[len(span) :].isdigit()):
                         if len(ranges) != batch:
-                            raise ValueError(f"--steer: span {span!r} is measured for {len(ranges)} prompts, the call has {batch}")
+                            raise ValueError(
+                                f"--steer: span {span!r} is measured for {len(ranges)} prompts, the call has {batch}"
+                            )
                         for b, r in enumerate(ranges):
                             rows[b].append(r)
             if not all(rows):
-                raise ValueError(f"--steer: span={span}: this probe measures no span of that name "
-                                 f"(it measures: {', '.join(sorted(set(names))) or 'none'})")
+                raise ValueError(
+                    f"--steer: span={span}: this probe measures no span of that name "
+                    f"(it measures: {', '.join(sorted(set(names))) or 'none'})"
+                )
             for b, ranges in enumerate(rows):
                 for start, end in ranges:
                     if end > k_len:
@@ -207,8 +218,11 @@ def run_with_and_without(function, pm, specs: list[str], call_kwargs: dict):
     merged = ProbeResult(plain.probe, [], dict(plain.meta))
     merged.extend(plain, steered="none")
     merged.extend(steered, steered=label)
-    merged.meta["steer"] = {"specs": list(specs), "interventions": [repr(iv) for iv in steering.interventions],
-                            "heads": [{str(layer): list(h) for layer, h in iv.heads.items()} for iv in steering.interventions],
-                            "steered_meta": {k: v for k, v in steered.meta.items() if k not in ("figures", "params")}}
+    merged.meta["steer"] = {
+        "specs": list(specs),
+        "interventions": [repr(iv) for iv in steering.interventions],
+        "heads": [{str(layer): list(h) for layer, h in iv.heads.items()} for iv in steering.interventions],
+        "steered_meta": {k: v for k, v in steered.meta.items() if k not in ("figures", "params")},
+    }
     merged.meta["seconds"] = time.perf_counter() - started
     return merged

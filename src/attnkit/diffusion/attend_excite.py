@@ -45,8 +45,10 @@ def gaussian_smooth(maps: Tensor, sigma: float = PAPER_SIGMA, kernel_size: int =
     pad = kernel_size // 2
     h, w = maps.shape[-2:]
     if pad and (h <= pad or w <= pad):
-        raise ValueError(f"maps: a {kernel_size}x{kernel_size} smoothing with reflected borders needs a grid larger than "
-                         f"{pad} on each side, got {h}x{w}")
+        raise ValueError(
+            f"maps: a {kernel_size}x{kernel_size} smoothing with reflected borders needs a grid larger than "
+            f"{pad} on each side, got {h}x{w}"
+        )
     x = torch.arange(kernel_size, dtype=maps.dtype, device=maps.device) - pad
     g = torch.exp(-(x**2) / (2 * sigma**2))
     kernel = (g[:, None] * g[None, :]) / (g.sum() ** 2)
@@ -87,8 +89,9 @@ def token_maps_for_loss(maps: Tensor, tokens, span=(1, None), temperature: float
     return renorm[:, [t - lo for t in idx]]
 
 
-def excite_loss(maps: Tensor, tokens, *, span=(1, None), temperature: float | None = 100.0, sigma: float = PAPER_SIGMA,
-                kernel_size: int = 3) -> Tensor:
+def excite_loss(
+    maps: Tensor, tokens, *, span=(1, None), temperature: float | None = 100.0, sigma: float = PAPER_SIGMA, kernel_size: int = 3
+) -> Tensor:
     """(B,) Attend-and-Excite's loss of each batch row, from maps (B, T, h, w):
     max over ``tokens`` of max(0, 1 - max over positions of the smoothed map)."""
     chosen = token_maps_for_loss(maps, tokens, span, temperature)
@@ -119,8 +122,9 @@ class ExciteOptions:
             x = latents if self.scale_input is None else self.scale_input(latents)
             denoise(model, x, t, prompt_embeds, self.model_kwargs)
             maps = rec.maps(self.size)
-        return excite_loss(maps, tokens, span=self.span, temperature=self.temperature, sigma=self.sigma,
-                           kernel_size=self.kernel_size)
+        return excite_loss(
+            maps, tokens, span=self.span, temperature=self.temperature, sigma=self.sigma, kernel_size=self.kernel_size
+        )
 
 
 def excite_options(options: dict) -> ExciteOptions:
@@ -153,8 +157,18 @@ class ExciteStep:
     updates: int
 
 
-def attend_and_excite_step(model, latents: Tensor, t, prompt_embeds: Tensor, tokens, *, step_size: float = 20.0,
-                           threshold: float | None = None, max_iterations: int = 1, **options) -> ExciteStep:
+def attend_and_excite_step(
+    model,
+    latents: Tensor,
+    t,
+    prompt_embeds: Tensor,
+    tokens,
+    *,
+    step_size: float = 20.0,
+    threshold: float | None = None,
+    max_iterations: int = 1,
+    **options,
+) -> ExciteStep:
     """Gradient steps ``z <- z - step_size * dL/dz`` on the latents while the loss is
     above its target, at most ``max_iterations`` of them.
 
@@ -175,8 +189,10 @@ def attend_and_excite_step(model, latents: Tensor, t, prompt_embeds: Tensor, tok
     if not isinstance(latents, Tensor) or not latents.is_floating_point():
         raise ValueError("latents: expected a floating-point tensor")
     if prompt_embeds.shape[0] != latents.shape[0]:
-        raise ValueError(f"prompt_embeds: batch {prompt_embeds.shape[0]} differs from the latents' batch {latents.shape[0]} "
-                         "(pass the conditional embeddings only)")
+        raise ValueError(
+            f"prompt_embeds: batch {prompt_embeds.shape[0]} differs from the latents' batch {latents.shape[0]} "
+            "(pass the conditional embeddings only)"
+        )
     if threshold is not None and not 0.0 <= threshold <= 1.0:
         raise ValueError(f"threshold: expected a value in [0, 1] or None, got {threshold}")
     if max_iterations < 1:
@@ -223,8 +239,17 @@ class AttendAndExcite:
 
     tensor_inputs = ["latents", "prompt_embeds"]
 
-    def __init__(self, tokens, *, steps: int = 25, scale_factor: float = 20.0, scale_range=(1.0, 0.5),
-                 thresholds: dict | None = None, max_refinement: int = 20, **options):
+    def __init__(
+        self,
+        tokens,
+        *,
+        steps: int = 25,
+        scale_factor: float = 20.0,
+        scale_range=(1.0, 0.5),
+        thresholds: dict | None = None,
+        max_refinement: int = 20,
+        **options,
+    ):
         self.tokens = tokens
         self.steps = steps
         self.scale_factor = scale_factor
@@ -248,8 +273,17 @@ class AttendAndExcite:
         options = {**self.options, "scale_input": scale_input}
         z = latents
         if i in self.thresholds:
-            r = attend_and_excite_step(model, z, t, prompt_embeds, self.tokens, step_size=alpha,
-                                       threshold=self.thresholds[i], max_iterations=self.max_refinement, **options)
+            r = attend_and_excite_step(
+                model,
+                z,
+                t,
+                prompt_embeds,
+                self.tokens,
+                step_size=alpha,
+                threshold=self.thresholds[i],
+                max_iterations=self.max_refinement,
+                **options,
+            )
             z = r.latents
         r = attend_and_excite_step(model, z, t, prompt_embeds, self.tokens, step_size=alpha, **options)
         self.history.append((i, r.losses[0]))
@@ -267,8 +301,9 @@ class AttendAndExcite:
         scheduler.set_timesteps(num_inference_steps, device=latents.device)
         sigma = float(getattr(scheduler, "init_noise_sigma", 1.0))
         t0 = scheduler.timesteps[0]
-        z = self.refine(pipe, 0, len(scheduler.timesteps), t0, latents * sigma, prompt_embeds,
-                        lambda z: scheduler.scale_model_input(z, t0))
+        z = self.refine(
+            pipe, 0, len(scheduler.timesteps), t0, latents * sigma, prompt_embeds, lambda z: scheduler.scale_model_input(z, t0)
+        )
         return z / sigma
 
     def __call__(self, pipe, step: int, timestep, callback_kwargs: dict) -> dict:
@@ -283,5 +318,12 @@ class AttendAndExcite:
         return {**callback_kwargs, "latents": z.to(latents.dtype)}
 
 
-__all__ = ["AttendAndExcite", "ExciteStep", "attend_and_excite_loss", "attend_and_excite_step", "excite_loss",
-           "gaussian_smooth", "token_maps_for_loss"]
+__all__ = [
+    "AttendAndExcite",
+    "ExciteStep",
+    "attend_and_excite_loss",
+    "attend_and_excite_step",
+    "excite_loss",
+    "gaussian_smooth",
+    "token_maps_for_loss",
+]

@@ -91,8 +91,15 @@ def _scaled(model, scales: dict, layers: list[str] | None, kind: str | None, obs
         with edits_on(scaled, lambda layer, previous: _Scale(scales[layer.name], previous)):
             yield switch
 
-def measure_entropy(model_or_pipeline, run: Callable[[], object], *, layers: Iterable[str] | None = None,
-                    kind: str | None = "self", scales: dict | None = None) -> dict[str, LayerEntropy]:
+
+def measure_entropy(
+    model_or_pipeline,
+    run: Callable[[], object],
+    *,
+    layers: Iterable[str] | None = None,
+    kind: str | None = "self",
+    scales: dict | None = None,
+) -> dict[str, LayerEntropy]:
     """Call ``run()`` (which runs the model or pipeline) with attnkit's ``Entropy`` meter on
     the chosen layers (module paths, exact; default: every layer of ``kind``) and return
     each layer's ``LayerEntropy``, keyed by module path. ``scales`` (path -> factor, or
@@ -112,14 +119,17 @@ def measure_entropy(model_or_pipeline, run: Callable[[], object], *, layers: Ite
         if metric == "entropy.mean":
             per_layer.setdefault(layer, []).append(value)
     if not per_layer:
-        raise ValueError("run: the model made no attention call on the chosen layers; run(), called with no arguments, "
-                         "must run the model (or pipeline) passed")
+        raise ValueError(
+            "run: the model made no attention call on the chosen layers; run(), called with no arguments, "
+            "must run the model (or pipeline) passed"
+        )
     out = {}
     for layer, values in sorted(per_layer.items()):
         keys = meter.keys[layer]
         if len(keys) != 1:
-            raise ValueError(f"run: {names[layer]} saw calls with different key counts {sorted(keys)}; calibrate at one "
-                             "resolution per run")
+            raise ValueError(
+                f"run: {names[layer]} saw calls with different key counts {sorted(keys)}; calibrate at one resolution per run"
+            )
         out[names[layer]] = LayerEntropy(sum(values) / len(values), next(iter(keys)), tuple(values))
     return out
 
@@ -142,18 +152,30 @@ class EntropyConcentration:
                 raise ValueError(f"scales: keys are module paths (str), got {name!r}")
             many = isinstance(factor, (list, tuple))
             values = list(factor) if many else [factor]
-            if not values or any(isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0
-                                 for f in values):
-                raise ValueError(f"scales: the factor of {name!r} must be a finite number > 0 or a non-empty list of them "
-                                 f"(one per head), got {factor!r}")
+            if not values or any(
+                isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0 for f in values
+            ):
+                raise ValueError(
+                    f"scales: the factor of {name!r} must be a finite number > 0 or a non-empty list of them "
+                    f"(one per head), got {factor!r}"
+                )
             self.scales[name] = tuple(float(f) for f in values) if many else float(factor)
         self.base: dict[str, LayerEntropy] = {}
         self.history: list[dict[str, LayerEntropy]] = []
 
     @classmethod
-    def calibrate(cls, model_or_pipeline, base_run: Callable[[], object], target_run: Callable[[], object], *,
-                  layers: Iterable[str] | None = None, kind: str | None = "self", rounds: int = 3,
-                  max_scale: float = 8.0, per_head: bool = False) -> EntropyConcentration:
+    def calibrate(
+        cls,
+        model_or_pipeline,
+        base_run: Callable[[], object],
+        target_run: Callable[[], object],
+        *,
+        layers: Iterable[str] | None = None,
+        kind: str | None = "self",
+        rounds: int = 3,
+        max_scale: float = 8.0,
+        per_head: bool = False,
+    ) -> EntropyConcentration:
         """Factors that bring each layer's entropy at the target resolution back to its
         entropy at the base resolution.
 
@@ -183,11 +205,14 @@ class EntropyConcentration:
             for name, b in base.items():
                 seen = [h[name] for h in history]
                 if per_head:
-                    scales[name] = tuple(_update([s[name][j] for s in tried], [e.heads[j] for e in seen], seen[-1].keys,
-                                                 b.heads[j], max_scale) for j in range(len(b.heads)))
+                    scales[name] = tuple(
+                        _update([s[name][j] for s in tried], [e.heads[j] for e in seen], seen[-1].keys, b.heads[j], max_scale)
+                        for j in range(len(b.heads))
+                    )
                 else:
-                    scales[name] = _update([s[name] for s in tried], [e.entropy for e in seen], seen[-1].keys, b.entropy,
-                                           max_scale)
+                    scales[name] = _update(
+                        [s[name] for s in tried], [e.entropy for e in seen], seen[-1].keys, b.entropy, max_scale
+                    )
         out = cls(scales)
         out.base, out.history = base, history
         return out

@@ -46,15 +46,21 @@ def check_scale(layer: AttentionLayer, head_dim: int) -> None:
     rather than mapped with the wrong one."""
     declared = getattr(layer.module, "scale", None)
     if isinstance(declared, (int, float)) and abs(float(declared) * math.sqrt(head_dim) - 1.0) > 1e-6:
-        raise ValueError(f"layers: {layer.name} declares the logit scale {declared}, not 1/sqrt({head_dim}); attention maps "
-                         "and losses on them assume the default scale")
+        raise ValueError(
+            f"layers: {layer.name} declares the logit scale {declared}, not 1/sqrt({head_dim}); attention maps "
+            "and losses on them assume the default scale"
+        )
 
 
 def _index_grids(b, h, nq, nk, q_pos: Tensor, kv_pos: Tensor, device):
     """Broadcast index tensors for evaluating score mods on a block: q positions are
     counted among the keys (query i of the call sits at Nk - Nq + i)."""
-    return (torch.arange(b, device=device).view(-1, 1, 1, 1), torch.arange(h, device=device).view(1, -1, 1, 1),
-            (q_pos + (nk - nq)).view(1, 1, -1, 1), kv_pos.view(1, 1, 1, -1))
+    return (
+        torch.arange(b, device=device).view(-1, 1, 1, 1),
+        torch.arange(h, device=device).view(1, -1, 1, 1),
+        (q_pos + (nk - nq)).view(1, 1, -1, 1),
+        kv_pos.view(1, 1, 1, -1),
+    )
 
 
 def block_logits(query: Tensor, key: Tensor, rows: Tensor, cols: Tensor, mods, scale: float) -> Tensor:
@@ -168,14 +174,17 @@ class MapRecorder:
         if self.grid is not None and layout.grid is not None and tuple(layout.grid) != self.grid:
             return
         if layout.grid is None:
-            raise ValueError(f"grid: cannot tell the latent grid of {layout.name}; pass a model input of shape (B, C, H, W) "
-                             "or a square latent")
+            raise ValueError(
+                f"grid: cannot tell the latent grid of {layout.name}; pass a model input of shape (B, C, H, W) or a square latent"
+            )
         p = self._heads_of(text_block(layout, query, key, mods), layout.name)  # (B, H', N, T)
         part = p.sum(1).transpose(1, 2)  # (B, T, N)
         held = self._sums.get(layout.grid)
         if held is not None and held.shape != part.shape:
-            raise ValueError(f"calls: {layout.name} has batch and text sizes {tuple(part.shape[:2])}, but earlier calls had "
-                             f"{tuple(held.shape[:2])}; record one prompt batch per block (or call clear())")
+            raise ValueError(
+                f"calls: {layout.name} has batch and text sizes {tuple(part.shape[:2])}, but earlier calls had "
+                f"{tuple(held.shape[:2])}; record one prompt batch per block (or call clear())"
+            )
         self._sums[layout.grid] = part if held is None else held + part
         self._counts[layout.grid] = self._counts.get(layout.grid, 0) + p.shape[1]
 
@@ -190,8 +199,10 @@ class MapRecorder:
         mean, each weighted by its number of head-calls, as ``TokenMaps.maps`` does."""
         if not self._sums:
             where = "" if self.grid is None else f" at the grid {self.grid}"
-            raise ValueError(f"maps: no cross or joint attention call{where} was recorded; run the denoiser inside "
-                             "record_maps with layers that attend to text")
+            raise ValueError(
+                f"maps: no cross or joint attention call{where} was recorded; run the denoiser inside "
+                "record_maps with layers that attend to text"
+            )
         return mean_over_grids(self._sums, self._counts, size)
 
     def self_maps(self, positions: Tensor, size: tuple[int, int]) -> Tensor:
@@ -210,9 +221,11 @@ class MapRecorder:
             total = part if total is None else total + part
             count += rows.shape[1]
         if total is None:
-            raise ValueError(f"self_layers: no self- or joint attention call at the grid {tuple(size)} was recorded; "
-                             f"choose self_layers that run at that grid (recorded grids: "
-                             f"{sorted({tuple(c[0].grid) for c in self._self_calls})})")
+            raise ValueError(
+                f"self_layers: no self- or joint attention call at the grid {tuple(size)} was recorded; "
+                f"choose self_layers that run at that grid (recorded grids: "
+                f"{sorted({tuple(c[0].grid) for c in self._self_calls})})"
+            )
         return (total / count).reshape(positions.shape[0], positions.shape[1], *size)
 
 
@@ -253,7 +266,6 @@ def _grid(grid) -> tuple[int, int] | None:
     if not isinstance(grid, (tuple, list)) or len(grid) != 2 or any(not isinstance(g, int) or g < 1 for g in grid):
         raise ValueError(f"grid: expected None or (h, w) positive ints, got {grid!r}")
     return tuple(grid)
-
 
 
 def denoise(model, latents: Tensor, t, prompt_embeds: Tensor, model_kwargs: dict | None = None) -> Tensor:

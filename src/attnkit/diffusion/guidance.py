@@ -36,8 +36,16 @@ UNBATCHED = frozenset({"img_ids", "txt_ids"})
 
 
 @contextmanager
-def pag(pipeline_or_model, layers, scale: float = 3.0, *, strength: float = 1.0, text: str = "identity",
-        cfg: bool | None = None, conditional: str = "second"):
+def pag(
+    pipeline_or_model,
+    layers,
+    scale: float = 3.0,
+    *,
+    strength: float = 1.0,
+    text: str = "identity",
+    cfg: bool | None = None,
+    conditional: str = "second",
+):
     """Perturbed-attention guidance (and SoftPAG) on ``pipeline_or_model`` inside ``with``.
 
     Args:
@@ -71,12 +79,16 @@ def pag(pipeline_or_model, layers, scale: float = 3.0, *, strength: float = 1.0,
     if text not in TEXT_CHOICES:
         raise ValueError(f"text: expected one of {TEXT_CHOICES}, got {text!r}")
     if conditional not in ("first", "second"):
-        raise ValueError(f"conditional: expected 'first' or 'second' (the half holding the conditional rows), got {conditional!r}")
+        raise ValueError(
+            f"conditional: expected 'first' or 'second' (the half holding the conditional rows), got {conditional!r}"
+        )
     model = denoiser(pipeline_or_model)
     # on the class: the pipelines' property reads state that exists only inside __call__
     if cfg is None and not hasattr(type(pipeline_or_model), "do_classifier_free_guidance"):
-        raise ValueError(f"cfg: {type(pipeline_or_model).__name__} does not say whether it batches classifier-free "
-                         "guidance; pass cfg=True ([unconditional; conditional] halves) or cfg=False")
+        raise ValueError(
+            f"cfg: {type(pipeline_or_model).__name__} does not say whether it batches classifier-free "
+            "guidance; pass cfg=True ([unconditional; conditional] halves) or cfg=False"
+        )
     try:
         signature = inspect.signature(model.forward)
     except (TypeError, ValueError):
@@ -105,8 +117,10 @@ def pag(pipeline_or_model, layers, scale: float = 3.0, *, strength: float = 1.0,
                 state.rows = None
             sample = _sample(out)
             if sample.shape[0] != len(rows):
-                raise ValueError(f"pipeline_or_model: the denoiser returned {sample.shape[0]} rows for a call of {len(rows)}; "
-                                 "pag needs one prediction per batch row")
+                raise ValueError(
+                    f"pipeline_or_model: the denoiser returned {sample.shape[0]} rows for a call of {len(rows)}; "
+                    "pag needs one prediction per batch row"
+                )
             eps, eps_ptb = sample[:batch], sample[batch:]
             delta = float(scale) * (eps[cond.to(eps.device)] - eps_ptb)
             guided_eps = eps + (torch.cat([delta, delta]) if halves else delta)
@@ -162,7 +176,9 @@ def _extend(name: str, value, batch: int, cond: Tensor):
 def _sample(out) -> Tensor:
     sample = out[0] if isinstance(out, (tuple, list)) else getattr(out, "sample", None)
     if not isinstance(sample, Tensor):
-        raise ValueError(f"pipeline_or_model: the denoiser returned {type(out).__name__}; expected a tuple or an output with .sample")
+        raise ValueError(
+            f"pipeline_or_model: the denoiser returned {type(out).__name__}; expected a tuple or an output with .sample"
+        )
     return sample
 
 

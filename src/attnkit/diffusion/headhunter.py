@@ -74,8 +74,11 @@ def print_progress(step: HuntStep) -> None:
     """A ready ``progress`` callback: one line per evaluation on stderr."""
     layer, head = step.candidate
     note = " (cached)" if step.cached else ""
-    print(f"headhunter round {step.round + 1} [{step.index + 1}/{step.total}] {layer}:{head} "
-          f"score {step.score:.6g}{note}", file=sys.stderr, flush=True)
+    print(
+        f"headhunter round {step.round + 1} [{step.index + 1}/{step.total}] {layer}:{head} score {step.score:.6g}{note}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def hunt(
@@ -127,8 +130,17 @@ def hunt(
     if "generator" in call_kwargs:
         raise ValueError("call_kwargs: hunt makes each call's generator from seeds; do not pass generator=")
     pool = head_candidates(pipeline) if candidates is None else _check_pairs(candidates, pipeline)
-    settings = dict(scale=scale, strength=strength, text=text, cfg=cfg, whole_set=whole_set, prompts=prompts, seeds=seeds,
-                    call=call_kwargs, objective=getattr(objective, "__qualname__", type(objective).__name__))
+    settings = dict(
+        scale=scale,
+        strength=strength,
+        text=text,
+        cfg=cfg,
+        whole_set=whole_set,
+        prompts=prompts,
+        seeds=seeds,
+        call=call_kwargs,
+        objective=getattr(objective, "__qualname__", type(objective).__name__),
+    )
     fingerprint = _fingerprint(settings)
 
     def evaluate(selection: tuple[Pair, ...]) -> float:
@@ -164,17 +176,30 @@ def _number(value, selection, seed) -> float:
     return float(value)
 
 
-def greedy(candidates: Sequence[Pair], score: Callable[[tuple[Pair, ...]], float], *, rounds: int = 1, maximize: bool = True,
-           cache: str | os.PathLike | None = None, fingerprint: str = "", progress: Callable[[HuntStep], None] | None = None
-           ) -> HuntResult:
+def greedy(
+    candidates: Sequence[Pair],
+    score: Callable[[tuple[Pair, ...]], float],
+    *,
+    rounds: int = 1,
+    maximize: bool = True,
+    cache: str | os.PathLike | None = None,
+    fingerprint: str = "",
+    progress: Callable[[HuntStep], None] | None = None,
+) -> HuntResult:
     """HeadHunter's greedy loop on any ``score(selection) -> float`` of a sorted tuple of
     (layer, head) pairs: each round adds the candidate whose set scores best (the first
     in candidate order among equals). ``cache``/``fingerprint``: the resumable JSON
     cache (see the module docstring); ``hunt`` scores sets by sampling."""
     pool = []
     for c in candidates:
-        if not (isinstance(c, (tuple, list)) and len(c) == 2 and isinstance(c[0], str) and isinstance(c[1], int)
-                and not isinstance(c[1], bool) and c[1] >= 0):
+        if not (
+            isinstance(c, (tuple, list))
+            and len(c) == 2
+            and isinstance(c[0], str)
+            and isinstance(c[1], int)
+            and not isinstance(c[1], bool)
+            and c[1] >= 0
+        ):
             raise ValueError(f"candidates: expected (module path, head) pairs, got {c!r}")
         if (c[0], c[1]) not in pool:
             pool.append((c[0], c[1]))
@@ -211,8 +236,13 @@ def _check_pairs(candidates, pipeline) -> list[Pair]:
     valid = set(head_candidates(pipeline))
     pairs = []
     for c in candidates:
-        if not (isinstance(c, (tuple, list)) and len(c) == 2 and isinstance(c[0], str) and isinstance(c[1], int)
-                and not isinstance(c[1], bool)):
+        if not (
+            isinstance(c, (tuple, list))
+            and len(c) == 2
+            and isinstance(c[0], str)
+            and isinstance(c[1], int)
+            and not isinstance(c[1], bool)
+        ):
             raise ValueError(f"candidates: expected (module path, head) pairs, got {c!r}")
         pair = (c[0], int(c[1]))
         if pair not in valid:
@@ -272,13 +302,16 @@ class _Cache:
         if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or not isinstance(data.get("scores"), dict):
             raise ValueError(f"cache: {os.fspath(path)!r} is not a HeadHunter cache (version {CACHE_VERSION})")
         if data.get("fingerprint") != fingerprint:
-            raise ValueError(f"cache: {os.fspath(path)!r} was made with other settings (scale, strength, prompts, seeds, "
-                             "call arguments or objective); use another file")
+            raise ValueError(
+                f"cache: {os.fspath(path)!r} was made with other settings (scale, strength, prompts, seeds, "
+                "call arguments or objective); use another file"
+            )
         for key, score in data["scores"].items():
             try:
                 pairs = json.loads(key)
-                ok = isinstance(pairs, list) and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
-                                                      and isinstance(p[1], int) for p in pairs)
+                ok = isinstance(pairs, list) and all(
+                    isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], int) for p in pairs
+                )
             except ValueError:
                 ok = False
             if not ok or isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
@@ -292,8 +325,7 @@ class _Cache:
         self.scores[_key(selection)] = score
         if self.path is None:
             return
-        write_json_atomic(self.path, {"version": CACHE_VERSION, "fingerprint": self.fingerprint, "scores": self.scores},
-                          indent=1)
+        write_json_atomic(self.path, {"version": CACHE_VERSION, "fingerprint": self.fingerprint, "scores": self.scores}, indent=1)
 
 
 __all__ = ["HuntResult", "HuntStep", "greedy", "head_candidates", "hunt", "print_progress"]

@@ -65,10 +65,25 @@ def conflict_score(self_maps: Tensor) -> Tensor:
     return total / pairs if pairs else total
 
 
-def initno_scores(model, latents: Tensor, t, prompt_embeds: Tensor, tokens, *, layers=None, self_layers=None, heads=None,
-                  grid: tuple[int, int] | None = None, size: tuple[int, int] | None = None, span=(1, None),
-                  temperature: float | None = 100.0, sigma: float = PAPER_SIGMA, kernel_size: int = 3, self_gate: float = 0.5,
-                  model_kwargs: dict | None = None) -> InitNOScores:
+def initno_scores(
+    model,
+    latents: Tensor,
+    t,
+    prompt_embeds: Tensor,
+    tokens,
+    *,
+    layers=None,
+    self_layers=None,
+    heads=None,
+    grid: tuple[int, int] | None = None,
+    size: tuple[int, int] | None = None,
+    span=(1, None),
+    temperature: float | None = 100.0,
+    sigma: float = PAPER_SIGMA,
+    kernel_size: int = 3,
+    self_gate: float = 0.5,
+    model_kwargs: dict | None = None,
+) -> InitNOScores:
     """InitNO's scores of ``latents`` at timestep ``t``, differentiable w.r.t. them.
 
     ``layers``: cross- or joint-attention layers of the maps (default: all);
@@ -117,9 +132,21 @@ class InitNOResult:
     history: list
 
 
-def initno(model, latents: Tensor, t, prompt_embeds: Tensor, tokens, *, steps: int = 50, lr: float = 1e-2,
-           cross_threshold: float = 0.2, self_threshold: float = 0.3, kl_limit: float = 1e-3, kl_max_steps: int = 100,
-           **options) -> InitNOResult:
+def initno(
+    model,
+    latents: Tensor,
+    t,
+    prompt_embeds: Tensor,
+    tokens,
+    *,
+    steps: int = 50,
+    lr: float = 1e-2,
+    cross_threshold: float = 0.2,
+    self_threshold: float = 0.3,
+    kl_limit: float = 1e-3,
+    kl_max_steps: int = 100,
+    **options,
+) -> InitNOResult:
     """Optimise the initial noise ``latents`` (B, C, H, W) for the prompt.
 
     Args:
@@ -140,8 +167,19 @@ def initno(model, latents: Tensor, t, prompt_embeds: Tensor, tokens, *, steps: i
         raise ValueError(f"prompt_embeds: batch {prompt_embeds.shape[0]} differs from the latents' batch {latents.shape[0]}")
     if steps < 1 or kl_limit <= 0 or lr <= 0:
         raise ValueError(f"steps, lr, kl_limit: expected steps >= 1 and lr, kl_limit > 0, got {steps}, {lr}, {kl_limit}")
-    known = {"layers", "self_layers", "heads", "grid", "size", "span", "temperature", "sigma", "kernel_size", "self_gate",
-             "model_kwargs"}
+    known = {
+        "layers",
+        "self_layers",
+        "heads",
+        "grid",
+        "size",
+        "span",
+        "temperature",
+        "sigma",
+        "kernel_size",
+        "self_gate",
+        "model_kwargs",
+    }
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(f"options: unknown {unknown}; expected some of {sorted(known)}")
@@ -190,8 +228,9 @@ def initno(model, latents: Tensor, t, prompt_embeds: Tensor, tokens, *, steps: i
 
 def _merge(old: InitNOScores, new: InitNOScores, take: Tensor) -> InitNOScores:
     pick = lambda a, b: torch.where(take.view(-1, *([1] * (a.dim() - 1))), b, a)  # noqa: E731
-    return InitNOScores(pick(old.cross, new.cross), pick(old.self, new.self), pick(old.joint, new.joint),
-                        pick(old.peaks, new.peaks))
+    return InitNOScores(
+        pick(old.cross, new.cross), pick(old.self, new.self), pick(old.joint, new.joint), pick(old.peaks, new.peaks)
+    )
 
 
 __all__ = ["InitNOResult", "InitNOScores", "conflict_score", "gaussian_kl", "initno", "initno_scores"]

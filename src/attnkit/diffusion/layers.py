@@ -108,8 +108,14 @@ def grid_for(tokens: int, latent: tuple[int, int] | None) -> tuple[int, int] | N
     return (side, side) if side * side == tokens else None
 
 
-def call_layout(layer: AttentionLayer, step: int, image_len: int, text_len: int | None, in_sequence_text: int | None,
-                latent: tuple[int, int] | None) -> CallLayout:
+def call_layout(
+    layer: AttentionLayer,
+    step: int,
+    image_len: int,
+    text_len: int | None,
+    in_sequence_text: int | None,
+    latent: tuple[int, int] | None,
+) -> CallLayout:
     """The layout of one call of ``layer``: ``image_len`` tokens of hidden states,
     ``text_len`` tokens of ``encoder_hidden_states`` passed to the module (None when none
     was), ``in_sequence_text`` the text length of the model's call (for single-stream
@@ -117,17 +123,33 @@ def call_layout(layer: AttentionLayer, step: int, image_len: int, text_len: int 
     if text_len is None:
         if layer.kind == "joint" and layer.text_first and in_sequence_text is not None and in_sequence_text < image_len:
             n_img = image_len - in_sequence_text
-            return CallLayout(layer.index, layer.name, layer.kind, step, (in_sequence_text, image_len), (0, in_sequence_text),
-                              grid_for(n_img, latent))
-        return CallLayout(layer.index, layer.name, layer.kind if layer.kind != "cross" else "self", step, (0, image_len), None,
-                          grid_for(image_len, latent))
+            return CallLayout(
+                layer.index,
+                layer.name,
+                layer.kind,
+                step,
+                (in_sequence_text, image_len),
+                (0, in_sequence_text),
+                grid_for(n_img, latent),
+            )
+        return CallLayout(
+            layer.index,
+            layer.name,
+            layer.kind if layer.kind != "cross" else "self",
+            step,
+            (0, image_len),
+            None,
+            grid_for(image_len, latent),
+        )
     if layer.kind == "cross" or layer.kind == "self":
         return CallLayout(layer.index, layer.name, "cross", step, (0, image_len), (0, text_len), grid_for(image_len, latent))
     if layer.text_first:
-        return CallLayout(layer.index, layer.name, "joint", step, (text_len, text_len + image_len), (0, text_len),
-                          grid_for(image_len, latent))
-    return CallLayout(layer.index, layer.name, "joint", step, (0, image_len), (image_len, image_len + text_len),
-                      grid_for(image_len, latent))
+        return CallLayout(
+            layer.index, layer.name, "joint", step, (text_len, text_len + image_len), (0, text_len), grid_for(image_len, latent)
+        )
+    return CallLayout(
+        layer.index, layer.name, "joint", step, (0, image_len), (image_len, image_len + text_len), grid_for(image_len, latent)
+    )
 
 
 def select_layers(model: nn.Module, layers, kinds: tuple[str, ...] = KINDS, argument: str = "layers") -> list[AttentionLayer]:
@@ -153,8 +175,9 @@ def select_layers(model: nn.Module, layers, kinds: tuple[str, ...] = KINDS, argu
             raise ValueError(f"{argument}: expected module paths (str), got {path!r}")
         if path not in by_name:
             sample = ", ".join(repr(n) for n in list(by_name)[:4])
-            raise ValueError(f"{argument}: {path!r} is not an attention module of the model (names are exact module paths, "
-                             f"e.g. {sample})")
+            raise ValueError(
+                f"{argument}: {path!r} is not an attention module of the model (names are exact module paths, e.g. {sample})"
+            )
         layer = by_name[path]
         if layer.kind not in kinds:
             raise ValueError(f"{argument}: {path!r} is {layer.kind}-attention, not {joined}")

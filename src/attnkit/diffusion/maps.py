@@ -37,8 +37,18 @@ class DiffusionMaps:
         return [(self.names.get(r[0], r[0]), *r[1:]) for m in self.meters for r in m.rows()]
 
 
-def maps(pipeline, prompt=None, *, layers=None, kind: str | None = None, heads=None, steps=None, meters=(),
-         size: tuple[int, int] | None = None, **call_kwargs) -> DiffusionMaps:
+def maps(
+    pipeline,
+    prompt=None,
+    *,
+    layers=None,
+    kind: str | None = None,
+    heads=None,
+    steps=None,
+    meters=(),
+    size: tuple[int, int] | None = None,
+    **call_kwargs,
+) -> DiffusionMaps:
     """Run ``pipeline(prompt, **call_kwargs)`` and return per-token attention maps.
 
     Args:
@@ -64,8 +74,9 @@ def maps(pipeline, prompt=None, *, layers=None, kind: str | None = None, heads=N
     result = token_maps.maps(size)
     guided = bool(getattr(pipeline, "do_classifier_free_guidance", False)) and result.shape[0] % 2 == 0
     conditional = result[result.shape[0] // 2 :] if guided else result
-    return DiffusionMaps(result, conditional, _tokens(pipeline, prompt, result.shape[1]), names, extra, output,
-                         token_maps.state_bytes())
+    return DiffusionMaps(
+        result, conditional, _tokens(pipeline, prompt, result.shape[1]), names, extra, output, token_maps.state_bytes()
+    )
 
 
 def _tokens(pipeline, prompt, count: int) -> list[str] | None:

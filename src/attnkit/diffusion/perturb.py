@@ -78,15 +78,23 @@ class Perturbation(DiffusionEdit):
         return f"perturbation({self.name}, u={[round(float(u), 6) for u in self.strength]})"
 
 
-def blend(out: Tensor, value: Tensor, strength: Tensor, rows: Tensor | None = None, span: tuple[int, int] | None = None,
-          name: str = "layer") -> Tensor:
+def blend(
+    out: Tensor,
+    value: Tensor,
+    strength: Tensor,
+    rows: Tensor | None = None,
+    span: tuple[int, int] | None = None,
+    name: str = "layer",
+) -> Tensor:
     """``(1 - u_h) * out + u_h * V`` on (B, H, Nq, Dv) attention outputs, for the flagged
     batch ``rows`` (all when None) and query positions ``span`` (all when None); the rest
     of ``out`` is returned untouched, bit for bit."""
     b, h, nq, dv = out.shape
     if value.shape[2] != nq:
-        raise ValueError(f"layers: {name} has {nq} queries but {value.shape[2]} keys; the identity map needs self- or "
-                         "joint attention (as many keys as queries), not cross-attention")
+        raise ValueError(
+            f"layers: {name} has {nq} queries but {value.shape[2]} keys; the identity map needs self- or "
+            "joint attention (as many keys as queries), not cross-attention"
+        )
     if value.shape[1] != h:
         if h % value.shape[1]:
             raise ValueError(f"layers: {name} has {h} query heads and {value.shape[1]} value heads")
@@ -101,7 +109,9 @@ def blend(out: Tensor, value: Tensor, strength: Tensor, rows: Tensor | None = No
         changed[:, :, lo:hi] = True
     else:
         if rows.shape != (b,):
-            raise ValueError(f"rows: expected a (B,) bool flag per batch row of {name}'s call (B={b}), got shape {tuple(rows.shape)}")
+            raise ValueError(
+                f"rows: expected a (B,) bool flag per batch row of {name}'s call (B={b}), got shape {tuple(rows.shape)}"
+            )
         changed[:, :, lo:hi] = rows.to(out.device).view(b, 1, 1, 1)
     return torch.where(changed, mixed, out)
 
@@ -133,17 +143,23 @@ def resolve(model, layers, strength: float = 1.0) -> dict[str, tuple[AttentionLa
             else:
                 raise ValueError(f"layers: expected module paths or (module path, head) pairs, got {entry!r}")
     else:
-        raise ValueError(f"layers: expected a module path, a list of paths or (path, head) pairs, or a dict path -> u; got {layers!r}")
+        raise ValueError(
+            f"layers: expected a module path, a list of paths or (path, head) pairs, or a dict path -> u; got {layers!r}"
+        )
     if not items:
         raise ValueError("layers: expected at least one layer to perturb, got an empty selection")
     plan: dict[str, tuple[AttentionLayer, Tensor]] = {}
     for name, spec in items:
         if not isinstance(name, str) or name not in available:
             sample = ", ".join(repr(n) for n in list(available)[:4])
-            raise ValueError(f"layers: {name!r} is not an attention module of the model (names are exact module paths, e.g. {sample})")
+            raise ValueError(
+                f"layers: {name!r} is not an attention module of the model (names are exact module paths, e.g. {sample})"
+            )
         layer = available[name]
         if layer.kind == "cross":
-            raise ValueError(f"layers: {name!r} is cross-attention; perturbation replaces self- or joint attention maps by the identity")
+            raise ValueError(
+                f"layers: {name!r} is cross-attention; perturbation replaces self- or joint attention maps by the identity"
+            )
         heads = int(getattr(layer.module, "heads", 0))
         if heads < 1:
             raise ValueError(f"layers: {name!r} does not say how many heads it has")
@@ -207,8 +223,9 @@ def perturb(model_or_pipeline, layers, *, strength: float = 1.0, text: str = "id
     state = PerturbState({name: u for name, (_, u) in plan.items()}, text)
     # Layers an enclosing ``use`` already routes keep its switch (its observers, its
     # mechanism): the edits reach them there. Only the others are switched here.
-    unrouted = [name for name, (layer, _) in plan.items()
-                if not getattr(layer.module.__dict__.get("forward"), "_attnkit_routed", False)]
+    unrouted = [
+        name for name, (layer, _) in plan.items() if not getattr(layer.module.__dict__.get("forward"), "_attnkit_routed", False)
+    ]
     with use(model, layers=unrouted) if unrouted else nullcontext():
         chosen = [layer for layer, _ in plan.values()]
         with edits_on(chosen, lambda layer, previous: Perturbation(layer.name, plan[layer.name][1], state, previous)):

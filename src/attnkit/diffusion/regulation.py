@@ -63,8 +63,10 @@ class TokenBias(Bias):
     def bind(self, batch, heads, q_len, k_len):
         t = self.table
         if t.shape[0] not in (1, batch) or t.shape[1] not in (1, heads) or self.image[1] > q_len or max(self.keys) >= k_len:
-            raise ValueError(f"table: shape {tuple(t.shape)} with image queries {self.image} and keys {self.keys} does not fit a "
-                             f"call of batch {batch}, {heads} heads, {q_len} queries, {k_len} keys")
+            raise ValueError(
+                f"table: shape {tuple(t.shape)} with image queries {self.image} and keys {self.keys} does not fit a "
+                f"call of batch {batch}, {heads} heads, {q_len} queries, {k_len} keys"
+            )
         out = TokenBias(t, self.keys, self.image)
         out.q_start, out.k_len = k_len - q_len, k_len
         out._column = out._columns()
@@ -120,8 +122,16 @@ def _lattice(step: float, size: int) -> list[float]:
     return out
 
 
-def regulation_objective(maps: Tensor, weights: Tensor, *, gamma: float = 1.0, delta: float = 80.0, epsilon: float = 0.09,
-                         quantile: float = 0.9, share: float | None = None) -> Tensor:
+def regulation_objective(
+    maps: Tensor,
+    weights: Tensor,
+    *,
+    gamma: float = 1.0,
+    delta: float = 80.0,
+    epsilon: float = 0.09,
+    quantile: float = 0.9,
+    share: float | None = None,
+) -> Tensor:
     """(B, H) the objective per batch row and head, from the targets' maps after the bias
     ``maps`` (B, H, N_image, K) and the bump weights (B, H, C, K)."""
     k = maps.shape[-1]
@@ -216,8 +226,9 @@ class AttentionRegulation:
             if rest is not None:
                 norm = torch.logaddexp(norm, rest)
             maps = torch.exp(logits[..., idx] - norm.unsqueeze(-1))
-            per = regulation_objective(maps, w, gamma=self.gamma, delta=self.delta, epsilon=self.epsilon,
-                                       quantile=self.quantile, share=self.share)
+            per = regulation_objective(
+                maps, w, gamma=self.gamma, delta=self.delta, epsilon=self.epsilon, quantile=self.quantile, share=self.share
+            )
             return (per * row_on.view(-1, 1)).sum(), beta
 
         # Gradient descent with the step halved whenever it would not lower the objective
@@ -258,9 +269,22 @@ class _RegulationEdit(DiffusionEdit):
 
 
 @contextmanager
-def regulate(model_or_pipeline, tokens, *, layers=None, steps=range(25), iterations: int = 20, lr: float = 100.0,
-             gamma: float = 1.0, delta: float = 80.0, epsilon: float = 0.09, quantile: float = 0.9,
-             share: float | None = None, sigma: float | None = None, conditional_only: bool = False):
+def regulate(
+    model_or_pipeline,
+    tokens,
+    *,
+    layers=None,
+    steps=range(25),
+    iterations: int = 20,
+    lr: float = 100.0,
+    gamma: float = 1.0,
+    delta: float = 80.0,
+    epsilon: float = 0.09,
+    quantile: float = 0.9,
+    share: float | None = None,
+    sigma: float | None = None,
+    conditional_only: bool = False,
+):
     """Attention regulation on the chosen cross- (or joint-) attention layers inside the
     block; the model is restored on exit, also after an exception.
 

@@ -49,7 +49,12 @@ def adain(content: Tensor, style: Tensor, eps: float = 1e-5) -> Tensor:
     ``content`` and ``style``: (B, C, H, W); the style's B is 1 or the content's."""
     if not isinstance(content, Tensor) or content.dim() != 4:
         raise ValueError(f"content: expected a (B, C, H, W) tensor, got {_shape(content)}")
-    if not isinstance(style, Tensor) or style.dim() != 4 or style.shape[1] != content.shape[1] or style.shape[0] not in (1, content.shape[0]):
+    if (
+        not isinstance(style, Tensor)
+        or style.dim() != 4
+        or style.shape[1] != content.shape[1]
+        or style.shape[0] not in (1, content.shape[0])
+    ):
         raise ValueError(f"style: expected a (1 or {content.shape[0]}, {content.shape[1]}, H, W) tensor, got {_shape(style)}")
     mu_c, sd_c = content.mean((2, 3), keepdim=True), content.std((2, 3), keepdim=True, unbiased=False)
     mu_s, sd_s = style.mean((2, 3), keepdim=True), style.std((2, 3), keepdim=True, unbiased=False)
@@ -82,8 +87,10 @@ class _Clock:
                 pass
         t = named.get("timestep", named.get("timesteps"))
         if t is None:
-            raise ValueError(f"timestep: {type(module).__name__} was called without a timestep; style injection matches "
-                             "references to the stylised pass by timestep")
+            raise ValueError(
+                f"timestep: {type(module).__name__} was called without a timestep; style injection matches "
+                "references to the stylised pass by timestep"
+            )
         t = torch.as_tensor(t).detach().reshape(-1)
         if t.numel() == 0:
             raise ValueError("timestep: got an empty timestep tensor")
@@ -122,21 +129,29 @@ class _Injector(DiffusionEdit):
         at = (self.clock.t, layout.name)
         if at not in self.owner.style:
             known = sorted({t for t, name in self.owner.style if name == layout.name}, key=str)
-            raise ValueError(f"style: no reference keys and values recorded for {layout.name} at timestep {self.clock.t}; "
-                             f"record the style reference's pass at the same timesteps (recorded: {known[:8]})")
+            raise ValueError(
+                f"style: no reference keys and values recorded for {layout.name} at timestep {self.clock.t}; "
+                f"record the style reference's pass at the same timesteps (recorded: {known[:8]})"
+            )
         k_ref, v_ref = (_rows(x, query, "style", layout.name) for x in self.owner.style[at])
         if k_ref.shape[1] != key.shape[1] or k_ref.shape[3] != key.shape[3] or v_ref.shape[3] != value.shape[3]:
-            raise ValueError(f"style: the reference's keys {tuple(k_ref.shape)} / values {tuple(v_ref.shape)} at {layout.name} "
-                             f"do not fit the call's {tuple(key.shape)} / {tuple(value.shape)} (heads and head sizes must match)")
+            raise ValueError(
+                f"style: the reference's keys {tuple(k_ref.shape)} / values {tuple(v_ref.shape)} at {layout.name} "
+                f"do not fit the call's {tuple(key.shape)} / {tuple(value.shape)} (heads and head sizes must match)"
+            )
         gamma = self.owner.gamma
         if gamma != 0.0:
             if at not in self.owner.content:
-                raise ValueError(f"content: no content queries recorded for {layout.name} at timestep {self.clock.t}; record "
-                                 "the content's pass with record(model, 'content'), or use gamma=0")
+                raise ValueError(
+                    f"content: no content queries recorded for {layout.name} at timestep {self.clock.t}; record "
+                    "the content's pass with record(model, 'content'), or use gamma=0"
+                )
             q_content = _rows(self.owner.content[at], query, "content", layout.name)
             if q_content.shape != query.shape:
-                raise ValueError(f"content: the recorded queries {tuple(q_content.shape)} at {layout.name} do not match the "
-                                 f"call's {tuple(query.shape)}: the content must have the stylised image's size")
+                raise ValueError(
+                    f"content: the recorded queries {tuple(q_content.shape)} at {layout.name} do not match the "
+                    f"call's {tuple(query.shape)}: the content must have the stylised image's size"
+                )
             query = q_content if gamma == 1.0 else gamma * q_content + (1.0 - gamma) * query
         return query, k_ref, v_ref
 
@@ -152,8 +167,10 @@ def _rows(x: Tensor, like: Tensor, role: str, name: str) -> Tensor:
         return x
     if x.shape[0] == 1:
         return x.expand(like.shape[0], *x.shape[1:])
-    raise ValueError(f"{role}: recorded with batch {x.shape[0]} at {name}, but the call has batch {like.shape[0]}; "
-                     "record with batch 1 (shared by every row) or with the same batch")
+    raise ValueError(
+        f"{role}: recorded with batch {x.shape[0]} at {name}, but the call has batch {like.shape[0]}; "
+        "record with batch 1 (shared by every row) or with the same batch"
+    )
 
 
 class StyleInjection:
@@ -178,8 +195,12 @@ class StyleInjection:
     def __init__(self, layers: Iterable[str] | str | None = None, gamma: float = 0.75, temperature: float = 1.5):
         if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0.0 <= float(gamma) <= 1.0:
             raise ValueError(f"gamma: expected a number in [0, 1], got {gamma!r}")
-        if (isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature)
-                or temperature <= 0):
+        if (
+            isinstance(temperature, bool)
+            or not isinstance(temperature, (int, float))
+            or not math.isfinite(temperature)
+            or temperature <= 0
+        ):
             raise ValueError(f"temperature: expected a finite number > 0, got {temperature!r}")
         self.layers = [layers] if isinstance(layers, str) else (None if layers is None else list(layers))
         self.gamma, self.temperature = float(gamma), float(temperature)
@@ -193,8 +214,10 @@ class StyleInjection:
         model = denoiser(model_or_pipeline)
         found = [layer.name for layer in attention_layers(model) if layer.kind == "self" and layer.name.startswith("up_blocks.")]
         if not found:
-            raise ValueError(f"layers: {type(model).__name__} has no decoder (up_blocks) self-attention; name the layers to "
-                             "inject into (attnkit.diffusion.layer_names(model, 'self'))")
+            raise ValueError(
+                f"layers: {type(model).__name__} has no decoder (up_blocks) self-attention; name the layers to "
+                "inject into (attnkit.diffusion.layer_names(model, 'self'))"
+            )
         return found
 
     @contextmanager
@@ -228,5 +251,6 @@ class StyleInjection:
                     yield switch
             finally:
                 handle.remove()
+
 
 __all__ = ["StyleInjection", "adain"]

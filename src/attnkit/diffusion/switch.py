@@ -85,11 +85,24 @@ class DiffusionSwitch:
             self.mechanisms[layer.index] = mech.to(device=q.device, dtype=q.dtype)
         return self.mechanisms[layer.index]
 
-    def attend(self, layer: AttentionLayer, layout: CallLayout, query, key, value, attn_mask=None, dropout_p=0.0,
-               is_causal=False, scale=None, enable_gqa=False) -> Tensor:
+    def attend(
+        self,
+        layer: AttentionLayer,
+        layout: CallLayout,
+        query,
+        key,
+        value,
+        attn_mask=None,
+        dropout_p=0.0,
+        is_causal=False,
+        scale=None,
+        enable_gqa=False,
+    ) -> Tensor:
         """One SDPA call of ``layer``, run by attnkit."""
         if dropout_p:
-            raise ValueError(f"dropout: {layer.name} asked for attention dropout p={dropout_p}; attnkit has none, call model.eval()")
+            raise ValueError(
+                f"dropout: {layer.name} asked for attention dropout p={dropout_p}; attnkit has none, call model.eval()"
+            )
         mask = causal() if is_causal else None
         swap = getattr(EDITS.get(layer.module), "inputs", None)
         if swap is not None:  # an edit that changes what attends (style injection's reference K, V)
@@ -131,8 +144,9 @@ class DiffusionSwitch:
         idx, rest = selected.nonzero().view(-1), (~selected).nonzero().view(-1)
         q, k, v = split_heads(query, key, value, idx)
         mine = [_heads_of(s, idx) for s in scores] + ([self.score] if self.score is not None else [])
-        changed = attention(q, k, v, mask=_and(base, self.mask), score=mine or None, scale=scale,
-                            mechanism=self.mechanism_for(layer, q, k, v))
+        changed = attention(
+            q, k, v, mask=_and(base, self.mask), score=mine or None, scale=scale, mechanism=self.mechanism_for(layer, q, k, v)
+        )
         parts = [(changed, idx)]
         if rest.numel():
             q, k, v = split_heads(query, key, value, rest)
@@ -299,11 +313,21 @@ def use(
     plain = _plain(mechanism, params, selected[0])
     head_list = index_tuple(heads, "heads")
     if head_list is not None and not plain and observers:
-        raise ValueError("observers: with heads= and a mechanism other than softmax the selected heads run as a call of "
-                         "their own, so no observer could see the whole layer; observe without heads=")
-    switch = DiffusionSwitch(model, mechanism, dict(params), None if mask is None else as_mask(mask, "mask"),
-                             None if score is None else as_score(score, "score"), selected, head_list,
-                             list(observers) if observers else None, plain)
+        raise ValueError(
+            "observers: with heads= and a mechanism other than softmax the selected heads run as a call of "
+            "their own, so no observer could see the whole layer; observe without heads="
+        )
+    switch = DiffusionSwitch(
+        model,
+        mechanism,
+        dict(params),
+        None if mask is None else as_mask(mask, "mask"),
+        None if score is None else as_score(score, "score"),
+        selected,
+        head_list,
+        list(observers) if observers else None,
+        plain,
+    )
     saved = [(layer.module, layer.module.__dict__.get("forward")) for layer in selected]
     handles = []
     try:

@@ -54,8 +54,10 @@ class TokenMaps(Observer):
         if (self.layers is not None and call.layer not in self.layers) or (self.steps is not None and lay.step not in self.steps):
             return None
         if lay.grid is None:
-            raise ValueError(f"grid: cannot tell the latent grid of {lay.name} ({lay.image_queries[1] - lay.image_queries[0]} "
-                             "image tokens); pass a square latent or a model input of shape (B, C, H, W)")
+            raise ValueError(
+                f"grid: cannot tell the latent grid of {lay.name} ({lay.image_queries[1] - lay.image_queries[0]} "
+                "image tokens); pass a square latent or a model input of shape (B, C, H, W)"
+            )
         if self.heads is not None and self.heads[-1] >= call.heads:
             raise ValueError(f"heads: index {self.heads[-1]} out of range for {lay.name}, which has {call.heads} heads")
         lo, hi = lay.image_queries
@@ -70,8 +72,10 @@ class TokenMaps(Observer):
             self._sums[lay.grid] = torch.zeros(shape, dtype=torch.float64)
             self._counts[lay.grid] = 0
         elif tuple(held.shape) != shape:
-            raise ValueError(f"calls: {lay.name} has batch and text sizes {shape[:2]}, but earlier calls had {tuple(held.shape[:2])}; "
-                             "use one meter per prompt batch")
+            raise ValueError(
+                f"calls: {lay.name} has batch and text sizes {shape[:2]}, but earlier calls had {tuple(held.shape[:2])}; "
+                "use one meter per prompt batch"
+            )
         self._counts[lay.grid] += len(self.heads) if self.heads is not None else call.heads
         self._active = True
 
@@ -120,8 +124,10 @@ class TokenMaps(Observer):
         are resized (bilinear) to ``size`` (default: the finest grid seen) before the
         mean, each weighted by how many head-calls it holds."""
         if not self._sums:
-            raise ValueError("maps: the meter saw no cross or joint attention call; run the model inside attnkit.diffusion.use "
-                             "with this meter among the observers and layers that attend to text")
+            raise ValueError(
+                "maps: the meter saw no cross or joint attention call; run the model inside attnkit.diffusion.use "
+                "with this meter among the observers and layers that attend to text"
+            )
         return mean_over_grids(self._sums, self._counts, size).cpu()
 
 

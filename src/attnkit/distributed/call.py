@@ -59,7 +59,9 @@ def attention(
         mech = _mechanism(mechanism)
         make_request(q, k, v, scale=scale, sinks=sinks)
         if k.shape[2] != q.shape[2]:
-            raise ValueError(f"k: a sharded call is self-attention over one sequence: k's shard length must equal q's {q.shape[2]}, got {k.shape[2]}")
+            raise ValueError(
+                f"k: a sharded call is self-attention over one sequence: k's shard length must equal q's {q.shape[2]}, got {k.shape[2]}"
+            )
     except (ValueError, TypeError) as err:
         error = err
     table = _agree_on_inputs(error, n_local, g)
@@ -130,8 +132,10 @@ def _mechanism(mechanism):
 def _linear(mech, g: Group, lay: Layout, q, k, v, mask, score, sinks, return_lse):
     mask = None if mask is None else as_mask(mask)
     if type(mask).__name__ != "Causal":
-        raise ValueError("mask: a sharded linear-attention call must be causal (mask=attnkit.causal()); "
-                         "non-causal linear attention reads the state after every key, which the state chain does not provide")
+        raise ValueError(
+            "mask: a sharded linear-attention call must be causal (mask=attnkit.causal()); "
+            "non-causal linear attention reads the state after every key, which the state chain does not provide"
+        )
     if score is not None or sinks is not None or return_lse:
         raise ValueError("score, sinks, return_lse: linear attention has no logits, sink or logsumexp")
     return linear_attention(mech, g, lay, q, k, v)

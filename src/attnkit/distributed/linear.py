@@ -193,13 +193,17 @@ class LinearChain(torch.autograd.Function):
 
         def recv(step):
             c = chunks[step.index]
-            return _recv_state(step.peer, g, [compute_dtype, q.dtype], q.device, c.start, f"the state hand-over into chunk {step.index}")
+            return _recv_state(
+                step.peer, g, [compute_dtype, q.dtype], q.device, c.start, f"the state hand-over into chunk {step.index}"
+            )
 
         def compute(step, state):
             c = chunks[step.index]
             sl = slice(c.local, c.local + c.length)
             states_in[step.index] = state  # None before the first chunk
-            outs[step.index], state = mech(q[:, :, sl], k[:, :, sl], v[:, :, sl], mask=causal(), initial_state=state, return_state=True)
+            outs[step.index], state = mech(
+                q[:, :, sl], k[:, :, sl], v[:, :, sl], mask=causal(), initial_state=state, return_state=True
+            )
             return state
 
         def send(step, state):
@@ -220,7 +224,9 @@ class LinearChain(torch.autograd.Function):
 
         def recv(step):
             # the gradient of the state after chunk ``index``, from the owner of the chunk after it
-            return _recv_state(step.peer, g, [_state_dtype(q), q.dtype], q.device, 0, f"the state-gradient hand-back into chunk {step.index}")
+            return _recv_state(
+                step.peer, g, [_state_dtype(q), q.dtype], q.device, 0, f"the state-gradient hand-back into chunk {step.index}"
+            )
 
         def compute(step, d_state_out):
             return _chunk_backward(ctx.mech, chunks[step.index], ctx.states[step.index], q, k, v, want, d_out, d_state_out, grads)
@@ -242,7 +248,11 @@ def _chunk_backward(mech, c: Chunk, state_in: LinearState | None, q, k, v, want,
     and return the gradient of its initial state (None for the first chunk)."""
     sl = slice(c.local, c.local + c.length)
     leaves = [] if state_in is None else [t.detach().requires_grad_() for t in state_in.tensors()]
-    start = None if state_in is None else _state(leaves, state_in.normalizer is not None, state_in.conv is not None, state_in.position)
+    start = (
+        None
+        if state_in is None
+        else _state(leaves, state_in.normalizer is not None, state_in.conv is not None, state_in.position)
+    )
     qs, ks, vs = (t[:, :, sl].detach().requires_grad_() for t in (q, k, v))
     with torch.enable_grad():
         o, state_out = mech(qs, ks, vs, mask=causal(), initial_state=start, return_state=True)

@@ -49,8 +49,12 @@ class ShiftedMask(Mask):
 
     def classify(self, grid: TileGrid) -> Tensor:
         moved = ShiftedGrid(
-            q_start=grid.q_start + self.q_shift, q_len=grid.q_len, q_block=grid.q_block,
-            k_len=grid.k_len, k_block=grid.k_block, k_start=self.k_shift,
+            q_start=grid.q_start + self.q_shift,
+            q_len=grid.q_len,
+            q_block=grid.q_block,
+            k_len=grid.k_len,
+            k_block=grid.k_block,
+            k_start=self.k_shift,
         )
         return self.inner.classify(moved)
 
@@ -121,7 +125,7 @@ def _band_mask(mask: Mask, d: int) -> Mask | None:
 
 
 def pair_state(mask: Mask | None, q_start: int, q_len: int, k_start: int, k_len: int) -> str:
-    """"empty", "full" or "partial" for a whole pair, from the mask's structure alone
+    """ "empty", "full" or "partial" for a whole pair, from the mask's structure alone
     (for every batch row: empty only if empty for all rows, full only if full for all)."""
     if q_len == 0 or k_len == 0:
         return "empty"

@@ -16,6 +16,15 @@ from .masks import MaskSpec, mask_spec  # noqa: E402
 from .switch import NAME, Switch, check_model, register, use  # noqa: E402
 
 __all__ = [
-    "NAME", "MaskSpec", "Switch", "attnkit_attention_forward", "check_model", "default_model_path", "load_default_model",
-    "mask_spec", "mean_pool", "register", "use",
+    "NAME",
+    "MaskSpec",
+    "Switch",
+    "attnkit_attention_forward",
+    "check_model",
+    "default_model_path",
+    "load_default_model",
+    "mask_spec",
+    "mean_pool",
+    "register",
+    "use",
 ]

@@ -105,7 +105,9 @@ def _model_mask(module, attention_mask, q_len: int, k_len: int, kwargs: dict) ->
     return mask, None
 
 
-def attnkit_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None, dropout: float = 0.0, **kwargs):
+def attnkit_attention_forward(
+    module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None, dropout: float = 0.0, **kwargs
+):
     """The function registered as ``attn_implementation="attnkit"``."""
     from .switch import active_switch
 
@@ -147,7 +149,9 @@ def _switched(switch, layer, query, key, value, model: ModelAttention) -> Tensor
         scores = model.score() + ([switch.score] if switch.score is not None else [])
         sinks = combine_sinks(model.sinks, extra_sinks, None, sink_dtype)
         mech = switch.mechanism_for(layer, query, key, value)
-        return _run(switch, layer, mech, query, key, value, mask=mask, score=scores or None, scale=model.scale, sinks=sinks, **observe)
+        return _run(
+            switch, layer, mech, query, key, value, mask=mask, score=scores or None, scale=model.scale, sinks=sinks, **observe
+        )
 
     selected = switch.head_flags(num_heads, query.device)
     if switch.plain:
@@ -162,14 +166,30 @@ def _switched(switch, layer, query, key, value, model: ModelAttention) -> Tensor
     rest = (~selected).nonzero().view(-1)
     sinks = combine_sinks(model.sinks, extra_sinks, None, sink_dtype)
     q, k, v = split_heads(query, key, value, idx)
-    changed = _run(switch, layer, switch.mechanism_for(layer, q, k, v), q, k, v, mask=_and(model.mask, switch.mask),
-                   score=(model.score(idx) + ([switch.score] if switch.score is not None else [])) or None,
-                   scale=model.scale, sinks=None if sinks is None else sinks[idx])
+    changed = _run(
+        switch,
+        layer,
+        switch.mechanism_for(layer, q, k, v),
+        q,
+        k,
+        v,
+        mask=_and(model.mask, switch.mask),
+        score=(model.score(idx) + ([switch.score] if switch.score is not None else [])) or None,
+        scale=model.scale,
+        sinks=None if sinks is None else sinks[idx],
+    )
     parts = [(changed, idx)]
     if rest.numel():
         q, k, v = split_heads(query, key, value, rest)
-        kept = attention(q, k, v, mask=model.mask, score=model.score(rest) or None, scale=model.scale,
-                         sinks=None if model.sinks is None else model.sinks[rest])
+        kept = attention(
+            q,
+            k,
+            v,
+            mask=model.mask,
+            score=model.score(rest) or None,
+            scale=model.scale,
+            sinks=None if model.sinks is None else model.sinks[rest],
+        )
         parts.append((kept, rest))
     return merge_heads(parts, num_heads)
 
@@ -198,8 +218,9 @@ def _run(switch, layer_index, mech, q: Tensor, k: Tensor, v: Tensor, **call) -> 
     return out
 
 
-def clean_padding(module, query: Tensor, key: Tensor, value: Tensor, mask: Mask | None,
-                  rows_interact: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+def clean_padding(
+    module, query: Tensor, key: Tensor, value: Tensor, mask: Mask | None, rows_interact: bool = True
+) -> tuple[Tensor, Tensor, Tensor]:
     """Zero the padded slots of q, k and v before any mechanism sees them.
 
     A padded slot holds whatever the model computed from a pad token, possibly NaN or inf

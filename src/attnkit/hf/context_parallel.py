@@ -20,7 +20,8 @@ from functools import partial
 
 import torch
 
-from ..distributed.call import attention as sharded, refuse
+from ..distributed.call import attention as sharded
+from ..distributed.call import refuse
 from ..distributed.comm import agree, resolve_group
 from ..distributed.layout import layout_for
 
@@ -98,7 +99,9 @@ def _local_length(arguments: dict) -> tuple[int, ValueError | None]:
         return ids.shape[-1], None
     if isinstance(embeds, Tensor) and embeds.dim() >= 2:
         return embeds.shape[-2], None
-    return -1, ValueError("input_ids: context_parallel needs input_ids (B, n) or inputs_embeds (B, n, hidden) to know this rank's shard")
+    return -1, ValueError(
+        "input_ids: context_parallel needs input_ids (B, n) or inputs_embeds (B, n, hidden) to know this rank's shard"
+    )
 
 
 def _mask_error(mask) -> ValueError | None:
@@ -106,17 +109,23 @@ def _mask_error(mask) -> ValueError | None:
     if mask is None or (isinstance(mask, Tensor) and mask.dim() == 2 and bool(mask.all())):
         return None
     if isinstance(mask, Tensor) and mask.dim() == 2:
-        return ValueError("attention_mask: context_parallel takes unpadded shards (no attention_mask, or one of all ones), "
-                          "but a rank passed padding (zeros); pack the sequences into one row without padding")
-    return ValueError(f"attention_mask: context_parallel cannot shard a custom mask ({_describe(mask)}) that covers one rank's "
-                      "slots; pass no attention_mask (the model's causal and sliding-window masks apply at global positions)")
+        return ValueError(
+            "attention_mask: context_parallel takes unpadded shards (no attention_mask, or one of all ones), "
+            "but a rank passed padding (zeros); pack the sequences into one row without padding"
+        )
+    return ValueError(
+        f"attention_mask: context_parallel cannot shard a custom mask ({_describe(mask)}) that covers one rank's "
+        "slots; pass no attention_mask (the model's causal and sliding-window masks apply at global positions)"
+    )
 
 
 def _describe(mask) -> str:
     return f"{mask.dim()}-D tensor" if isinstance(mask, Tensor) else type(mask).__name__
 
 
-def sharded_attention(switch, layer, module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling, kwargs) -> Tensor:
+def sharded_attention(
+    switch, layer, module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling, kwargs
+) -> Tensor:
     """One attention call of the model sharded over ``switch.context_parallel``; (B, Hq, n_r, Dv).
     A call this rank cannot make is refused on every rank of the group."""
     from .attention import model_attention
@@ -137,8 +146,10 @@ def _global_mask(attention_mask):
 
     if isinstance(attention_mask, MaskSpec):
         if attention_mask.padding is not None and not bool(attention_mask.padding.all()):
-            raise ValueError("attention_mask: context_parallel takes unpadded shards, but this rank's mask has padding; "
-                             "shard unpadded input_ids")
+            raise ValueError(
+                "attention_mask: context_parallel takes unpadded shards, but this rank's mask has padding; "
+                "shard unpadded input_ids"
+            )
         return None
     if attention_mask is not None:
         raise ValueError("attention_mask: context_parallel cannot shard a custom mask tensor that covers one rank's slots")
@@ -154,10 +165,14 @@ def _call(switch, layer, query: Tensor, key: Tensor, value: Tensor, model) -> di
     from .heads import combine_sinks
 
     if query.shape[2] != key.shape[2]:
-        raise ValueError("use_cache: context_parallel shards are whole sequences of new tokens: run the prefill or training step with use_cache=False")
+        raise ValueError(
+            "use_cache: context_parallel shards are whole sequences of new tokens: run the prefill or training step with use_cache=False"
+        )
     if _padding_keep(model.mask) is not None or model.position_bias is not None or model.steer:
-        raise ValueError("context_parallel: the model passed a padding mask or a position-bias tensor over this rank's slots only; "
-                         "shard unpadded input_ids without attention_mask (pack sequences into one row of one length)")
+        raise ValueError(
+            "context_parallel: the model passed a padding mask or a position-bias tensor over this rank's slots only; "
+            "shard unpadded input_ids without attention_mask (pack sequences into one row of one length)"
+        )
     if not switch.applies_to(layer):
         return dict(mask=model.mask, score=model.score() or None, sinks=model.sinks, mechanism=None)
     if switch.heads is not None or switch.observers:
@@ -165,5 +180,9 @@ def _call(switch, layer, query: Tensor, key: Tensor, value: Tensor, model) -> di
     sink_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     extra = switch.sinks_for(layer, query.shape[1], query.device)
     scores = model.score() + ([switch.score] if switch.score is not None else [])
-    return dict(mask=_and(model.mask, switch.mask), score=scores or None,
-                sinks=combine_sinks(model.sinks, extra, None, sink_dtype), mechanism=switch.mechanism_for(layer, query, key, value))
+    return dict(
+        mask=_and(model.mask, switch.mask),
+        score=scores or None,
+        sinks=combine_sinks(model.sinks, extra, None, sink_dtype),
+        mechanism=switch.mechanism_for(layer, query, key, value),
+    )

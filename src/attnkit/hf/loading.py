@@ -49,4 +49,3 @@ def load_tokenizer(path: str, name: str = "model", hint: str = ""):
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{name}: {path} has no usable tokenizer ({e}){hint}") from e
-

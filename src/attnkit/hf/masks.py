@@ -43,12 +43,29 @@ class MaskSpec:
     use_vmap: bool = False
 
 
-def mask_spec(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=hf_masks.causal_mask_function,
-              attention_mask=None, use_vmap=False, **_) -> MaskSpec:
+def mask_spec(
+    batch_size,
+    q_length,
+    kv_length,
+    q_offset=0,
+    kv_offset=0,
+    mask_function=hf_masks.causal_mask_function,
+    attention_mask=None,
+    use_vmap=False,
+    **_,
+) -> MaskSpec:
     """The function attnkit registers in ``AttentionMaskInterface`` (same signature as
     transformers' ``sdpa_mask``): it records the request instead of building a tensor."""
-    return MaskSpec(int(batch_size), int(q_length), int(kv_length), int(q_offset), int(kv_offset), mask_function,
-                    attention_mask, bool(use_vmap))
+    return MaskSpec(
+        int(batch_size),
+        int(q_length),
+        int(kv_length),
+        int(q_offset),
+        int(kv_offset),
+        mask_function,
+        attention_mask,
+        bool(use_vmap),
+    )
 
 
 # --------------------------------------------------------------------------- attnkit masks
@@ -123,7 +140,9 @@ class DenseMask(Mask):
     def bind(self, batch, heads, q_len, k_len):
         t = self.keep
         if t.dim() != 4 or t.shape[0] not in (1, batch) or t.shape[1] not in (1, heads) or t.shape[2:] != (q_len, k_len):
-            raise ValueError(f"attention_mask: a 4-D mask must have shape (1 or B={batch}, 1 or H={heads}, Nq={q_len}, Nk={k_len}), got {tuple(t.shape)}")
+            raise ValueError(
+                f"attention_mask: a 4-D mask must have shape (1 or B={batch}, 1 or H={heads}, Nq={q_len}, Nk={k_len}), got {tuple(t.shape)}"
+            )
         out = DenseMask(t)
         out.q_start = k_len - q_len
         return out
@@ -268,7 +287,9 @@ def tensor_to_attnkit(mask: Tensor) -> tuple[Mask | None, Tensor | None]:
     """A custom 4-D mask tensor as (attnkit mask, additive bias or None): bool is True =
     visible; float is additive, with the dtype's minimum (or -inf) meaning masked."""
     if mask.dim() != 4:
-        raise ValueError(f"attention_mask: expected a 4-D tensor (B, 1|H, Nq, Nk) or a mask built by transformers, got shape {tuple(mask.shape)}")
+        raise ValueError(
+            f"attention_mask: expected a 4-D tensor (B, 1|H, Nq, Nk) or a mask built by transformers, got shape {tuple(mask.shape)}"
+        )
     if mask.dtype == torch.bool:
         return DenseMask(mask), None
     if not mask.is_floating_point():

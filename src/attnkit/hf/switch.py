@@ -110,7 +110,9 @@ class Switch:
         if sinks is None:
             return None
         if sinks.shape != (num_heads,):
-            raise ValueError(f"sinks: expected one logit per query head, shape ({num_heads},), for layer {layer}; got {tuple(sinks.shape)}")
+            raise ValueError(
+                f"sinks: expected one logit per query head, shape ({num_heads},), for layer {layer}; got {tuple(sinks.shape)}"
+            )
         return sinks.to(device)
 
     def head_flags(self, num_heads: int, device) -> Tensor:
@@ -267,8 +269,6 @@ def check_model(model) -> None:
             )
 
 
-
-
 def _configs(model) -> list:
     """Every config whose ``_attn_implementation`` the switch may change."""
     from transformers import PreTrainedModel
@@ -307,8 +307,19 @@ def _make_switch(model, mechanism, mask, score, layers, heads, observers, sinks,
         )
     if sinks is not None and not isinstance(sinks, (Tensor, Mapping)):
         raise ValueError(f"sinks: expected a tensor (Hq,) or a mapping layer -> tensor, got {type(sinks).__name__}")
-    return Switch(model, mechanism, dict(params), user_mask, user_score, layer_set, head_list,
-                  list(observers) if observers else None, sinks, plain=plain, context=_text_config_int(model, "max_position_embeddings"))
+    return Switch(
+        model,
+        mechanism,
+        dict(params),
+        user_mask,
+        user_score,
+        layer_set,
+        head_list,
+        list(observers) if observers else None,
+        sinks,
+        plain=plain,
+        context=_text_config_int(model, "max_position_embeddings"),
+    )
 
 
 def _validate_named(model, mechanism: str, params: dict) -> Mechanism:
@@ -320,7 +331,9 @@ def _validate_named(model, mechanism: str, params: dict) -> Mechanism:
         return get_mechanism(mechanism, **params)
     kv_heads = _text_config_int(model, "num_key_value_heads") or heads
     head_dim = _text_config_int(model, "head_dim") or (hidden // heads if hidden else 64)
-    return build_mechanism(mechanism, params, heads, head_dim, kv_heads, head_dim, _text_config_int(model, "max_position_embeddings"))
+    return build_mechanism(
+        mechanism, params, heads, head_dim, kv_heads, head_dim, _text_config_int(model, "max_position_embeddings")
+    )
 
 
 def _text_config_int(model, name: str) -> int | None:

@@ -23,8 +23,11 @@ from .profile import AttentionProfile
 
 def distance_profile(profile: AttentionProfile, layer: int, head: int) -> dict[str, float]:
     """{bin label: mass} of one head (empty when the DistanceProfile meter did not run)."""
-    return {m[len("distance."):]: v for m, v in profile.head_metrics(layer, head).items()
-            if m.startswith("distance.") and m != "distance.mean"}
+    return {
+        m[len("distance.") :]: v
+        for m, v in profile.head_metrics(layer, head).items()
+        if m.startswith("distance.") and m != "distance.mean"
+    }
 
 
 def kl_divergence(p: dict[str, float], q: dict[str, float], epsilon: float = 1e-9) -> float:
@@ -65,7 +68,10 @@ class ProfileComparison:
         return text
 
     def to_json(self, path: str | None = None) -> str:
-        doc = {"rows": [list(r) for r in self.rows], "drift": [[layer, head, kl] for (layer, head), kl in sorted(self.drift.items())]}
+        doc = {
+            "rows": [list(r) for r in self.rows],
+            "drift": [[layer, head, kl] for (layer, head), kl in sorted(self.drift.items())],
+        }
         text = json.dumps(doc)
         if path is not None:
             with open(path, "w", encoding="utf-8") as f:

@@ -47,9 +47,10 @@ def load_local_pipeline(path: str):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch_dtype's rename in newer diffusers
-            pipe = diffusers.DiffusionPipeline.from_pretrained(path, local_files_only=True, use_safetensors=True,
-                                                               torch_dtype=torch.float32)
-    except (OSError, ValueError, KeyError, TypeError, EnvironmentError) as e:
+            pipe = diffusers.DiffusionPipeline.from_pretrained(
+                path, local_files_only=True, use_safetensors=True, torch_dtype=torch.float32
+            )
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"model: could not load a diffusers pipeline from {path} (local safetensors files only): {e}") from e
     finally:
         d_logging.set_verbosity(verbosity)
@@ -82,9 +83,20 @@ def step_ranges(steps: int, parts: int) -> list[tuple[int, int]]:
     return [(bounds[i], bounds[i + 1] - 1) for i in range(parts)]
 
 
-def inspect_pipeline(pipeline, prompt: str | None = None, *, prompt_embeds: dict | None = None, steps: int = 10,
-                     guidance: float | None = None, size: tuple[int, int] | None = None, seed: int = 0, ranges: int = 2,
-                     layers=None, heads=None, progress=None) -> PipelineMaps:
+def inspect_pipeline(
+    pipeline,
+    prompt: str | None = None,
+    *,
+    prompt_embeds: dict | None = None,
+    steps: int = 10,
+    guidance: float | None = None,
+    size: tuple[int, int] | None = None,
+    seed: int = 0,
+    ranges: int = 2,
+    layers=None,
+    heads=None,
+    progress=None,
+) -> PipelineMaps:
     """Sample once with ``pipeline`` and measure its per-token attention maps.
 
     Args:
@@ -102,11 +114,14 @@ def inspect_pipeline(pipeline, prompt: str | None = None, *, prompt_embeds: dict
     if (prompt is None) == (prompt_embeds is None):
         raise ValueError("prompt: pass either a prompt or prompt_embeds")
     if prompt is not None and (getattr(pipeline, "tokenizer", None) is None or getattr(pipeline, "text_encoder", None) is None):
-        raise ValueError("prompt: the pipeline has no tokenizer and text encoder to embed a prompt; pass prompt_embeds "
-                         "(a safetensors file with 'prompt_embeds' and 'negative_prompt_embeds')")
+        raise ValueError(
+            "prompt: the pipeline has no tokenizer and text encoder to embed a prompt; pass prompt_embeds "
+            "(a safetensors file with 'prompt_embeds' and 'negative_prompt_embeds')"
+        )
     if prompt_embeds is not None and "negative_prompt_embeds" not in prompt_embeds and (guidance is None or guidance > 1):
-        raise ValueError("prompt_embeds: classifier-free guidance needs 'negative_prompt_embeds' too; add them or set "
-                         "guidance to 1")
+        raise ValueError(
+            "prompt_embeds: classifier-free guidance needs 'negative_prompt_embeds' too; add them or set guidance to 1"
+        )
     spans = step_ranges(steps, ranges)
     per_range = [TokenMaps(heads=heads, steps=range(lo, hi + 1)) for lo, hi in spans]
     call = dict(num_inference_steps=steps, generator=torch.Generator().manual_seed(seed), output_type="np")
@@ -118,6 +133,7 @@ def inspect_pipeline(pipeline, prompt: str | None = None, *, prompt_embeds: dict
         call.update(prompt_embeds)
     accepted = _call_parameters(pipeline)
     if progress is not None and "callback_on_step_end" in accepted:
+
         def on_step(pipe, i, t, kwargs):
             progress(f"step {i + 1}")
             return {}
@@ -136,9 +152,19 @@ def inspect_pipeline(pipeline, prompt: str | None = None, *, prompt_embeds: dict
         label = f"steps {lo}–{hi}" if hi > lo else f"step {lo}"
         by_range.append((label, (lo, hi), meter.maps(grid)[first, :shown].float()))
     image = _image(result.output)
-    meta = {"prompt": prompt, "steps": steps, "guidance": guidance, "size": list(size) if size else None, "seed": seed,
-            "layers": list(result.names.values()), "grid": list(grid), "text_tokens": count, "tokens_shown": shown,
-            "state_bytes": result.state_bytes, "seconds": seconds}
+    meta = {
+        "prompt": prompt,
+        "steps": steps,
+        "guidance": guidance,
+        "size": list(size) if size else None,
+        "seed": seed,
+        "layers": list(result.names.values()),
+        "grid": list(grid),
+        "text_tokens": count,
+        "tokens_shown": shown,
+        "state_bytes": result.state_bytes,
+        "seconds": seconds,
+    }
     return PipelineMaps(names, overall, by_range, image, meta)
 
 
@@ -189,13 +215,21 @@ def load_prompt_embeds(path: str) -> dict:
         raise ValueError(f"prompt_embeds: {path} is not a safetensors file: {e}") from e
     unknown = set(tensors) - {"prompt_embeds", "negative_prompt_embeds"}
     if "prompt_embeds" not in tensors or unknown:
-        raise ValueError(f"prompt_embeds: {path} must hold 'prompt_embeds' (and optionally 'negative_prompt_embeds'), "
-                         f"got {sorted(tensors)}")
+        raise ValueError(
+            f"prompt_embeds: {path} must hold 'prompt_embeds' (and optionally 'negative_prompt_embeds'), got {sorted(tensors)}"
+        )
     for name, t in tensors.items():
         if t.dim() != 3 or t.shape[0] != 1:
             raise ValueError(f"prompt_embeds: {name} in {path} must be (1, tokens, dim), got {tuple(t.shape)}")
     return {name: t.float() for name, t in tensors.items()}
 
 
-__all__ = ["DEFAULT_PROMPT", "PipelineMaps", "inspect_pipeline", "is_pipeline_dir", "load_local_pipeline", "load_prompt_embeds",
-           "step_ranges"]
+__all__ = [
+    "DEFAULT_PROMPT",
+    "PipelineMaps",
+    "inspect_pipeline",
+    "is_pipeline_dir",
+    "load_local_pipeline",
+    "load_prompt_embeds",
+    "step_ranges",
+]

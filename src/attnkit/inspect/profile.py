@@ -113,10 +113,17 @@ class AttentionProfile:
 
     def to_json(self, path: str | None = None) -> str:
         """Everything — rows, tokens, meta, arrays — as JSON; ``from_json`` reads it back."""
-        arrays = {name: {f"{layer}.{head}": _array_to_json(data) for (layer, head), data in per_head.items()}
-                  for name, per_head in self.arrays.items()}
-        doc = {"format": "attnkit.AttentionProfile/1", "meta": self.meta, "tokens": self.tokens,
-               "rows": [[layer, head, metric, float(value)] for layer, head, metric, value in self.rows], "arrays": arrays}
+        arrays = {
+            name: {f"{layer}.{head}": _array_to_json(data) for (layer, head), data in per_head.items()}
+            for name, per_head in self.arrays.items()
+        }
+        doc = {
+            "format": "attnkit.AttentionProfile/1",
+            "meta": self.meta,
+            "tokens": self.tokens,
+            "rows": [[layer, head, metric, float(value)] for layer, head, metric, value in self.rows],
+            "arrays": arrays,
+        }
         text = json.dumps(doc)
         if path is not None:
             with open(path, "w", encoding="utf-8") as f:

@@ -62,14 +62,18 @@ def encode(inputs, tokenizer, max_tokens: int | None, max_positions: int | None)
         enc = dict(enc)
     elif isinstance(inputs, torch.Tensor):
         if inputs.dim() not in (1, 2) or inputs.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"inputs: expected token ids of shape (N,) or (B, N), integer dtype; got {inputs.dtype} {tuple(inputs.shape)}")
+            raise ValueError(
+                f"inputs: expected token ids of shape (N,) or (B, N), integer dtype; got {inputs.dtype} {tuple(inputs.shape)}"
+            )
         enc = {"input_ids": inputs.view(1, -1) if inputs.dim() == 1 else inputs}
         n = enc["input_ids"].shape[1]
     elif isinstance(inputs, Mapping) or hasattr(inputs, "keys"):
         enc = dict(inputs)
         ids = enc.get("input_ids")
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-            raise ValueError("inputs: a mapping must hold 'input_ids' of shape (B, N), as a tokenizer returns with return_tensors='pt'")
+            raise ValueError(
+                "inputs: a mapping must hold 'input_ids' of shape (B, N), as a tokenizer returns with return_tensors='pt'"
+            )
         n = ids.shape[1]
     else:
         raise ValueError(f"inputs: expected text, token ids or a tokenizer's output, got {type(inputs).__name__}")
@@ -78,12 +82,17 @@ def encode(inputs, tokenizer, max_tokens: int | None, max_positions: int | None)
     truncated_from = None
     if max_tokens is not None and n > max_tokens:
         warnings.warn(f"inputs: {n} tokens truncated to the first {max_tokens} (max_tokens)", stacklevel=3)
-        enc = {k: (v[:, :max_tokens] if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape[1] == n else v) for k, v in enc.items()}
+        enc = {
+            k: (v[:, :max_tokens] if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape[1] == n else v)
+            for k, v in enc.items()
+        }
         truncated_from = n
     length = enc["input_ids"].shape[1]
     if max_positions is not None and length > max_positions:
-        raise ValueError(f"inputs: {length} tokens, but the model reads at most {max_positions} positions; "
-                         f"pass max_tokens={max_positions} (--max-tokens {max_positions}) to truncate")
+        raise ValueError(
+            f"inputs: {length} tokens, but the model reads at most {max_positions} positions; "
+            f"pass max_tokens={max_positions} (--max-tokens {max_positions}) to truncate"
+        )
     return enc, truncated_from
 
 
@@ -187,9 +196,13 @@ def inspect(
     meta = {
         "model": str(getattr(model.config, "_name_or_path", "") or type(model).__name__),
         "model_type": getattr(model.config, "model_type", type(model).__name__),
-        "layers": n_layers, "heads": n_heads, "tokens": n, "batch": batch,
+        "layers": n_layers,
+        "heads": n_heads,
+        "tokens": n,
+        "batch": batch,
         "truncated_from": truncated_from,
         "mechanism": mechanism if isinstance(mechanism, str) else getattr(mechanism, "name", type(mechanism).__name__),
-        "meters": meta_meters, "seconds": seconds,
+        "meters": meta_meters,
+        "seconds": seconds,
     }
     return AttentionProfile(rows, tokens, meta, arrays)

@@ -76,8 +76,9 @@ def with_placeholder(processor, prompt: str) -> str:
     return prompt if count == 1 else f"{token} {prompt}"
 
 
-def inspect_image(model, processor, image, prompt: str, *, max_new_tokens: int = 16, layers=None, heads=None,
-                  top_k: int = 4, progress=None) -> AttentionProfile:
+def inspect_image(
+    model, processor, image, prompt: str, *, max_new_tokens: int = 16, layers=None, heads=None, top_k: int = 4, progress=None
+) -> AttentionProfile:
     """Generate an answer to ``prompt`` about ``image`` with a ``VisualAttention`` meter
     on (see the module docstring); returns the profile the report is drawn from."""
     from .. import hf, vision
@@ -101,19 +102,31 @@ def inspect_image(model, processor, image, prompt: str, *, max_new_tokens: int =
     arrays = meter.arrays()
     config = model.config.get_text_config()
     meta = {
-        "model_type": model.config.model_type, "tokens": len(ids), "prompt_tokens": n0, "seconds": seconds,
-        "mechanism": "softmax", "meters": {"visual": meter.meta()},
+        "model_type": model.config.model_type,
+        "tokens": len(ids),
+        "prompt_tokens": n0,
+        "seconds": seconds,
+        "mechanism": "softmax",
+        "meters": {"visual": meter.meta()},
         "vision": {
             "family": spans.family,
             "prompt": prompt,
-            "images": [{"row": im.row, "start": im.start, "end": im.end, "grid": list(im.grid) if im.grid else None} for im in spans.images],
+            "images": [
+                {"row": im.row, "start": im.start, "end": im.end, "grid": list(im.grid) if im.grid else None}
+                for im in spans.images
+            ],
             "generated": tokenizer.decode(ids[n0:], skip_special_tokens=True),
             "steps": len(ids) - n0,
-            "layers": config.num_hidden_layers, "heads": config.num_attention_heads,
+            "layers": config.num_hidden_layers,
+            "heads": config.num_attention_heads,
         },
     }
     return AttentionProfile(
-        meter.rows(), tokens, meta,
-        {"visual_share": arrays["visual_share"],
-         "visual_received": {key: {"values": v} for key, v in arrays["visual_received"].items()}},
+        meter.rows(),
+        tokens,
+        meta,
+        {
+            "visual_share": arrays["visual_share"],
+            "visual_received": {key: {"values": v} for key, v in arrays["visual_received"].items()},
+        },
     )

@@ -96,8 +96,18 @@ def make_chunked_plan(req: Request, engine: str, tiling: Tiling = TILING) -> Pla
         # One tile: classifying blocks would cost more than evaluating the mask densely.
         return single_tile_plan(req.mask, req.batch, req.q_len, req.k_len)
     if engine != "fused":
-        return make_plan(req.mask, req.batch, req.q_len, req.k_len, tiling.tiled_q_block, tiling.tiled_k_block, tiling.tiled_tile_k)
-    plan = partial(make_plan, req.mask, req.batch, req.q_len, req.k_len, k_block=tiling.fused_k_block, max_masked_span=tiling.fused_max_masked_span)
+        return make_plan(
+            req.mask, req.batch, req.q_len, req.k_len, tiling.tiled_q_block, tiling.tiled_k_block, tiling.tiled_tile_k
+        )
+    plan = partial(
+        make_plan,
+        req.mask,
+        req.batch,
+        req.q_len,
+        req.k_len,
+        k_block=tiling.fused_k_block,
+        max_masked_span=tiling.fused_max_masked_span,
+    )
     affine = affine_form(req.score)
     if affine is not None and affine.terms and not affine.key_only:
         # Dense bias tiles grow with the square of the block: keep blocks moderate.
@@ -168,11 +178,14 @@ class _ChunkedAttention(torch.autograd.Function):
         dsinks = sink_grad(sinks, lse, delta, grad_lse) if sinks is not None and ctx.needs_input_grad[4] else None
         dparams = [None] * run.n_params
         if run.engine == "fused":
-            dq, dk, dv = backward_with_lse_grad(fused_backward, grad_out, grad_lse, q, k, v, out, lse, run.scale, run.plan,
-                                                run.mask, run.affine, run.q_start)
+            dq, dk, dv = backward_with_lse_grad(
+                fused_backward, grad_out, grad_lse, q, k, v, out, lse, run.scale, run.plan, run.mask, run.affine, run.q_start
+            )
         else:
             adj = delta if grad_lse is None else delta - grad_lse.to(cd)
-            dq, dk, dv, dparams = tiled_backward(grad_out, q, k, v, out, lse, adj, run.scale, run.plan, run.mask, run.score, list(params), run.q_start, run.tile_k)
+            dq, dk, dv, dparams = tiled_backward(
+                grad_out, q, k, v, out, lse, adj, run.scale, run.plan, run.mask, run.score, list(params), run.q_start, run.tile_k
+            )
             dparams = [None if g is None else g.to(p.dtype) for g, p in zip(dparams, params)]
         return (None, dq, dk, dv, dsinks, *dparams)
 
@@ -209,12 +222,16 @@ def chunked_attention(req: Request, engine: str | None = None, tiling: Tiling = 
         params = []
     else:
         params = [p for p in (req.score.parameters() if req.score is not None else []) if p.requires_grad]
-        matmul_dtype = torch.bfloat16 if q.dtype == torch.bfloat16 and q.device.type == "cpu" and cpu_has_fast_bf16() else (
-            torch.float64 if q.dtype == torch.float64 else torch.float32
+        matmul_dtype = (
+            torch.bfloat16
+            if q.dtype == torch.bfloat16 and q.device.type == "cpu" and cpu_has_fast_bf16()
+            else (torch.float64 if q.dtype == torch.float64 else torch.float32)
         )
         if q.device.type != "cpu" and q.dtype in (torch.float16, torch.bfloat16):
             matmul_dtype = q.dtype
-        run = _Run("tiled", plan, req.mask, None, req.score, req.scale, req.q_start, tiling.tiled_tile_k, matmul_dtype, len(params))
+        run = _Run(
+            "tiled", plan, req.mask, None, req.score, req.scale, req.q_start, tiling.tiled_tile_k, matmul_dtype, len(params)
+        )
     out, lse = _ChunkedAttention.apply(run, q, k, v, req.sinks, *params)
     if out.shape[-1] != Dv:
         out = out[..., :Dv]

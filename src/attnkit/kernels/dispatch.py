@@ -15,14 +15,15 @@ import torch
 from ..mods import band_of
 from ..mods.scores import Softcap
 from . import cpu
-from .chunked import chunked_attention, choose_engine, make_chunked_plan
-from .flex import flex_attention_call, flex_reroute, flex_unsupported
+from .chunked import choose_engine, chunked_attention, make_chunked_plan
 from .few_queries import SMALL_QUERIES
+from .flex import flex_attention_call, flex_reroute, flex_unsupported
 from .reference import reference_attention
 from .request import Request
 from .sdpa import is_plain_causal, sdpa_attention, sdpa_unsupported
 
 Tensor = torch.Tensor
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -59,7 +60,9 @@ def choose_backend(req: Request, backend: str = "auto") -> tuple[Backend, list[s
     why_not_sdpa = sdpa_unsupported(req)
     if why_not_sdpa is None:
         if req.mask is not None and not is_plain_causal(req):
-            return BACKENDS["sdpa"], [f"{req.q_len} queries (at most {SMALL_QUERIES}): the mask goes to torch SDPA as an Nq x Nk boolean tensor"]
+            return BACKENDS["sdpa"], [
+                f"{req.q_len} queries (at most {SMALL_QUERIES}): the mask goes to torch SDPA as an Nq x Nk boolean tensor"
+            ]
         return BACKENDS["sdpa"], ["the call reduces to torch SDPA (no mods beyond causal and a scalar temperature)"]
     reasons.append(f"not sdpa: {why_not_sdpa}")
     if req.q.device.type == "cuda" and flex_unsupported(req) is None:

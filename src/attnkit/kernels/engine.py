@@ -114,9 +114,7 @@ class Problem:
         self.score = req.score
         self.score_params = list(score_params)
         # dS must be chained through the score mod unless it only adds constants
-        self.track_score = req.score is not None and (
-            bool(self.score_params) or any(a.kind != "bias" for a in req.score.atoms())
-        )
+        self.track_score = req.score is not None and (bool(self.score_params) or any(a.kind != "bias" for a in req.score.atoms()))
         self.q_start = req.q_start
         self.heads, self.kv_heads = req.heads, req.kv_heads
         self.tile_k = tiling.tile_k
@@ -158,7 +156,9 @@ class Block:
 
     def zeros(self, *trailing: int, dtype=None) -> Tensor:
         """A (Bt, Hq, BQ, *trailing) accumulator in the compute dtype."""
-        return torch.zeros(self.batch, self.prob.heads, self.q1 - self.q0, *trailing, dtype=dtype or self.prob.cd, device=self.prob.q.device)
+        return torch.zeros(
+            self.batch, self.prob.heads, self.q1 - self.q0, *trailing, dtype=dtype or self.prob.cd, device=self.prob.q.device
+        )
 
     def tiles(self, reverse: bool = False) -> list[tuple[str, int, int]]:
         """(segment kind, k0, k1) of every key tile, left to right (or right to left)."""
@@ -267,7 +267,7 @@ class Grads:
 
 def grad_blocks(prob: Problem, grad_out: Tensor, grads: Grads, reverse: bool = False) -> Iterator[GradBlock]:
     for bs, rows, qblocks in prob.plan.batch_slices(prob.req.batch):
-        for qb in (reversed(qblocks) if reverse else qblocks):
+        for qb in reversed(qblocks) if reverse else qblocks:
             if qb.segments:
                 blk = GradBlock(prob, bs, rows, qb, grad_out, grads)
                 yield blk
@@ -311,8 +311,9 @@ class TileKernel:
         needs a gradient); None: run ``backward_block``."""
         return None
 
-    def backward_fused_with_stats(self, prob: Problem, grad_out: Tensor, stats: dict[str, Tensor],
-                                  grad_stats: dict[str, Tensor]) -> tuple[Tensor | None, ...] | None:
+    def backward_fused_with_stats(
+        self, prob: Problem, grad_out: Tensor, stats: dict[str, Tensor], grad_stats: dict[str, Tensor]
+    ) -> tuple[Tensor | None, ...] | None:
         """``backward_fused`` when gradients also reach the stats (``grad_stats``, possibly
         zeros: a compiled graph cannot tell); None where the kernel's fused backward cannot
         take them."""
@@ -321,7 +322,9 @@ class TileKernel:
     def forward_block(self, blk: Block) -> tuple[Tensor, dict[str, Tensor]]:
         raise NotImplementedError
 
-    def backward_block(self, blk: GradBlock, stats: dict[str, Tensor], delta: Tensor, grad_stats: dict[str, Tensor]) -> list[Tensor | None]:
+    def backward_block(
+        self, blk: GradBlock, stats: dict[str, Tensor], delta: Tensor, grad_stats: dict[str, Tensor]
+    ) -> list[Tensor | None]:
         """Accumulate through ``blk.add``; return gradients of ``params()`` (or Nones)."""
         raise NotImplementedError
 
@@ -376,7 +379,11 @@ class _EngineFunction(torch.autograd.Function):
         prob = Problem(req, kernel.tiling, [t for t in tensors[: ctx.n_score]])
         cd = prob.cd
         go = torch.zeros_like(out) if grad_out is None else grad_out.to(cd)
-        gstats = {n: g.to(cd) for n, g in zip(ctx.stat_names, grad_stats) if g is not None and (torch.compiler.is_compiling() or bool(g.any()))}
+        gstats = {
+            n: g.to(cd)
+            for n, g in zip(ctx.stat_names, grad_stats)
+            if g is not None and (torch.compiler.is_compiling() or bool(g.any()))
+        }
         if ctx.n_score == 0:
             fused = kernel.backward_fused_with_stats(prob, go, stats, gstats)
             if fused is not None:
@@ -389,7 +396,9 @@ class _EngineFunction(torch.autograd.Function):
         kparams: list[Tensor | None] = [None] * (len(tensors) - ctx.n_score)
         for blk in grad_blocks(prob, go, grads, reverse=kernel.reverse_queries_backward):
             rs = blk.rows_slice
-            got = kernel.backward_block(blk, {n: s[rs] for n, s in stats.items()}, delta[rs], {n: g[rs] for n, g in gstats.items()})
+            got = kernel.backward_block(
+                blk, {n: s[rs] for n, s in stats.items()}, delta[rs], {n: g[rs] for n, g in gstats.items()}
+            )
             for i, g in enumerate(got or ()):
                 if g is not None:
                     kparams[i] = g if kparams[i] is None else kparams[i] + g
@@ -422,7 +431,9 @@ def _empty(req: Request, kernel: TileKernel) -> tuple[Tensor, dict[str, Tensor]]
 # --------------------------------------------------------------------------- observers
 
 
-def observe_kernel(req: Request, kernel: TileKernel, stats: dict[str, Tensor], observers, layer: int | None, mechanism: str) -> None:
+def observe_kernel(
+    req: Request, kernel: TileKernel, stats: dict[str, Tensor], observers, layer: int | None, mechanism: str
+) -> None:
     """Feed observers the weights the mechanism applied, tile by tile (no autograd)."""
     call = CallInfo(req.batch, req.heads, req.q_len, req.k_len, req.q_start, layer, mechanism)
     feed(observers, call, kernel_tiles(req, kernel, stats, call))
@@ -481,7 +492,11 @@ class OnlineSoftmax:
         live = ~torch.isneginf(self.m)
         m_safe = torch.where(live, self.m, torch.zeros_like(self.m))
         lse = torch.where(live, m_safe + torch.log(self.l), self.m)
-        out = torch.where(live.unsqueeze(-1), self.acc / self.l.clamp(min=torch.finfo(self.l.dtype).tiny).unsqueeze(-1), torch.zeros_like(self.acc))
+        out = torch.where(
+            live.unsqueeze(-1),
+            self.acc / self.l.clamp(min=torch.finfo(self.l.dtype).tiny).unsqueeze(-1),
+            torch.zeros_like(self.acc),
+        )
         return out, lse
 
 

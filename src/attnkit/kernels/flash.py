@@ -8,7 +8,9 @@ import math
 
 import torch
 
-from .fused import backward_with_lse_grad, flash_backward as _op_backward, flash_forward as _op  # layout-safe wrappers of the private op
+from .fused import backward_with_lse_grad  # layout-safe wrappers of the private op
+from .fused import flash_backward as _op_backward
+from .fused import flash_forward as _op
 
 Tensor = torch.Tensor
 
@@ -38,7 +40,9 @@ class FlashWithLse(torch.autograd.Function):
         q, k, v, o, lse, mask = ctx.saved_tensors
         lse = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse)  # P = 0 on dead rows
         grad_o = torch.zeros_like(o) if grad_o is None else grad_o.contiguous()
-        dq, dk, dv = backward_with_lse_grad(_op_backward, grad_o, grad_lse, q, k, v, o, lse, 0.0, ctx.causal, attn_mask=mask, scale=ctx.scale)
+        dq, dk, dv = backward_with_lse_grad(
+            _op_backward, grad_o, grad_lse, q, k, v, o, lse, 0.0, ctx.causal, attn_mask=mask, scale=ctx.scale
+        )
         return dq, dk, dv, None, None, None
 
 

@@ -97,7 +97,9 @@ def flex_reroute(req: Request) -> str | None:
     if why is not None:
         return why
     if _verdicts.out_of_kernels and signature not in _verdicts.seen:
-        return f"{MAX_KERNELS} compiled flex kernels already: one more would pass the recompile limit and run an unfused O(N^2) path"
+        return (
+            f"{MAX_KERNELS} compiled flex kernels already: one more would pass the recompile limit and run an unfused O(N^2) path"
+        )
     return None
 
 
@@ -116,12 +118,16 @@ def _block_mask(req: Request, q_len: int, k_len: int, positions):
     real_q, real_k, real_len = positions
 
     if mask is None:
+
         def mask_mod(b, h, q_idx, kv_idx):
             return kv_idx < real_len
+
         batch = heads = None
     else:
+
         def mask_mod(b, h, q_idx, kv_idx):
             return (kv_idx < real_len) & mask(b, h, real_q(q_idx), real_k(kv_idx))
+
         batch = req.batch if mask.batch_dependent else None
         heads = req.heads if any(type(m).__name__ == "FnMask" for m in mask.walk()) else None
     block_mask = create_block_mask(mask_mod, batch, heads, q_len, k_len, device=req.q.device, BLOCK_SIZE=_BLOCK)
@@ -167,7 +173,9 @@ def _run_compiled(req: Request) -> tuple[Tensor, Tensor | None]:
     gqa = req.heads != req.kv_heads
     want_lse = req.return_lse or req.sinks is not None
     with torch._dynamo.config.patch(recompile_limit=MAX_KERNELS, fail_on_recompile_limit_hit=True):
-        result = _compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=req.scale, enable_gqa=gqa, return_lse=want_lse)
+        result = _compiled(
+            q, k, v, score_mod=score_mod, block_mask=block_mask, scale=req.scale, enable_gqa=gqa, return_lse=want_lse
+        )
     if not want_lse:
         return result[:, :, : req.q_len], None
     out, lse = result[0][:, :, : req.q_len], result[1][:, :, : req.q_len]
@@ -185,8 +193,10 @@ def _first_call_agrees(req: Request, out: Tensor, exact: Tensor) -> str | None:
     if torch.allclose(got, want, rtol=tol, atol=tol, equal_nan=True):
         return None
     error = (got - want).abs().nan_to_num(float("inf")).max().item()
-    return (f"torch's compiled FlexAttention gave wrong numbers for this kernel on this CPU "
-            f"({req.shapes()}: {error:.3g} off the chunked backend on its first call)")
+    return (
+        f"torch's compiled FlexAttention gave wrong numbers for this kernel on this CPU "
+        f"({req.shapes()}: {error:.3g} off the chunked backend on its first call)"
+    )
 
 
 def flex_attention_call(req: Request) -> tuple[Tensor, Tensor | None]:

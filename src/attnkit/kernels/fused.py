@@ -43,16 +43,35 @@ def unit_last_stride(t: Tensor | None) -> Tensor | None:
     return t.contiguous()
 
 
-def flash_forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, is_causal: bool = False, *,
-                  attn_mask: Tensor | None = None, scale: float | None = None) -> tuple[Tensor, Tensor]:
+def flash_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
     """``aten::_scaled_dot_product_flash_attention_for_cpu`` with its inputs' layout made
     safe (``unit_last_stride``): (out, lse). Every caller of the op goes through here."""
     q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
     return _flash(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
 
 
-def flash_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dropout_p: float = 0.0,
-                   is_causal: bool = False, *, attn_mask: Tensor | None = None, scale: float | None = None):
+def flash_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+):
     """The op's backward (dq, dk, dv), every tensor argument's layout made safe."""
     grad_out, q, k, v, out = (unit_last_stride(t) for t in (grad_out, q, k, v, out))
     return _flash_backward(grad_out, q, k, v, out, lse, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
@@ -71,8 +90,14 @@ class SegmentInputs:
 
 
 def segment_inputs(
-    mask: Mask | None, affine: AffineForm, batch_rows: Tensor, heads: int, q_start: int,
-    block: QueryBlock, seg: Segment, mask_dtype: torch.dtype,
+    mask: Mask | None,
+    affine: AffineForm,
+    batch_rows: Tensor,
+    heads: int,
+    q_start: int,
+    block: QueryBlock,
+    seg: Segment,
+    mask_dtype: torch.dtype,
 ) -> SegmentInputs:
     has_bias = bool(affine.terms)
     if seg.kind == FULL_SEG and not has_bias:
@@ -95,8 +120,7 @@ def segment_inputs(
         if parts is not None:
             row, col = parts
             per_key = col[None, :, None, :] if col.dim() == 2 else col[:, :, None, :]
-            return SegmentInputs(attn_mask=per_key.to(mask_dtype), row_shift=row[None],
-                                 dead_rows=_dead_separable(row, col))
+            return SegmentInputs(attn_mask=per_key.to(mask_dtype), row_shift=row[None], dead_rows=_dead_separable(row, col))
         attn_mask = affine.dense_bias(tile.b, tile.h, tile.q, tile.k).to(mask_dtype)
         return SegmentInputs(attn_mask=attn_mask, dead_rows=_dead_rows(attn_mask))
     vis = visible(mask, tile)
@@ -124,7 +148,14 @@ def _dead_rows(attn_mask: Tensor) -> Tensor | None:
 
 
 def fused_forward(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, plan: Plan, mask: Mask | None, affine: AffineForm, q_start: int,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    plan: Plan,
+    mask: Mask | None,
+    affine: AffineForm,
+    q_start: int,
 ) -> tuple[Tensor, Tensor]:
     """(out, lse) with lse in float32 (float64 for float64 inputs)."""
     B, H, Nq, _ = q.shape
@@ -136,7 +167,9 @@ def fused_forward(
         parts = []
         for seg in block.segments:
             inp = segment_inputs(mask, affine, rows, H, q_start, block, seg, mask_dtype)
-            o, l = flash_forward(qb, k[bs, :, seg.k0 : seg.k1], v[bs, :, seg.k0 : seg.k1], 0.0, inp.is_causal, attn_mask=inp.attn_mask, scale=scale)
+            o, l = flash_forward(
+                qb, k[bs, :, seg.k0 : seg.k1], v[bs, :, seg.k0 : seg.k1], 0.0, inp.is_causal, attn_mask=inp.attn_mask, scale=scale
+            )
             l = l.to(lse_dtype)
             if inp.row_shift is not None:
                 l = l + inp.row_shift.to(lse_dtype)
@@ -161,8 +194,17 @@ def fused_forward(
 
 
 def fused_backward(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-    plan: Plan, mask: Mask | None, affine: AffineForm, q_start: int,
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    scale: float,
+    plan: Plan,
+    mask: Mask | None,
+    affine: AffineForm,
+    q_start: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv given the final out and lse of every row."""
     B, H, Nq, _ = q.shape
@@ -188,8 +230,18 @@ def fused_backward(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def backward_with_lse_grad(backward, grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
-                           out: Tensor, lse: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor, Tensor]:
+def backward_with_lse_grad(
+    backward,
+    grad_out: Tensor,
+    grad_lse: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    *args,
+    **kwargs,
+) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv of ``backward(grad_out, q, k, v, out, lse, *args, **kwargs)`` — a flash
     backward that takes only dO (``flash_backward``, ``fused_backward``) — when a gradient
     g also reaches lse (None: the plain call).

@@ -18,8 +18,14 @@ Tensor = torch.Tensor
 
 
 def check_options(
-    name: str, *, sinks=None, return_lse: bool = False, backend: str = "auto",
-    backends: tuple[str, ...] = ("auto", "chunked", "reference"), lse: bool = True, allow_sinks: bool = False,
+    name: str,
+    *,
+    sinks=None,
+    return_lse: bool = False,
+    backend: str = "auto",
+    backends: tuple[str, ...] = ("auto", "chunked", "reference"),
+    lse: bool = True,
+    allow_sinks: bool = False,
 ) -> None:
     if backend not in backends:
         raise ValueError(f"backend: mechanism {name!r} runs on {', '.join(repr(b) for b in backends)}, got {backend!r}")

@@ -29,7 +29,18 @@ import torch.nn.functional as F
 
 from . import cpu
 from .engine import (
-    Block, EngineTiling, GradBlock, OnlineSoftmax, Problem, TileKernel, fast_exp, fast_exp_, fused_band, grouped, safe_lse, softmax_backward_terms,
+    Block,
+    EngineTiling,
+    GradBlock,
+    OnlineSoftmax,
+    Problem,
+    TileKernel,
+    fast_exp,
+    fast_exp_,
+    fused_band,
+    grouped,
+    safe_lse,
+    softmax_backward_terms,
     ungrouped,
 )
 from .plan import FULL_SEG
@@ -113,8 +124,14 @@ class MixedSoftmaxKernel(TileKernel):
     # a block's tiles are kept between the two passes: smaller blocks, less memory
     tiling = EngineTiling(q_block=128, k_block=128, tile_k=512)
 
-    def __init__(self, transform: Callable[[Tensor], Tensor], transform_params: list[Tensor], mix: Tensor | None,
-                 halo: tuple[int, int, int] = (0, 0, 0), c_transform: CTransform | None = None):
+    def __init__(
+        self,
+        transform: Callable[[Tensor], Tensor],
+        transform_params: list[Tensor],
+        mix: Tensor | None,
+        halo: tuple[int, int, int] = (0, 0, 0),
+        c_transform: CTransform | None = None,
+    ):
         self.transform = transform
         self.c_transform = c_transform
         self.transform_params = list(transform_params)
@@ -137,7 +154,9 @@ class MixedSoftmaxKernel(TileKernel):
         band = None if self.c_transform is None else fused_band(prob)
         if band is None:
             return None
-        out, lse = cpu.mixed_softmax_attention(prob.q, prob.k, prob.v, *self._c_weights(), self.c_transform.group, prob.q_start, band)
+        out, lse = cpu.mixed_softmax_attention(
+            prob.q, prob.k, prob.v, *self._c_weights(), self.c_transform.group, prob.q_start, band
+        )
         return out, {"lse": lse}
 
     def backward_fused(self, prob: Problem, grad_out: Tensor, stats):
@@ -149,8 +168,17 @@ class MixedSoftmaxKernel(TileKernel):
             return None
         grad_lse = grad_stats.get("lse")
         dq, dk, dv, dconv, dpre, dpost = cpu.mixed_softmax_attention_backward(
-            grad_out.contiguous(), prob.q, prob.k, prob.v, stats["lse"].contiguous(), *self._c_weights(), self.c_transform.group,
-            prob.q_start, band, None if grad_lse is None else grad_lse.float())
+            grad_out.contiguous(),
+            prob.q,
+            prob.k,
+            prob.v,
+            stats["lse"].contiguous(),
+            *self._c_weights(),
+            self.c_transform.group,
+            prob.q_start,
+            band,
+            None if grad_lse is None else grad_lse.float(),
+        )
         transform_grads = [g for g in (dconv, dpre) if g is not None]
         return dq.mul_(prob.scale), dk, dv, *transform_grads, *([dpost] if self.mix is not None else [])  # params()' order
 

@@ -79,8 +79,18 @@ def softmax_tiles(req: Request, lse: torch.Tensor, call: CallInfo, selection: Se
                         # an additive 0 / -inf mask at the mask's own (often 1 x 1 x BQ x span)
                         # shape: a broadcast add is far cheaper than masked_fill on the tile
                         s = s + torch.where(vis, 0.0, -math.inf).to(cd)
-                    yield AttentionTile(call, rows, tile.q_flat, tile.k_flat, torch.sub(s, lb).exp_(), s,
-                                        None if all_heads else heads, vis is None, vis, lb.squeeze(-1))
+                    yield AttentionTile(
+                        call,
+                        rows,
+                        tile.q_flat,
+                        tile.k_flat,
+                        torch.sub(s, lb).exp_(),
+                        s,
+                        None if all_heads else heads,
+                        vis is None,
+                        vis,
+                        lb.squeeze(-1),
+                    )
 
 
 def observe_softmax(req: Request, lse: torch.Tensor, observers, layer: int | None = None) -> None:

@@ -65,7 +65,9 @@ class Plan:
         counts half, since the kernel skips its upper triangle."""
         return sum(
             (blk.q1 - blk.q0) * (s.k1 - s.k0) // (2 if s.kind == CAUSAL_SEG else 1)
-            for row in self.rows for blk in row for s in blk.segments
+            for row in self.rows
+            for blk in row
+            for s in blk.segments
         )
 
     def coalesced(self) -> Plan:
@@ -100,7 +102,9 @@ def make_plan(
     else:
         states = mask.classify(grid)
         if states.shape[1:] != (grid.n_q, grid.n_k) or states.shape[0] not in (1, batch):
-            raise RuntimeError(f"{mask!r}.classify returned shape {tuple(states.shape)}, expected (1 or {batch}, {grid.n_q}, {grid.n_k})")
+            raise RuntimeError(
+                f"{mask!r}.classify returned shape {tuple(states.shape)}, expected (1 or {batch}, {grid.n_q}, {grid.n_k})"
+            )
     plain_causal = isinstance(mask, Causal)
     rows = [
         _row_blocks(states[r].tolist(), grid, plain_causal, max_masked_span, max_full_span or k_len)
@@ -162,5 +166,4 @@ def causal_plan(batch: int, q_len: int, k_len: int) -> Plan:
     grid = TileGrid(q_start=k_len - q_len, q_len=q_len, q_block=q_len, k_len=k_len, k_block=k_len)
     start = k_len - q_len
     segments = ([Segment(0, start, FULL_SEG)] if start else []) + [Segment(start, k_len, CAUSAL_SEG)]
-    return Plan(rows=[[QueryBlock(0, q_len, segments)]], shared=True, grid=grid, tiles_total=1, tiles_skipped=0,
-                tiles_partial=1)
+    return Plan(rows=[[QueryBlock(0, q_len, segments)]], shared=True, grid=grid, tiles_total=1, tiles_skipped=0, tiles_partial=1)

@@ -95,7 +95,9 @@ def make_request(q, k, v, *, mask=None, score=None, scale=None, sinks=None, retu
     if k.shape[3] != D:
         raise ValueError(f"k: head dim must equal q's D={D}, got k of shape {tuple(k.shape)}")
     if v.shape[1] != k.shape[1] or v.shape[2] != k.shape[2]:
-        raise ValueError(f"v: expected shape (B, Hkv, Nk, Dv) = ({B}, {k.shape[1]}, {k.shape[2]}, Dv) to match k, got {tuple(v.shape)}")
+        raise ValueError(
+            f"v: expected shape (B, Hkv, Nk, Dv) = ({B}, {k.shape[1]}, {k.shape[2]}, Dv) to match k, got {tuple(v.shape)}"
+        )
     Hkv = k.shape[1]
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"k, v: query heads Hq={Hq} must be a multiple of key/value heads Hkv={Hkv} (GQA/MQA)")
@@ -109,7 +111,9 @@ def make_request(q, k, v, *, mask=None, score=None, scale=None, sinks=None, retu
 
     if sinks is not None:
         if not isinstance(sinks, Tensor) or sinks.shape != (Hq,) or not sinks.is_floating_point():
-            raise ValueError(f"sinks: expected a float tensor of shape (Hq,) = ({Hq},), one logit per query head, got {getattr(sinks, 'shape', sinks)!r}")
+            raise ValueError(
+                f"sinks: expected a float tensor of shape (Hq,) = ({Hq},), one logit per query head, got {getattr(sinks, 'shape', sinks)!r}"
+            )
         if sinks.device != q.device:
             raise ValueError(f"sinks: on {sinks.device} but q is on {q.device}")
         if not torch.isfinite(sinks.detach()).all():

@@ -67,6 +67,13 @@ def sdpa_attention(req: Request) -> tuple[Tensor, Tensor | None]:
         return out, lse
     gqa = req.heads != req.kv_heads
     dense = req.mask is not None and not is_plain_causal(req)  # a few queries: the mask as a tensor
-    out = F.scaled_dot_product_attention(req.q, req.k, req.v, attn_mask=dense_visible(req) if dense else None,
-                                         is_causal=is_causal and not dense, scale=scale, enable_gqa=gqa)
+    out = F.scaled_dot_product_attention(
+        req.q,
+        req.k,
+        req.v,
+        attn_mask=dense_visible(req) if dense else None,
+        is_causal=is_causal and not dense,
+        scale=scale,
+        enable_gqa=gqa,
+    )
     return out, None

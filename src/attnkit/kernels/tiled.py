@@ -50,8 +50,16 @@ def _softcap_or_none(score: ScoreMod | None) -> float | None:
 
 
 def tiled_forward(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, plan: Plan, mask: Mask | None, score: ScoreMod | None,
-    q_start: int, tile_k: int, matmul_dtype: torch.dtype,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    plan: Plan,
+    mask: Mask | None,
+    score: ScoreMod | None,
+    q_start: int,
+    tile_k: int,
+    matmul_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
     # Band masks with softcap (or no mod) in float32: the whole loop runs in C around torch's sgemm.
     band = band_of(mask)
@@ -93,8 +101,20 @@ def tiled_forward(
 
 
 def tiled_backward(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, delta: Tensor, scale: float,
-    plan: Plan, mask: Mask | None, score: ScoreMod | None, params: list[Tensor], q_start: int, tile_k: int,
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    delta: Tensor,
+    scale: float,
+    plan: Plan,
+    mask: Mask | None,
+    score: ScoreMod | None,
+    params: list[Tensor],
+    q_start: int,
+    tile_k: int,
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor | None]]:
     """dq, dk, dv and the gradients of ``params`` (the score mod's tensors needing grad).
 

@@ -59,7 +59,11 @@ def visible(mask: Mask, tile: Tile) -> Tensor:
     """Boolean visibility of the tile, at least (1, 1, BQ, span), broadcastable to (Bt, H, BQ, span)."""
     vis = torch.as_tensor(mask(tile.b, tile.h, tile.q, tile.k), dtype=torch.bool)
     shape = (1, 1, tile.q.shape[2], tile.k.shape[3])
-    return vis if vis.shape[-2:] == shape[-2:] and vis.dim() == 4 else torch.broadcast_to(vis, torch.broadcast_shapes(vis.shape, shape))
+    return (
+        vis
+        if vis.shape[-2:] == shape[-2:] and vis.dim() == 4
+        else torch.broadcast_to(vis, torch.broadcast_shapes(vis.shape, shape))
+    )
 
 
 def merge_partials(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:

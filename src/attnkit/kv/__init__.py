@@ -64,15 +64,23 @@ def policy_cache(model, policy: str | Policy, budget: float | int = 0.5, **param
         try:
             check_model(model)
         except ValueError as e:
-            raise ValueError(f"model: policy {chosen.name!r} reads attention weights through attnkit, which cannot switch this model ({e})") from None
+            raise ValueError(
+                f"model: policy {chosen.name!r} reads attention weights through attnkit, which cannot switch this model ({e})"
+            ) from None
     else:
         impl = model.config._attn_implementation
         if impl not in ("eager", "sdpa", "attnkit"):
-            raise ValueError(f"model: attn_implementation {impl!r} cannot take per-head cache masks; load the model with 'sdpa' or 'eager'")
+            raise ValueError(
+                f"model: attn_implementation {impl!r} cannot take per-head cache masks; load the model with 'sdpa' or 'eager'"
+            )
     if chosen.recomputes_queries and not all(can_recompute_queries(m) for m in modules):
-        raise ValueError(f"policy: {chosen.name!r} recomputes each layer's queries (q_proj + RoPE), which {type(modules[0]).__name__} does not expose")
+        raise ValueError(
+            f"policy: {chosen.name!r} recomputes each layer's queries (q_proj + RoPE), which {type(modules[0]).__name__} does not expose"
+        )
     if chosen.rerotates_keys and rotary_module(model) is None:
-        raise ValueError("positions: 'cache' re-rotates keys with the model's RoPE, and this model has no rotary embedding module")
+        raise ValueError(
+            "positions: 'cache' re-rotates keys with the model's RoPE, and this model has no rotary embedding module"
+        )
     cache = PolicyCache(model, chosen, spec, len(modules))
     install_hooks(model)
     return cache

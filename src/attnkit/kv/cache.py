@@ -141,9 +141,15 @@ class PolicyCache(Cache, HookedCache):
             ring = self._ring(layer_idx)
             return layer.fill(key_states, value_states, rope, None if ring is None else ring.hole)
         attend = self.policy.read_in_place(layer, self.budget) if read is Read.SPARSE_IN_PLACE else None
-        out = layer.append(key_states, value_states, self._real(layer.seen, N, B, key_states.device), rope,
-                           kept_only=read is Read.KEPT_ONLY, slots=call.slots,
-                           materialise=read is not Read.PACKED_IN_PLACE)
+        out = layer.append(
+            key_states,
+            value_states,
+            self._real(layer.seen, N, B, key_states.device),
+            rope,
+            kept_only=read is Read.KEPT_ONLY,
+            slots=call.slots,
+            materialise=read is not Read.PACKED_IN_PLACE,
+        )
         step = call.step
         if read is Read.PACKED_IN_PLACE:
             step.attend = steps.packed_attend(layer._packed)
@@ -197,7 +203,9 @@ class PolicyCache(Cache, HookedCache):
     def kept_positions(self, layer: int) -> list[list[list[int]]]:
         """Token positions (indices in the padded sequence) kept by each row and KV head."""
         lay = self.layers[layer]
-        return [[sorted(lay.pos[b, h][lay.valid[b, h]].tolist()) for h in range(lay.pos.shape[1])] for b in range(lay.pos.shape[0])]
+        return [
+            [sorted(lay.pos[b, h][lay.valid[b, h]].tolist()) for h in range(lay.pos.shape[1])] for b in range(lay.pos.shape[0])
+        ]
 
     def kept_mask(self, layer: int, length: int | None = None) -> Tensor:
         """(B, Hkv, length) bool: which positions ``layer`` holds (length: tokens seen)."""
@@ -304,8 +312,13 @@ class PolicyCache(Cache, HookedCache):
             call.read = Read.SPARSE_IN_PLACE
             return
         slots = self.policy.read_slots(module, layer, hidden, kwargs, self.budget) if sparse and Nq == 1 else None
-        fills = (not layer.full and self._masks_evictions and not hidden.requires_grad
-                 and layer.one_hole_each() and self._all_real(layer.seen, 1))
+        fills = (
+            not layer.full
+            and self._masks_evictions
+            and not hidden.requires_grad
+            and layer.one_hole_each()
+            and self._all_real(layer.seen, 1)
+        )
         # an observer sums this call's weights onto the keys it is given: gathering the kept
         # entries would hand it fewer keys than the layer has slots, in gathered order
         observed = self.scorer is not None and idx in self.scorer.wanted
@@ -314,8 +327,9 @@ class PolicyCache(Cache, HookedCache):
             # those entries only, not the whole cache masked)
             kwargs["attention_mask"] = None
             call.read, call.slots = Read.SPARSE_SLOTS, slots
-        elif call.step is not None or (Nq == 1 and not sparse and sliding_window(module) is None
-                                       and (layer.full or fills or (layer.even() and not observed))):
+        elif call.step is not None or (
+            Nq == 1 and not sparse and sliding_window(module) is None and (layer.full or fills or (layer.even() and not observed))
+        ):
             # one query that sees every kept entry: no mask (the path transformers takes for a
             # full cache, no O(L) mask). The slot the last step evicted takes the new token;
             # other holes are left out by gathering the kept entries, or hidden by
@@ -344,8 +358,10 @@ class PolicyCache(Cache, HookedCache):
         reads when it has them."""
         read = None
         if self._reads_sparsely(module.layer_idx, layer):
+
             def read():
                 return self.policy.read_mask(module, layer, hidden, kwargs, self.budget)
+
         real = self._real(layer.seen, n_new, hidden.shape[0], hidden.device)
         return masks.layer_mask(module, layer, hidden, n_new, real, read)
 
@@ -375,8 +391,20 @@ class PolicyCache(Cache, HookedCache):
         slack = max(DECODE_SLACK_MIN, layer.length // DECODE_SLACK_DIV)
         if phase == "decode" and self._masks_evictions and steps.evict_lowest(self.policy.lowest_rule, layer, mass, slack):
             return
-        step = Step(idx, self.num_layers, phase, layer.keys, layer.valid, layer.pos, layer.capacity, mass, layer.score,
-                    layer.seen, extra, None if layer.ordered else layer.pos)
+        step = Step(
+            idx,
+            self.num_layers,
+            phase,
+            layer.keys,
+            layer.valid,
+            layer.pos,
+            layer.capacity,
+            mass,
+            layer.score,
+            layer.seen,
+            extra,
+            None if layer.ordered else layer.pos,
+        )
         keep = self.policy.select(step)
         if phase == "decode" and self._masks_evictions:
             layer.drop(keep, slack)
@@ -402,9 +430,18 @@ class PolicyCache(Cache, HookedCache):
             mass = call.step.mass
         elif call.queries is not None:
             q, q_pos = call.queries
-            mass = received_mass(q, q_pos, layer.keys, layer.valid, layer.pos, float(module.scaling),
-                                 sliding_window(module), phase == "prefill", all_valid=layer.full or None,
-                                 appended=phase == "decode")
+            mass = received_mass(
+                q,
+                q_pos,
+                layer.keys,
+                layer.valid,
+                layer.pos,
+                float(module.scaling),
+                sliding_window(module),
+                phase == "prefill",
+                all_valid=layer.full or None,
+                appended=phase == "decode",
+            )
         else:
             mass = self.scorer.mass.pop(idx, None)
         if mass is None:

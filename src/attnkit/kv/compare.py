@@ -34,8 +34,13 @@ def compare(model, input_ids, attention_mask=None, *, policy: str, budget, max_n
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
     cache = policy_cache(model, policy, budget=budget, **params)
     pad = getattr(model.generation_config, "pad_token_id", None)
-    gen = dict(attention_mask=attention_mask, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-               pad_token_id=0 if pad is None else pad)
+    gen = dict(
+        attention_mask=attention_mask,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0 if pad is None else pad,
+    )
     n = input_ids.shape[1]
     full_cache = DynamicCache()
     t0 = time.perf_counter()

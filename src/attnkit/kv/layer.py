@@ -52,9 +52,15 @@ class Room:
             self.storage = None
             return torch.cat([held, new], 2)
         room = self.storage
-        reusable = (room is not None and room.shape[2] >= L + N and held.data_ptr() == room.data_ptr()
-                    and held.shape[:2] == room.shape[:2] and held.shape[3:] == room.shape[3:]
-                    and held.stride() == room.stride() and held.dtype == room.dtype)
+        reusable = (
+            room is not None
+            and room.shape[2] >= L + N
+            and held.data_ptr() == room.data_ptr()
+            and held.shape[:2] == room.shape[:2]
+            and held.shape[3:] == room.shape[3:]
+            and held.stride() == room.stride()
+            and held.dtype == room.dtype
+        )
         if not reusable:
             if L == 0:  # a prefill: no room yet, most of it is usually evicted at once
                 self.storage = None
@@ -208,8 +214,9 @@ class PolicyLayer(CacheLayerMixin):
             if self.score is not None:
                 self.score[:, :, h] = 0.0
         elif native_kv.available() and key_states.stride(-1) == 1 and value_states.stride(-1) == 1:
-            native_kv.fill_hole(keys, values, self.valid, self.pos, self.rope, self.score, key_states, value_states,
-                                rope[:, 0, 0], self.seen)
+            native_kv.fill_hole(
+                keys, values, self.valid, self.pos, self.rope, self.score, key_states, value_states, rope[:, 0, 0], self.seen
+            )
         else:
             slot = (~self.valid).to(torch.uint8).argmax(-1, keepdim=True)  # (B, H, 1): the hole
             keys.scatter_(2, slot[..., None].expand(B, H, 1, keys.shape[-1]), key_states)
@@ -257,8 +264,16 @@ class PolicyLayer(CacheLayerMixin):
         self._kept_range = (valid, valid._version, found)
         return found
 
-    def append(self, key_states: Tensor, value_states: Tensor, real: Tensor, rope: Tensor,
-               kept_only: bool = False, slots: Tensor | None = None, materialise: bool = True) -> tuple[Tensor, Tensor]:
+    def append(
+        self,
+        key_states: Tensor,
+        value_states: Tensor,
+        real: Tensor,
+        rope: Tensor,
+        kept_only: bool = False,
+        slots: Tensor | None = None,
+        materialise: bool = True,
+    ) -> tuple[Tensor, Tensor]:
         """Add ``Nq`` new tokens after the kept entries; ``real`` (B, Nq) marks the tokens
         that are not padding, ``rope`` (B, Nq) the positions their keys were rotated at.
         Returns the keys and values for this call's attention: every slot, or with

@@ -16,8 +16,7 @@ from .model_parts import sliding_window
 Tensor = torch.Tensor
 
 
-def layer_mask(module, layer, hidden: Tensor, n_new: int, real: Tensor,
-               read: Callable[[], Tensor] | None = None) -> Tensor:
+def layer_mask(module, layer, hidden: Tensor, n_new: int, real: Tensor, read: Callable[[], Tensor] | None = None) -> Tensor:
     """The layer's mask for this call, cached entries then the call's own tokens, in the
     form the module's attention takes: (B, Hq, n_new, L + n_new). ``real`` (B, n_new)
     marks the call's tokens that are not padding; ``read`` gives (B, Hq, n_new, L), the
@@ -52,7 +51,9 @@ def as_impl(module, hidden: Tensor, mask: Tensor) -> Tensor:
         return torch.where(mask, torch.zeros((), dtype=dtype), torch.finfo(dtype).min)
     if impl in ("sdpa", "attnkit"):
         return mask
-    raise ValueError(f"model: attn_implementation {impl!r} cannot take a policy cache's per-head masks; use 'sdpa', 'eager' or attnkit")
+    raise ValueError(
+        f"model: attn_implementation {impl!r} cannot take a policy cache's per-head masks; use 'sdpa', 'eager' or attnkit"
+    )
 
 
 def step_mask(layer, g: int) -> Tensor:

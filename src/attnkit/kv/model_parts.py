@@ -15,7 +15,9 @@ Tensor = torch.Tensor
 
 def attention_modules(model) -> list:
     """The modules that update the cache, in layer order."""
-    found = [m for m in model.modules() if type(m).__name__.endswith("Attention") and isinstance(getattr(m, "layer_idx", None), int)]
+    found = [
+        m for m in model.modules() if type(m).__name__.endswith("Attention") and isinstance(getattr(m, "layer_idx", None), int)
+    ]
     return sorted(found, key=lambda m: m.layer_idx)
 
 

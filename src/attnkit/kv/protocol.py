@@ -50,8 +50,10 @@ class KVSetting:
         if self.policy not in POLICIES:
             raise ValueError(f"policy: unknown policy {self.policy!r}; expected {FULL} or one of {', '.join(POLICIES)}")
         if POLICIES[self.policy].needs_mechanism is not None:
-            raise ValueError(f"policy: {self.policy!r} needs a model trained with the "
-                             f"{POLICIES[self.policy].needs_mechanism!r} mechanism; it is run from Python inside attnkit.hf.use")
+            raise ValueError(
+                f"policy: {self.policy!r} needs a model trained with the "
+                f"{POLICIES[self.policy].needs_mechanism!r} mechanism; it is run from Python inside attnkit.hf.use"
+            )
         check_budget(self.budget)
         POLICIES[self.policy](**dict(self.params))  # each bad parameter named
 
@@ -119,8 +121,16 @@ class Answer:
 
 
 @torch.no_grad()
-def ask(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, question: int, setting: KVSetting,
-        max_new_tokens: int, pad: int = 0, forced: torch.Tensor | None = None) -> Answer:
+def ask(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    question: int,
+    setting: KVSetting,
+    max_new_tokens: int,
+    pad: int = 0,
+    forced: torch.Tensor | None = None,
+) -> Answer:
     """Run ``setting``'s protocol on a left-padded batch whose last ``question`` tokens
     (every row's) are the question: prefill the context (with the question when
     ``aware``), then feed the question one token per step through the compressed cache,
@@ -132,10 +142,14 @@ def ask(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, question: 
     answer's perplexity is its exp)."""
     B, P = input_ids.shape
     if forced is not None and (not isinstance(forced, torch.Tensor) or tuple(forced.shape) != (B, max_new_tokens)):
-        raise ValueError(f"forced: expected a ({B}, {max_new_tokens}) tensor of answer tokens, got "
-                         f"{tuple(forced.shape) if isinstance(forced, torch.Tensor) else type(forced).__name__}")
+        raise ValueError(
+            f"forced: expected a ({B}, {max_new_tokens}) tensor of answer tokens, got "
+            f"{tuple(forced.shape) if isinstance(forced, torch.Tensor) else type(forced).__name__}"
+        )
     if isinstance(question, bool) or not isinstance(question, int) or not 1 <= question < P:
-        raise ValueError(f"question: expected an int in [1, {P - 1}] (the question's tokens at the end of each prompt), got {question!r}")
+        raise ValueError(
+            f"question: expected an int in [1, {P - 1}] (the question's tokens at the end of each prompt), got {question!r}"
+        )
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
     accepted = set(_pyinspect.signature(model.forward).parameters)
@@ -172,8 +186,15 @@ def ask(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, question: 
         start = time.perf_counter()
         out = model(**kwargs)
         seconds += time.perf_counter() - start
-    return Answer(torch.stack(produced, dim=1), _kv_bytes(cache), _kept(cache, mask), seconds,
-                  question + max_new_tokens - 1, cache, None if forced is None else nll / max_new_tokens)
+    return Answer(
+        torch.stack(produced, dim=1),
+        _kv_bytes(cache),
+        _kept(cache, mask),
+        seconds,
+        question + max_new_tokens - 1,
+        cache,
+        None if forced is None else nll / max_new_tokens,
+    )
 
 
 def _kv_bytes(cache) -> int:

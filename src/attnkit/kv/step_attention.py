@@ -44,8 +44,17 @@ class StepCall:
         self.attend = None
 
 
-def step_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
-                   scaling: float | None = None, attnkit_kv_step: StepCall | None = None, **kwargs):
+def step_attention(
+    module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    attnkit_kv_step: StepCall | None = None,
+    **kwargs,
+):
     """softmax(q k^T * scaling | visible) v for one query per head, GQA without copying
     the keys per query head: (B, 1, Hq, Dv) as transformers' attention functions return,
     and the weights left in ``attnkit_kv_step.mass``."""
@@ -55,9 +64,14 @@ def step_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_
     B, Hq, _, D = query.shape
     Hkv, L = key.shape[1], key.shape[2]
     scaling = D**-0.5 if scaling is None else scaling
-    if (query.dtype in (torch.float32, torch.float64) and key.dtype == value.dtype == query.dtype
-            and not (query.requires_grad or key.requires_grad or value.requires_grad)
-            and key.stride(-1) == 1 and value.stride(-1) == 1 and native_kv.available()):
+    if (
+        query.dtype in (torch.float32, torch.float64)
+        and key.dtype == value.dtype == query.dtype
+        and not (query.requires_grad or key.requires_grad or value.requires_grad)
+        and key.stride(-1) == 1
+        and value.stride(-1) == 1
+        and native_kv.available()
+    ):
         out, call.mass = native_kv.step_attention(query, key, value, call.hide, scaling)  # one pass, same softmax
         return out, None
     cd = torch.float64 if query.dtype == torch.float64 else torch.float32

@@ -50,8 +50,13 @@ def _no_dropout(module) -> bool:
 def runs_in_step_attention(module, n_new: int, real: bool) -> bool:
     """Whether this call's attention can run in ``step_attention``: one ``real`` token, a
     plain softmax on sdpa or eager, no sliding window, no dropout."""
-    return (n_new == 1 and module.config._attn_implementation in ("sdpa", "eager") and sliding_window(module) is None
-            and _no_dropout(module) and real)
+    return (
+        n_new == 1
+        and module.config._attn_implementation in ("sdpa", "eager")
+        and sliding_window(module) is None
+        and _no_dropout(module)
+        and real
+    )
 
 
 def left_padding_start(padding: Tensor | None, n: int, batch: int, device) -> Tensor | None:
@@ -70,8 +75,14 @@ def fused_prefill_start(module, seen: int, hidden: Tensor, padding: Tensor | Non
     the mass each key receives (``prefill_attention``): a fresh layer (``seen == 0``),
     rows without padding or left-padded, a causal plain softmax on sdpa or eager, no
     sliding window or dropout, float32/float64, no autograd; else None."""
-    if not (seen == 0 and getattr(module, "is_causal", True) and module.config._attn_implementation in ("sdpa", "eager")
-            and sliding_window(module) is None and _no_dropout(module) and native_ok(hidden)):
+    if not (
+        seen == 0
+        and getattr(module, "is_causal", True)
+        and module.config._attn_implementation in ("sdpa", "eager")
+        and sliding_window(module) is None
+        and _no_dropout(module)
+        and native_ok(hidden)
+    ):
         return None
     return left_padding_start(padding, hidden.shape[1], hidden.shape[0], hidden.device)
 
@@ -100,8 +111,7 @@ def evict_lowest(rule: tuple[int, float] | None, layer, mass: Tensor | None, sla
     entry."""
     if rule is None or mass is None or mass.dtype not in (torch.float32, torch.float64) or not native_kv.available():
         return False
-    slot, fewest, most = native_kv.evict_lowest(mass.contiguous(), layer.valid, layer.pos, layer.capacity,
-                                                layer.score, *rule)
+    slot, fewest, most = native_kv.evict_lowest(mass.contiguous(), layer.valid, layer.pos, layer.capacity, layer.score, *rule)
     if slot is None:
         return False
     layer.settle(slack, (fewest, most))

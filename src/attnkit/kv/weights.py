@@ -44,8 +44,18 @@ def direct_ok(modules) -> bool:
     return True
 
 
-def received_mass(q: Tensor, q_pos: Tensor, keys: Tensor, valid: Tensor, pos: Tensor, scale: float,
-                  window: int | None, prefill: bool, all_valid: bool | None = None, appended: bool = False) -> Tensor:
+def received_mass(
+    q: Tensor,
+    q_pos: Tensor,
+    keys: Tensor,
+    valid: Tensor,
+    pos: Tensor,
+    scale: float,
+    window: int | None,
+    prefill: bool,
+    all_valid: bool | None = None,
+    appended: bool = False,
+) -> Tensor:
     """(B, Hq, L) float64: the softmax weights of the queries ``q`` (B, Hq, R, D) at
     padded positions ``q_pos`` (R,) over the layer's slots, summed over the R rows.
 

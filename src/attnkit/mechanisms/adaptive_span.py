@@ -95,7 +95,9 @@ class AdaptiveSpan(Mechanism):
 
     paper = "arXiv:1905.07799"
 
-    def __init__(self, max_span: int = 1024, ramp: float = 32, init: float = 0.0, num_heads: int | None = None, loss_coeff: float = 2e-6):
+    def __init__(
+        self, max_span: int = 1024, ramp: float = 32, init: float = 0.0, num_heads: int | None = None, loss_coeff: float = 2e-6
+    ):
         super().__init__()
         if isinstance(max_span, bool) or not isinstance(max_span, int) or max_span < 1:
             raise ValueError(f"adaptive_span(max_span): expected an int >= 1, got {max_span!r}")
@@ -184,8 +186,22 @@ class AdaptiveSpan(Mechanism):
             out, lse = add_sinks(out, lse, sinks)
         return out, lse
 
-    def forward(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto",
-                check_finite=True, observers=None, layer=None):
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        *,
+        mask=None,
+        score=None,
+        scale=None,
+        sinks=None,
+        return_lse=False,
+        backend="auto",
+        check_finite=True,
+        observers=None,
+        layer=None,
+    ):
         check_options(self.name, sinks=sinks, backend=backend, allow_sinks=True)
         traced = torch.compiler.is_compiling()
         req = self._request(q, k, v, mask, score, scale, sinks, _TracedSpanBand(None, self.max_span - 1) if traced else None)

@@ -51,7 +51,7 @@ from torch import nn
 from ..kernels.mechanism_call import check_options, finish
 from ..kernels.request import Request, make_request
 
-_REGISTRY: dict[str, Callable[..., "Mechanism"]] = {}
+_REGISTRY: dict[str, Callable[..., Mechanism]] = {}
 
 
 class Mechanism(nn.Module):
@@ -73,13 +73,34 @@ class Mechanism(nn.Module):
     #: whether attention sinks are supported
     takes_sinks: bool = False
 
-    def forward(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto",
-                check_finite=True, observers=None, layer=None):
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        *,
+        mask=None,
+        score=None,
+        scale=None,
+        sinks=None,
+        return_lse=False,
+        backend="auto",
+        check_finite=True,
+        observers=None,
+        layer=None,
+    ):
         """The template: check the options, make the request (``call_request``), run the
         literal ``reference`` for ``backend="reference"`` or else ``fast_path``, feed
         ``observers`` (``observe_call``), refuse a non-finite output (``check_finite``)."""
-        check_options(self.name, sinks=sinks, return_lse=return_lse, backend=backend, backends=self.backends,
-                      lse=self.has_lse, allow_sinks=self.takes_sinks)
+        check_options(
+            self.name,
+            sinks=sinks,
+            return_lse=return_lse,
+            backend=backend,
+            backends=self.backends,
+            lse=self.has_lse,
+            allow_sinks=self.takes_sinks,
+        )
         req = self.call_request(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks)
         if backend == "reference":
             out, lse = self.reference_result(req, q, k, v, mask=mask, score=score, scale=scale, sinks=sinks)

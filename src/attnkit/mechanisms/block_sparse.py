@@ -73,7 +73,9 @@ class BlockPattern(Mask):
     def check(self, batch, heads, q_len, k_len):
         n = -(-k_len // self.block_size)
         if self.blocks.shape != (batch, heads, n, n):
-            raise ValueError(f"block pattern: expected blocks of shape ({batch}, {heads}, {n}, {n}), got {tuple(self.blocks.shape)}")
+            raise ValueError(
+                f"block pattern: expected blocks of shape ({batch}, {heads}, {n}, {n}), got {tuple(self.blocks.shape)}"
+            )
 
     def __repr__(self):
         return f"block_pattern({self.blocks.shape[-1]}x{self.blocks.shape[-1]} blocks of {self.block_size})"
@@ -104,14 +106,29 @@ class BlockSparsePrefill(Mechanism):
     # The pattern comes from the call's last queries: a prefill method (the paper decodes
     # with dense attention), whose rows depend on the rest of the call.
     decodes = False
-    decode_note = ("block-sparse prefill estimates its pattern from the last queries of the call, so a query's row depends on "
-                   "the other queries of the call; MInference prefills only and decodes with dense attention (mechanism='softmax').")
+    decode_note = (
+        "block-sparse prefill estimates its pattern from the last queries of the call, so a query's row depends on "
+        "the other queries of the call; MInference prefills only and decodes with dense attention (mechanism='softmax')."
+    )
 
-    def __init__(self, block_size: int = 64, last_q: int = 64, vertical_size: int = 128, slash_size: int = 256,
-                 sink_tokens: int = 30, local_tokens: int = 100):
+    def __init__(
+        self,
+        block_size: int = 64,
+        last_q: int = 64,
+        vertical_size: int = 128,
+        slash_size: int = 256,
+        sink_tokens: int = 30,
+        local_tokens: int = 100,
+    ):
         super().__init__()
-        for name, value, low in (("block_size", block_size, 1), ("last_q", last_q, 1), ("vertical_size", vertical_size, 1),
-                                 ("slash_size", slash_size, 1), ("sink_tokens", sink_tokens, 0), ("local_tokens", local_tokens, 1)):
+        for name, value, low in (
+            ("block_size", block_size, 1),
+            ("last_q", last_q, 1),
+            ("vertical_size", vertical_size, 1),
+            ("slash_size", slash_size, 1),
+            ("sink_tokens", sink_tokens, 0),
+            ("local_tokens", local_tokens, 1),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
         if sink_tokens > vertical_size:
@@ -162,7 +179,9 @@ class BlockSparsePrefill(Mechanism):
     def _check_call(self, q, k, v, mask, score, sinks, scale, backend):
         req = make_request(q, k, v, scale=scale)
         if any(is_key_mask(p) for p in and_parts(mask)):
-            raise padding_refused("block-sparse prefill", "it estimates each head's pattern from the call's last queries, which padding changes.")
+            raise padding_refused(
+                "block-sparse prefill", "it estimates each head's pattern from the call's last queries, which padding changes."
+            )
         if not isinstance(mask, Causal):
             raise ValueError(f"mask: block-sparse prefill is for causal models; pass mask=attnkit.causal(), got {mask!r}")
         for name, value in (("score", score), ("sinks", sinks)):
@@ -171,11 +190,27 @@ class BlockSparsePrefill(Mechanism):
         if backend not in ("auto", "reference"):
             raise ValueError(f"backend: block-sparse prefill runs 'auto' (its fast path) or 'reference', got {backend!r}")
         if req.q_len > req.k_len:
-            raise ValueError(f"q, k: block-sparse prefill needs Nq <= Nk (queries are the last Nq positions), got Nq={req.q_len}, Nk={req.k_len}")
+            raise ValueError(
+                f"q, k: block-sparse prefill needs Nq <= Nk (queries are the last Nq positions), got Nq={req.q_len}, Nk={req.k_len}"
+            )
         return req
 
-    def forward(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto",
-                check_finite=True, observers=None, layer=None):
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        *,
+        mask=None,
+        score=None,
+        scale=None,
+        sinks=None,
+        return_lse=False,
+        backend="auto",
+        check_finite=True,
+        observers=None,
+        layer=None,
+    ):
         req = self._check_call(q, k, v, mask, score, sinks, scale, backend)
         if backend == "reference" and observers:
             raise ValueError("observers: the dense reference (backend='reference') feeds no observers; use backend='auto'")
@@ -225,8 +260,15 @@ class BlockSparsePrefill(Mechanism):
             # Key block ids as rows of k (B * Hkv * n blocks), for every query head.
             kv_row = (torch.arange(B).view(B, 1) * Hkv + torch.arange(Hq).view(1, Hq) // G) * n
             ids = (chosen_first + kv_row.view(B, Hq, 1, 1)).reshape(B * Hq * m, n)
-            o2, l2 = self._gathered(qb.reshape(B * Hq * m, bs * width), kb.reshape(-1, bs * width), vb.reshape(-1, bs * width),
-                                    ids, count.reshape(-1), req.scale, (first, m) if traced else None)
+            o2, l2 = self._gathered(
+                qb.reshape(B * Hq * m, bs * width),
+                kb.reshape(-1, bs * width),
+                vb.reshape(-1, bs * width),
+                ids,
+                count.reshape(-1),
+                req.scale,
+                (first, m) if traced else None,
+            )
             o, lse = merge_partial(o, lse.to(cd), o2.view(B, Hq, m, bs, width), l2.view(B, Hq, m, bs).to(cd))
         o = o.reshape(B, Hq, m * bs, width)[:, :, offset : offset + Nq, :Dv]
         lse = lse.reshape(B, Hq, m * bs)[:, :, offset : offset + Nq]
@@ -234,8 +276,16 @@ class BlockSparsePrefill(Mechanism):
 
     GROUP = 32  # query blocks per call, sorted by how many blocks they read (little padding)
 
-    def _gathered(self, q_rows: Tensor, k_rows: Tensor, v_rows: Tensor, ids: Tensor, count: Tensor, scale: float,
-                  static: tuple[int, int] | None = None):
+    def _gathered(
+        self,
+        q_rows: Tensor,
+        k_rows: Tensor,
+        v_rows: Tensor,
+        ids: Tensor,
+        count: Tensor,
+        scale: float,
+        static: tuple[int, int] | None = None,
+    ):
         """Query blocks (rows of q_rows, one block of bs * W each) against their key blocks
         ``ids[i, :count[i]]`` (rows of k_rows, v_rows), all wholly visible. Blocks are
         sorted by count and run ``GROUP`` at a time, padded to the group's longest.
@@ -263,9 +313,13 @@ class BlockSparsePrefill(Mechanism):
             sel = ids[group, :span].reshape(-1)
             empty = torch.arange(span) >= count[group].unsqueeze(1)  # padding slots of shorter rows
             mask = torch.zeros(empty.shape, dtype=q_rows.dtype).masked_fill(empty, -math.inf)
-            o, l = FlashWithLse.apply(q_rows.index_select(0, group).view(g, 1, bs, W), k_rows.index_select(0, sel).view(g, 1, span * bs, W),
-                                      v_rows.index_select(0, sel).view(g, 1, span * bs, W),
-                                      mask.repeat_interleave(bs, dim=1).view(g, 1, 1, span * bs), scale)
+            o, l = FlashWithLse.apply(
+                q_rows.index_select(0, group).view(g, 1, bs, W),
+                k_rows.index_select(0, sel).view(g, 1, span * bs, W),
+                v_rows.index_select(0, sel).view(g, 1, span * bs, W),
+                mask.repeat_interleave(bs, dim=1).view(g, 1, 1, span * bs),
+                scale,
+            )
             outs.append(o)
             lses.append(l)
         if static:

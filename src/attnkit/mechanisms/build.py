@@ -11,8 +11,9 @@ from torch import nn
 from .base import Mechanism, get_mechanism, mechanism_class
 
 
-def build_mechanism(mechanism, params: dict, heads: int, head_dim: int, kv_heads: int, value_dim: int,
-                    context: int | None = None) -> Mechanism:
+def build_mechanism(
+    mechanism, params: dict, heads: int, head_dim: int, kv_heads: int, value_dim: int, context: int | None = None
+) -> Mechanism:
     """A mechanism instance for a layer. Mechanisms whose constructor takes the layer's
     sizes (``heads``/``num_heads``, ``head_dim``, ``kv_heads``, ``value_dim``/``v_dim``;
     those with learnable weights) get them now, so their parameters exist before the

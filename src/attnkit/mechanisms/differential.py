@@ -88,11 +88,27 @@ class Differential(Mechanism):
             scale = 1.0 / math.sqrt(q.shape[-1] // 2)
         q1, q2 = q.chunk(2, dim=-1)
         k1, k2 = k.chunk(2, dim=-1)
-        return (make_request(q1, k1, v, mask=mask, score=score, scale=scale, return_lse=True),
-                make_request(q2, k2, v, mask=mask, score=score, scale=scale, return_lse=True))
+        return (
+            make_request(q1, k1, v, mask=mask, score=score, scale=scale, return_lse=True),
+            make_request(q2, k2, v, mask=mask, score=score, scale=scale, return_lse=True),
+        )
 
-    def forward(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto",
-                check_finite=True, observers=None, layer=None):
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        *,
+        mask=None,
+        score=None,
+        scale=None,
+        sinks=None,
+        return_lse=False,
+        backend="auto",
+        check_finite=True,
+        observers=None,
+        layer=None,
+    ):
         check_options(self.name, sinks=sinks, return_lse=return_lse, backend=backend, lse=False)
         first, second = self.halves(q, k, v, mask, score, scale)
         if backend == "reference":
@@ -105,7 +121,11 @@ class Differential(Mechanism):
                 call = call_info(first, layer, self.name)
                 _, union = interested(observers, call)
                 with torch.no_grad():  # both tile streams restore this mode, whatever their order
-                    feed(observers, call, _difference(softmax_tiles(first, lse1, call, union), softmax_tiles(second, lse2, call, union), lam_value))
+                    feed(
+                        observers,
+                        call,
+                        _difference(softmax_tiles(first, lse1, call, union), softmax_tiles(second, lse2, call, union), lam_value),
+                    )
         return finish(first, out, check_finite)
 
     def _combine(self, o1: Tensor, o2: Tensor) -> Tensor:

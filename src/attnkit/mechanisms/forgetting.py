@@ -72,12 +72,20 @@ class Forgetting(Mechanism):
                     "or build Forgetting(num_heads=H) to learn one gate per head"
                 )
             if self.gate_logit.shape[0] != req.heads:
-                raise ValueError(f"forgetting: learned gates for {self.gate_logit.shape[0]} heads but the call has Hq={req.heads}")
+                raise ValueError(
+                    f"forgetting: learned gates for {self.gate_logit.shape[0]} heads but the call has Hq={req.heads}"
+                )
             log_f = F.logsigmoid(self.gate_logit.to(cd))
             return log_f.view(1, -1, 1).expand(req.batch, -1, req.k_len)
         name, gates = ("forget", forget) if forget is not None else ("log_forget", log_forget)
-        if not isinstance(gates, Tensor) or not gates.is_floating_point() or gates.dim() != 3 \
-                or gates.shape[0] != req.batch or gates.shape[1] not in (req.heads, req.kv_heads) or gates.shape[2] != req.k_len:
+        if (
+            not isinstance(gates, Tensor)
+            or not gates.is_floating_point()
+            or gates.dim() != 3
+            or gates.shape[0] != req.batch
+            or gates.shape[1] not in (req.heads, req.kv_heads)
+            or gates.shape[2] != req.k_len
+        ):
             raise ValueError(
                 f"{name}: expected a float tensor (B, H, Nk) = ({req.batch}, {req.heads} or {req.kv_heads}, {req.k_len}), "
                 f"one gate per key position and head, got {getattr(gates, 'shape', gates)!r}"
@@ -107,14 +115,34 @@ class Forgetting(Mechanism):
         k_extra = torch.stack([torch.ones_like(lam), -lam], dim=-1)
         q2 = torch.cat([req.q.to(dtype), q_extra.to(dtype)], dim=-1)
         k2 = torch.cat([k.to(dtype), k_extra.to(dtype)], dim=-1)
-        return make_request(q2, k2, v.to(dtype), mask=req.mask, score=req.score, scale=req.scale, sinks=req.sinks, return_lse=True)
+        return make_request(
+            q2, k2, v.to(dtype), mask=req.mask, score=req.score, scale=req.scale, sinks=req.sinks, return_lse=True
+        )
 
-    def forward(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto",
-                check_finite=True, observers=None, layer=None, forget=None, log_forget=None):
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        *,
+        mask=None,
+        score=None,
+        scale=None,
+        sinks=None,
+        return_lse=False,
+        backend="auto",
+        check_finite=True,
+        observers=None,
+        layer=None,
+        forget=None,
+        log_forget=None,
+    ):
         check_options(self.name, sinks=sinks, backend=backend, allow_sinks=True)
         req = request(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks)
         if backend == "reference":
-            out, lse = self.reference(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks, return_lse=True, forget=forget, log_forget=log_forget)
+            out, lse = self.reference(
+                q, k, v, mask=mask, score=score, scale=scale, sinks=sinks, return_lse=True, forget=forget, log_forget=log_forget
+            )
             aug = None
         elif req.q_len == 0 or req.k_len == 0:
             self.log_gates(req, forget, log_forget)  # still checked
@@ -130,7 +158,9 @@ class Forgetting(Mechanism):
         finish(req, out, check_finite)
         return (out, lse) if return_lse else out
 
-    def reference(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, forget=None, log_forget=None, **_):
+    def reference(
+        self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, forget=None, log_forget=None, **_
+    ):
         """The paper's Eq. (6): softmax over ``q_i.k_j / sqrt(d) + sum_{j<l<=i} log f_l``."""
         req = request(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks)
         log_f = self.log_gates(req, forget, log_forget)
@@ -156,4 +186,3 @@ class Forgetting(Mechanism):
         out = torch.matmul(p, req.v.to(cd).repeat_interleave(groups, dim=1)).to(q.dtype)
         lse = lse.masked_fill(dead, -math.inf).squeeze(-1)
         return (out, lse) if return_lse else out
-

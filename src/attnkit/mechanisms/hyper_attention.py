@@ -139,7 +139,9 @@ def _ranks(order: Tensor) -> Tensor:
     return ranks.scatter_(-1, order, torch.arange(order.shape[-1]).expand_as(order).contiguous())
 
 
-def _draws(seed: int, dim: int, projs: int, sample_shape: tuple[int, int, int], highs: tuple[int, ...]) -> tuple[Tensor, tuple[Tensor, ...]]:
+def _draws(
+    seed: int, dim: int, projs: int, sample_shape: tuple[int, int, int], highs: tuple[int, ...]
+) -> tuple[Tensor, tuple[Tensor, ...]]:
     """The random choices of a call, from one generator seeded with ``seed``: the LSH
     hyperplanes (dim, projs), then for each sampled piece in order key indices below its
     ``high`` of shape ``sample_shape``. A generator cannot be created inside a
@@ -194,13 +196,22 @@ class HyperAttention(Mechanism):
     # The LSH blocks and the samples are drawn over the queries and keys of the whole
     # call, so a query's row depends on the rest of the call.
     decodes = False
-    decode_note = ("HyperAttention's LSH blocks and samples are drawn over the whole call, so a query's row depends on the other "
-                   "queries and keys of the call and a call against a KV cache would compute another model.")
+    decode_note = (
+        "HyperAttention's LSH blocks and samples are drawn over the whole call, so a query's row depends on the other "
+        "queries and keys of the call and a call against a KV cache would compute another model."
+    )
 
-    def __init__(self, block_size: int = 256, sample_size: int = 256, min_seq_len: int = 4096, lsh_num_projs: int = 7, seed: int = 0):
+    def __init__(
+        self, block_size: int = 256, sample_size: int = 256, min_seq_len: int = 4096, lsh_num_projs: int = 7, seed: int = 0
+    ):
         super().__init__()
-        for name, value, low in (("block_size", block_size, 1), ("sample_size", sample_size, 0), ("min_seq_len", min_seq_len, 2),
-                                 ("lsh_num_projs", lsh_num_projs, 1), ("seed", seed, 0)):
+        for name, value, low in (
+            ("block_size", block_size, 1),
+            ("sample_size", sample_size, 0),
+            ("min_seq_len", min_seq_len, 2),
+            ("lsh_num_projs", lsh_num_projs, 1),
+            ("seed", seed, 0),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
         if lsh_num_projs > 30:
@@ -250,8 +261,19 @@ class HyperAttention(Mechanism):
                 parts.append(ExactPart(q0, q1, k0, k1, c))
                 continue
             samples = next(draws) if sampled(q0, q1, k0, k1) else None
-            parts.append(HyperPart(q0, q1, k0, k1, self._sort(q[:, :, q0:q1], proj), self._sort(k[:, :, k0:k1], proj),
-                                   -(-(k1 - k0) // self.block_size), self.block_size, samples))
+            parts.append(
+                HyperPart(
+                    q0,
+                    q1,
+                    k0,
+                    k1,
+                    self._sort(q[:, :, q0:q1], proj),
+                    self._sort(k[:, :, k0:k1], proj),
+                    -(-(k1 - k0) // self.block_size),
+                    self.block_size,
+                    samples,
+                )
+            )
         return parts
 
     def _sort(self, x: Tensor, proj: Tensor) -> Tensor:
@@ -262,8 +284,22 @@ class HyperAttention(Mechanism):
 
     # ------------------------------------------------------------------ fast path
 
-    def forward(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto",
-                check_finite=True, observers=None, layer=None):
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        *,
+        mask=None,
+        score=None,
+        scale=None,
+        sinks=None,
+        return_lse=False,
+        backend="auto",
+        check_finite=True,
+        observers=None,
+        layer=None,
+    ):
         req, causal = self._check_call(q, k, v, mask, score, sinks, scale, backend)
         if backend == "reference" and observers:
             raise ValueError("observers: the dense reference (backend='reference') feeds no observers; use backend='auto'")
@@ -282,12 +318,19 @@ class HyperAttention(Mechanism):
     def _check_call(self, q, k, v, mask, score, sinks, scale, backend):
         req = make_request(q, k, v, scale=scale)
         if any(is_key_mask(p) for p in and_parts(mask)):
-            raise padding_refused("HyperAttention", "its LSH blocks and samples are drawn over every query and key of the call, padded ones included.")
+            raise padding_refused(
+                "HyperAttention",
+                "its LSH blocks and samples are drawn over every query and key of the call, padded ones included.",
+            )
         if mask is not None and not isinstance(mask, Causal):
-            raise ValueError(f"mask: HyperAttention supports no mask or attnkit.causal() (causal by recursive halving), got {mask!r}")
+            raise ValueError(
+                f"mask: HyperAttention supports no mask or attnkit.causal() (causal by recursive halving), got {mask!r}"
+            )
         for name, value in (("score", score), ("sinks", sinks)):
             if value is not None:
-                raise ValueError(f"{name}: HyperAttention approximates plain softmax attention and takes no {name}, got {value!r}")
+                raise ValueError(
+                    f"{name}: HyperAttention approximates plain softmax attention and takes no {name}, got {value!r}"
+                )
         if backend not in ("auto", "reference"):
             raise ValueError(f"backend: HyperAttention runs 'auto' (its fast path) or 'reference', got {backend!r}")
         return req, mask is not None
@@ -301,7 +344,9 @@ class HyperAttention(Mechanism):
             q = req.q[:, :, part.q0 : part.q1]
             k, v = req.k[:, :, part.k0 : part.k1], req.v[:, :, part.k0 : part.k1]
             if isinstance(part, ExactPart):
-                o, l = softmax_attention(q, k, v, mask=Causal() if part.causal else None, scale=req.scale, return_lse=True, check_finite=False)
+                o, l = softmax_attention(
+                    q, k, v, mask=Causal() if part.causal else None, scale=req.scale, return_lse=True, check_finite=False
+                )
             else:
                 o, l = self._hyper_part(part, q.to(cd), k.to(cd), v.to(cd), req.scale)
             o_new, l_new = merge_partial(out[:, :, part.q0 : part.q1], lse[:, :, part.q0 : part.q1], o.to(cd), l.to(cd))
@@ -374,7 +419,8 @@ class HyperAttention(Mechanism):
             a0, a1, b0, b1 = max(part.q0, r0), min(part.q1, r1), max(part.k0, c0), min(part.k1, c1)
             if a0 < a1 and b0 < b1:
                 w[:, :, a0 - r0 : a1 - r0, b0 - c0 : b1 - c0] = part.weights(
-                    B, H, dtype, slice(a0 - part.q0, a1 - part.q0), slice(b0 - part.k0, b1 - part.k0))
+                    B, H, dtype, slice(a0 - part.q0, a1 - part.q0), slice(b0 - part.k0, b1 - part.k0)
+                )
         return w
 
     def reference(self, q, k, v, *, mask=None, scale=None, return_lse=False, **_):

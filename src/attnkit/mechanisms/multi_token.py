@@ -127,8 +127,13 @@ class MultiToken(MixedSoftmaxMechanism):
         m = 0
         if initial_state is not None:
             m = initial_state.shape[2] if isinstance(initial_state, Tensor) and initial_state.dim() == 4 else -1
-            if m < 0 or m > self.cq - 1 or initial_state.shape[:2] != q.shape[:2] or initial_state.shape[3] != q.shape[3] \
-                    or m + q.shape[2] > k.shape[2]:
+            if (
+                m < 0
+                or m > self.cq - 1
+                or initial_state.shape[:2] != q.shape[:2]
+                or initial_state.shape[3] != q.shape[3]
+                or m + q.shape[2] > k.shape[2]
+            ):
                 raise ValueError(
                     f"initial_state: expected the last m <= {self.cq - 1} queries before the call, (B, Hq, m, D) = "
                     f"({q.shape[0]}, {q.shape[1]}, m, {q.shape[3]}) with m + Nq <= Nk = {k.shape[2]}, got {getattr(initial_state, 'shape', initial_state)!r}"
@@ -151,7 +156,9 @@ class MultiToken(MixedSoftmaxMechanism):
 
     def kernel(self, req: Request | None = None) -> MixedSoftmaxKernel:
         halo = (self.cq - 1, self.ck // 2, self.ck // 2)
-        return MixedSoftmaxKernel(self._convolve, [self.kq_kernel], self.mixing_matrix(), halo, CTransform(self.ch, conv=self.kq_kernel))
+        return MixedSoftmaxKernel(
+            self._convolve, [self.kq_kernel], self.mixing_matrix(), halo, CTransform(self.ch, conv=self.kq_kernel)
+        )
 
     @property
     def has_lse(self) -> bool:

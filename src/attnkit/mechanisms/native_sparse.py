@@ -73,7 +73,8 @@ from .key_masks import is_right_padding, padding_refused, split_key_masks
 
 Tensor = torch.Tensor
 
-from ..kernels.fused import flash_backward as _op_backward, flash_forward as _op  # layout-safe wrappers of the private op
+from ..kernels.fused import flash_backward as _op_backward  # layout-safe wrappers of the private op
+from ..kernels.fused import flash_forward as _op
 
 # Query rows per chunk when scoring blocks: little causal waste, and the scores of a chunk
 # (4 MiB at N=16384, H=8) stay in cache through the softmax and the block sums.
@@ -167,8 +168,14 @@ class _SelectedAttention(torch.autograd.Function):
         den = torch.ones_like(top)
         q_rows, k_blocks, v_blocks = _rows(q, Hkv), _blocks(k, block), _blocks(v, block)
         for rows, blocks in entries.chunks(G * W):
-            o, l = _op(_take(q_rows, rows), k_blocks.index_select(0, blocks).unsqueeze(1), v_blocks.index_select(0, blocks).unsqueeze(1),
-                       0.0, False, scale=scale)
+            o, l = _op(
+                _take(q_rows, rows),
+                k_blocks.index_select(0, blocks).unsqueeze(1),
+                v_blocks.index_select(0, blocks).unsqueeze(1),
+                0.0,
+                False,
+                scale=scale,
+            )
             flat = rows.reshape(-1)
             o = o.reshape(-1, G, W).to(cd)
             l = l.reshape(-1, G).to(cd)
@@ -210,8 +217,17 @@ class _SelectedAttention(torch.autograd.Function):
         k_blocks, v_blocks = _blocks(k, block), _blocks(v, block)
         for rows, blocks in ctx.entries.chunks(G * W):
             kb, vb = k_blocks.index_select(0, blocks).unsqueeze(1), v_blocks.index_select(0, blocks).unsqueeze(1)
-            gq, gk, gv = _op_backward(_take(g_rows, rows), _take(q_rows, rows), kb, vb, _take(o_rows, rows),
-                                      _take(l_rows.unsqueeze(-1), rows).squeeze(-1), 0.0, False, scale=ctx.scale)
+            gq, gk, gv = _op_backward(
+                _take(g_rows, rows),
+                _take(q_rows, rows),
+                kb,
+                vb,
+                _take(o_rows, rows),
+                _take(l_rows.unsqueeze(-1), rows).squeeze(-1),
+                0.0,
+                False,
+                scale=ctx.scale,
+            )
             dq_rows.index_add_(0, rows.reshape(-1), gq.reshape(-1, G, W).to(dq_rows.dtype))
             dk_blocks.index_add_(0, blocks, gk.squeeze(1).to(dk_blocks.dtype))
             dv_blocks.index_add_(0, blocks, gv.squeeze(1).to(dv_blocks.dtype))
@@ -296,8 +312,10 @@ class _Entries:
         table = torch.full((in_full + int(tail.sum()) * self.TAIL_ROWS,), B * Hkv * Nq, dtype=torch.long)  # dummy row
         table[place] = row
         blocks = torch.arange(n_keys)
-        self.parts = [(table[:in_full].view(-1, self.ROWS), blocks.repeat_interleave(full)),
-                      (table[in_full:].view(-1, self.TAIL_ROWS), blocks.repeat_interleave(tail))]
+        self.parts = [
+            (table[:in_full].view(-1, self.ROWS), blocks.repeat_interleave(full)),
+            (table[in_full:].view(-1, self.TAIL_ROWS), blocks.repeat_interleave(tail)),
+        ]
 
     def chunks(self, row_width: int):
         """(rows (E, C), blocks (E,)) of at most ``CALL_ELEMENTS`` query elements each."""
@@ -343,8 +361,9 @@ class _Diagonal:
     def backward(self, grad_out, q, k, v, out, lse, scale):
         cut = lambda x: self._cut(x, True)
         lse_cut = self._cut(lse.unsqueeze(-1), True).squeeze(-1)
-        gq, gk, gv = _op_backward(cut(grad_out), cut(q), self._cut(k, False), self._cut(v, False), cut(out), lse_cut,
-                                  0.0, True, scale=scale)
+        gq, gk, gv = _op_backward(
+            cut(grad_out), cut(q), self._cut(k, False), self._cut(v, False), cut(out), lse_cut, 0.0, True, scale=scale
+        )
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         dk = torch.zeros(k.shape, dtype=acc)
         dv = torch.zeros(v.shape, dtype=acc)
@@ -389,8 +408,10 @@ def _window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float
         runs.append((slice(0, head), windows(k, 0, head), windows(v, 0, head), _additive(band & (key_pos >= 0), q.dtype)))
     if head < m:
         kw, vw, mask = windows(k, head, m), windows(v, head, m), _additive(band.unsqueeze(0), q.dtype)
-        runs += [(slice(j, min(j + step, m)), kw[:, j - head : j - head + step], vw[:, j - head : j - head + step], mask)
-                 for j in range(head, m, step)]
+        runs += [
+            (slice(j, min(j + step, m)), kw[:, j - head : j - head + step], vw[:, j - head : j - head + step], mask)
+            for j in range(head, m, step)
+        ]
     outs, lses = [], []
     for b in range(B):
         for blocks, kw, vw, mask in runs:
@@ -424,13 +445,30 @@ class NativeSparseAttention(Mechanism):
 
     paper = "arXiv:2502.11089"
 
-    def __init__(self, compress_block: int = 32, compress_stride: int = 16, select_block: int = 64, num_selected: int = 16,
-                 window: int = 512, initial_blocks: int = 1, local_blocks: int = 2, compress: str = "mean",
-                 head_dim: int | None = None, v_dim: int | None = None, num_heads: int | None = None):
+    def __init__(
+        self,
+        compress_block: int = 32,
+        compress_stride: int = 16,
+        select_block: int = 64,
+        num_selected: int = 16,
+        window: int = 512,
+        initial_blocks: int = 1,
+        local_blocks: int = 2,
+        compress: str = "mean",
+        head_dim: int | None = None,
+        v_dim: int | None = None,
+        num_heads: int | None = None,
+    ):
         super().__init__()
-        for name, value, low in (("compress_block", compress_block, 1), ("compress_stride", compress_stride, 1),
-                                 ("select_block", select_block, 1), ("num_selected", num_selected, 1), ("window", window, 1),
-                                 ("initial_blocks", initial_blocks, 0), ("local_blocks", local_blocks, 1)):
+        for name, value, low in (
+            ("compress_block", compress_block, 1),
+            ("compress_stride", compress_stride, 1),
+            ("select_block", select_block, 1),
+            ("num_selected", num_selected, 1),
+            ("window", window, 1),
+            ("initial_blocks", initial_blocks, 0),
+            ("local_blocks", local_blocks, 1),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
         if compress_block % compress_stride:
@@ -438,7 +476,9 @@ class NativeSparseAttention(Mechanism):
         if select_block % compress_stride:
             raise ValueError(f"select_block: must be a multiple of compress_stride={compress_stride}, got {select_block}")
         if initial_blocks + local_blocks > num_selected:
-            raise ValueError(f"num_selected: must cover the forced blocks, initial_blocks + local_blocks = {initial_blocks + local_blocks}, got {num_selected}")
+            raise ValueError(
+                f"num_selected: must cover the forced blocks, initial_blocks + local_blocks = {initial_blocks + local_blocks}, got {num_selected}"
+            )
         if compress not in ("mean", "mlp"):
             raise ValueError(f"compress: expected 'mean' or 'mlp', got {compress!r}")
         self.compress_block, self.compress_stride, self.select_block = compress_block, compress_stride, select_block
@@ -571,8 +611,14 @@ class NativeSparseAttention(Mechanism):
     def gates(self, gates: Tensor | None, B: int, Hq: int, Nq: int, dtype) -> Tensor:
         """Gates (B|1, Hq, Nq|1, 3) in [0, 1] for the compression, selection, window branches."""
         if gates is not None:
-            if not isinstance(gates, Tensor) or gates.dim() != 4 or gates.shape[-1] != 3 or gates.shape[1] != Hq \
-                    or gates.shape[0] not in (1, B) or gates.shape[2] not in (1, Nq):
+            if (
+                not isinstance(gates, Tensor)
+                or gates.dim() != 4
+                or gates.shape[-1] != 3
+                or gates.shape[1] != Hq
+                or gates.shape[0] not in (1, B)
+                or gates.shape[2] not in (1, Nq)
+            ):
                 raise ValueError(f"gates: expected shape (B|1, Hq={Hq}, Nq|1, 3), got {getattr(gates, 'shape', gates)!r}")
             return gates.to(dtype)
         if self.gate_logits is not None:
@@ -589,10 +635,16 @@ class NativeSparseAttention(Mechanism):
             # hides it from real queries: the call is the causal one. Left padding would
             # move the compression and selection blocks, which sit at absolute positions.
             if not is_right_padding(keep):
-                raise padding_refused("NSA", "its compression and selection blocks sit at absolute key positions, so left padding moves them.", right_ok=True)
+                raise padding_refused(
+                    "NSA",
+                    "its compression and selection blocks sit at absolute key positions, so left padding moves them.",
+                    right_ok=True,
+                )
             mask = rest[0]
         if not isinstance(mask, Causal):
-            raise ValueError(f"mask: NSA is causal (arXiv 2502.11089); pass mask=attnkit.causal() (and-ed with right padding, if any), got {mask!r}")
+            raise ValueError(
+                f"mask: NSA is causal (arXiv 2502.11089); pass mask=attnkit.causal() (and-ed with right padding, if any), got {mask!r}"
+            )
         for name, value in (("score", score), ("sinks", sinks)):
             if value is not None:
                 raise ValueError(f"{name}: NSA takes no {name}, got {value!r}")
@@ -606,8 +658,23 @@ class NativeSparseAttention(Mechanism):
 
     # ------------------------------------------------------------------ fast path
 
-    def forward(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto",
-                check_finite=True, observers=None, layer=None, gates=None):
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        *,
+        mask=None,
+        score=None,
+        scale=None,
+        sinks=None,
+        return_lse=False,
+        backend="auto",
+        check_finite=True,
+        observers=None,
+        layer=None,
+        gates=None,
+    ):
         req = self._check_call(q, k, v, mask, score, sinks, return_lse, scale, backend)
         if backend == "reference" and observers:
             raise ValueError("observers: the dense reference (backend='reference') feeds no observers; use backend='auto'")
@@ -647,10 +714,22 @@ class NativeSparseAttention(Mechanism):
         selection, (o_cmp, lse_cmp) = self.select(q, k_cmp, None if differentiable else v_cmp, req.scale, req.k_len)
         if differentiable:
             shift = req.k_len - k_cmp.shape[2]
-            o_cmp, lse_cmp = softmax_attention(q, k_cmp, v_cmp, mask=CompressedCausal(self.compress_block, self.compress_stride, shift),
-                                               scale=req.scale, return_lse=True, check_finite=False)
+            o_cmp, lse_cmp = softmax_attention(
+                q,
+                k_cmp,
+                v_cmp,
+                mask=CompressedCausal(self.compress_block, self.compress_stride, shift),
+                scale=req.scale,
+                return_lse=True,
+                check_finite=False,
+            )
         bw = WINDOW_BLOCK_GRAD if differentiable else WINDOW_BLOCK
-        return selection, (o_cmp, lse_cmp), self._selected(q, k, v, selection, req), _window_attention(q, k, v, self.window, req.scale, bw)
+        return (
+            selection,
+            (o_cmp, lse_cmp),
+            self._selected(q, k, v, selection, req),
+            _window_attention(q, k, v, self.window, req.scale, bw),
+        )
 
     def _native_forward(self, q, k, v, k_cmp, v_cmp, g, req):
         """The gated output, selection and the three branches' lse by the C loops of
@@ -659,11 +738,27 @@ class NativeSparseAttention(Mechanism):
         into one output (no full-size buffer per branch, no pass to sum them)."""
         width = min(self.num_selected, -(-req.k_len // self.select_block))
         gates = g.expand(req.batch, req.heads, req.q_len, 3).contiguous()
-        return cpu.nsa_forward(q, k, v, k_cmp, v_cmp, gates, req.scale, compress_block=self.compress_block,
-                                  compress_stride=self.compress_stride, select_block=self.select_block, width=width,
-                                  initial=self.initial_blocks, local=self.local_blocks, window=self.window,
-                                  rescale_above=RESCALE_ABOVE, select_chunk=SELECT_Q_CHUNK, tile_rows=SELECTED_TILE_ROWS,
-                                  span_rows=SELECTED_SPAN_ROWS, window_block=WINDOW_BLOCK_NATIVE)
+        return cpu.nsa_forward(
+            q,
+            k,
+            v,
+            k_cmp,
+            v_cmp,
+            gates,
+            req.scale,
+            compress_block=self.compress_block,
+            compress_stride=self.compress_stride,
+            select_block=self.select_block,
+            width=width,
+            initial=self.initial_blocks,
+            local=self.local_blocks,
+            window=self.window,
+            rescale_above=RESCALE_ABOVE,
+            select_chunk=SELECT_Q_CHUNK,
+            tile_rows=SELECTED_TILE_ROWS,
+            span_rows=SELECTED_SPAN_ROWS,
+            window_block=WINDOW_BLOCK_NATIVE,
+        )
 
     def _selected(self, q, k, v, selection, req) -> tuple[Tensor, Tensor]:
         if torch.compiler.is_compiling():
@@ -720,7 +815,9 @@ class NativeSparseAttention(Mechanism):
                 if n_cmp:
                     kc = k_cmp.to(cd).repeat_interleave(G, 1)
                     visible = torch.arange(n_cmp) * d + l - 1 <= pos[:, None]
-                    p_cmp = torch.exp(torch.matmul(q, kc.transpose(-1, -2)) * req.scale - inf_if_dead(lse_cmp[:, :, r0:r1])).masked_fill(~visible, 0.0)
+                    p_cmp = torch.exp(
+                        torch.matmul(q, kc.transpose(-1, -2)) * req.scale - inf_if_dead(lse_cmp[:, :, r0:r1])
+                    ).masked_fill(~visible, 0.0)
                 chosen = torch.zeros(B, req.kv_heads, r1 - r0, n_blocks + 1, dtype=torch.bool)
                 chosen.scatter_(-1, selection[:, :, r0:r1] % (n_blocks + 1), True)  # -1 lands in the spare column
                 chosen = chosen[..., :n_blocks].repeat_interleave(G, 1)
@@ -735,7 +832,9 @@ class NativeSparseAttention(Mechanism):
                     w = g[:, :, r0:r1, 1:2] * torch.exp(s - inf_if_dead(lse_slc[:, :, r0:r1])).masked_fill(~in_slc, 0.0)
                     w = w + g[:, :, r0:r1, 2:3] * torch.exp(s - inf_if_dead(lse_win[:, :, r0:r1])).masked_fill(~in_win, 0.0)
                     if n_cmp:
-                        cover = ((keys >= torch.arange(n_cmp)[:, None] * d) & (keys < torch.arange(n_cmp)[:, None] * d + l)).to(cd) / l
+                        cover = ((keys >= torch.arange(n_cmp)[:, None] * d) & (keys < torch.arange(n_cmp)[:, None] * d + l)).to(
+                            cd
+                        ) / l
                         w = w + g[:, :, r0:r1, 0:1] * torch.matmul(p_cmp, cover)
                     if bool(w.any()):
                         yield AttentionTile(call, torch.arange(B), pos, keys, w, None)
@@ -762,12 +861,15 @@ class NativeSparseAttention(Mechanism):
         # compression (eq. 7): complete blocks only
         k_cmp, v_cmp = self.compress(k, v)
         n_cmp = k_cmp.shape[2]
-        o_cmp, p_cmp = attend(k_cmp, v_cmp, torch.arange(n_cmp).view(1, -1) * self.compress_stride + self.compress_block - 1 <= pos)
+        o_cmp, p_cmp = attend(
+            k_cmp, v_cmp, torch.arange(n_cmp).view(1, -1) * self.compress_stride + self.compress_block - 1 <= pos
+        )
         # selection (eq. 8-11): block importance from p_cmp, shared by a GQA group, top-n
         n_blocks = -(-Nk // self.select_block)
         tokens = torch.arange(Nk)
-        cmp_covers = (tokens >= torch.arange(n_cmp).view(-1, 1) * self.compress_stride) & \
-                     (tokens < torch.arange(n_cmp).view(-1, 1) * self.compress_stride + self.compress_block)
+        cmp_covers = (tokens >= torch.arange(n_cmp).view(-1, 1) * self.compress_stride) & (
+            tokens < torch.arange(n_cmp).view(-1, 1) * self.compress_stride + self.compress_block
+        )
         block_has = tokens // self.select_block == torch.arange(n_blocks).view(-1, 1)
         overlap = (cmp_covers.to(cd) @ block_has.to(cd).T > 0).to(cd)
         importance = torch.matmul(p_cmp, overlap).view(B, req.kv_heads, G, Nq, n_blocks).sum(2)

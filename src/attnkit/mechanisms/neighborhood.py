@@ -105,8 +105,9 @@ def _layout(nbh: Neighborhood, tile: tuple[int, ...]) -> list[_Group]:
     found: dict[tuple, list] = {}
     for residue in _product([range(d) for d in nbh.dilation]):
         for axes in _product([per_axis[a][r] for a, r in enumerate(residue)]):
-            slices = lambda lo, hi: tuple(slice(r + d * getattr(a, lo), r + d * (getattr(a, hi) - 1) + 1, d)
-                                          for r, d, a in zip(residue, nbh.dilation, axes))
+            slices = lambda lo, hi: tuple(
+                slice(r + d * getattr(a, lo), r + d * (getattr(a, hi) - 1) + 1, d) for r, d, a in zip(residue, nbh.dilation, axes)
+            )
             entry = found.setdefault(tuple(a.pattern for a in axes), [axes, [], []])
             entry[1].append(positions[slices("q0", "q1")].reshape(-1))
             entry[2].append(positions[slices("k0", "k1")].reshape(-1))
@@ -121,8 +122,11 @@ def _layout(nbh: Neighborhood, tile: tuple[int, ...]) -> list[_Group]:
             flat = flat + ax.offset.view(shape) * math.prod(table[a + 1 :])
         L, S = q_index[0].numel(), k_index[0].numel()
         full = tuple(ax.q1 - ax.q0 for ax in axes) + tuple(ax.k1 - ax.k0 for ax in axes)
-        groups.append(_Group(torch.stack(q_index), torch.stack(k_index), visible.expand(full).reshape(L, S),
-                             flat.expand(full).reshape(L, S)))
+        groups.append(
+            _Group(
+                torch.stack(q_index), torch.stack(k_index), visible.expand(full).reshape(L, S), flat.expand(full).reshape(L, S)
+            )
+        )
     return groups
 
 
@@ -270,8 +274,9 @@ class NeighborhoodAttention(Mechanism):
         # The layer's head count sizes the bias table; without one it is not wanted.
         return {"num_heads"} if params.get("rpb") else set()
 
-    def __init__(self, kernel=7, grid=None, dilation=1, stride=1, causal=False, rpb: bool = False,
-                 num_heads: int | None = None, tile=None):
+    def __init__(
+        self, kernel=7, grid=None, dilation=1, stride=1, causal=False, rpb: bool = False, num_heads: int | None = None, tile=None
+    ):
         super().__init__()
         if grid is not None:
             grid = tuple(grid)
@@ -284,7 +289,9 @@ class NeighborhoodAttention(Mechanism):
         self.tile = DEFAULT_TILE[rank] if tile is None else _axis_values(tile, rank, "tile")
         if rpb:
             if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads < 1:
-                raise ValueError(f"num_heads: expected an int >= 1 (the table has one slice per query head) with rpb=True, got {num_heads!r}")
+                raise ValueError(
+                    f"num_heads: expected an int >= 1 (the table has one slice per query head) with rpb=True, got {num_heads!r}"
+                )
             self.rpb = nn.Parameter(torch.empty(num_heads, *(2 * k - 1 for k in probe.kernel)))
             nn.init.trunc_normal_(self.rpb, std=0.02)
         else:
@@ -300,7 +307,9 @@ class NeighborhoodAttention(Mechanism):
         """The visibility rule of a call over ``n`` tokens (a ``Neighborhood`` mask)."""
         grid = self.grid or (n,)
         if math.prod(grid) != n:
-            raise ValueError(f"q, k, v: neighborhood attention over grid {grid} needs Nq == Nk == {math.prod(grid)} tokens, got {n}")
+            raise ValueError(
+                f"q, k, v: neighborhood attention over grid {grid} needs Nq == Nk == {math.prod(grid)} tokens, got {n}"
+            )
         return self._neighborhood(grid)
 
     @property
@@ -318,8 +327,10 @@ class NeighborhoodAttention(Mechanism):
                 # A causal neighbourhood hides every later token (on a grid, in raster
                 # order too), so a decoder's causal mask adds nothing: accept it.
                 if not all(_axis_flags(self.causal, len(self.grid or (1,)))):
-                    raise ValueError(f"mask: got causal() (a decoder) but this neighborhood attention has causal={self.causal!r}; "
-                                     "build it with causal=True so that no query sees a later token")
+                    raise ValueError(
+                        f"mask: got causal() (a decoder) but this neighborhood attention has causal={self.causal!r}; "
+                        "build it with causal=True so that no query sees a later token"
+                    )
             elif is_key_mask(part) and self.sliding:
                 _, kept = split_key_masks(part, req.batch, req.heads, req.q_len, req.k_len)
                 keep = kept if keep is None else keep & kept
@@ -327,15 +338,21 @@ class NeighborhoodAttention(Mechanism):
                 rest.append(part)
         for name, value in (("mask", rest[0] if rest else None), ("score", score), ("sinks", sinks)):
             if value is not None:
-                raise ValueError(f"{name}: neighborhood attention defines its own visibility and bias (kernel, dilation, stride, causal, rpb); got {name}={value!r}")
+                raise ValueError(
+                    f"{name}: neighborhood attention defines its own visibility and bias (kernel, dilation, stride, causal, rpb); got {name}={value!r}"
+                )
         if backend not in ("auto", "reference"):
             raise ValueError(f"backend: neighborhood attention runs 'auto' (its fast path) or 'reference', got {backend!r}")
         if self.rpb is not None and self.rpb.shape[0] != req.heads:
             raise ValueError(f"rpb: table has {self.rpb.shape[0]} heads but the call has Hq={req.heads}")
         if req.q_len > req.k_len or (req.q_len < req.k_len and not self.sliding):
-            raise ValueError(f"q, k: neighborhood attention is self-attention over a grid: Nq={req.q_len} must equal Nk={req.k_len} "
-                             "(only a 1-D causal neighbourhood with stride 1 decodes against a cache: its windows do not depend on the grid's end)")
-        span = _axis_values(self.kernel, 1, "kernel")[0] * _axis_values(self.dilation, 1, "dilation")[0] if self.grid is None else 0
+            raise ValueError(
+                f"q, k: neighborhood attention is self-attention over a grid: Nq={req.q_len} must equal Nk={req.k_len} "
+                "(only a 1-D causal neighbourhood with stride 1 decodes against a cache: its windows do not depend on the grid's end)"
+            )
+        span = (
+            _axis_values(self.kernel, 1, "kernel")[0] * _axis_values(self.dilation, 1, "dilation")[0] if self.grid is None else 0
+        )
         if self.sliding and (keep is not None or req.q_len < req.k_len or req.k_len < span):
             return req, None, keep
         return req, self.mask(req.k_len), None
@@ -367,8 +384,22 @@ class NeighborhoodAttention(Mechanism):
         out = torch.matmul(p, req.v.to(cd).repeat_interleave(req.heads // req.kv_heads, 1)).to(req.q.dtype)
         return out, lse
 
-    def forward(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto",
-                check_finite=True, observers=None, layer=None):
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        *,
+        mask=None,
+        score=None,
+        scale=None,
+        sinks=None,
+        return_lse=False,
+        backend="auto",
+        check_finite=True,
+        observers=None,
+        layer=None,
+    ):
         req, nbh, keep = self._check_call(q, k, v, mask, score, scale, sinks, backend)
         if backend == "reference" and observers:
             raise ValueError("observers: the dense reference (backend='reference') feeds no observers; use backend='auto'")
@@ -379,9 +410,25 @@ class NeighborhoodAttention(Mechanism):
                 cd = torch.float64 if req.q.dtype == torch.float64 else torch.float32
                 with torch.no_grad():
                     s, visible = self._sliding(req, keep, cd)
-                    p = torch.where(visible, torch.exp(s - lse.detach().clamp(min=torch.finfo(cd).min).unsqueeze(-1)), torch.zeros((), dtype=cd))
-                feed(observers, call, [AttentionTile(call, torch.arange(req.batch), torch.arange(req.k_len - req.q_len, req.k_len),
-                                                     torch.arange(req.k_len), p, s)])
+                    p = torch.where(
+                        visible,
+                        torch.exp(s - lse.detach().clamp(min=torch.finfo(cd).min).unsqueeze(-1)),
+                        torch.zeros((), dtype=cd),
+                    )
+                feed(
+                    observers,
+                    call,
+                    [
+                        AttentionTile(
+                            call,
+                            torch.arange(req.batch),
+                            torch.arange(req.k_len - req.q_len, req.k_len),
+                            torch.arange(req.k_len),
+                            p,
+                            s,
+                        )
+                    ],
+                )
         elif backend == "reference":
             out, lse = self.reference(q, k, v, scale=scale, return_lse=True)
         else:
@@ -410,8 +457,14 @@ class NeighborhoodAttention(Mechanism):
             lse = lse.detach()
             for group, mask in zip(groups, _masks(groups, self.rpb, cd)):
                 for q_index, k_index in group.chunks(B * req.kv_heads * req.head_dim):
-                    s, p = _probabilities(_gather(req.q, q_index), _gather(req.k, k_index), _gather(lse.unsqueeze(-1), q_index)[..., 0],
-                                          mask, req.scale, cd)
+                    s, p = _probabilities(
+                        _gather(req.q, q_index),
+                        _gather(req.k, k_index),
+                        _gather(lse.unsqueeze(-1), q_index)[..., 0],
+                        mask,
+                        req.scale,
+                        cd,
+                    )
                     for i in range(q_index.shape[0]):
                         rows = slice(i * B, (i + 1) * B)
                         yield AttentionTile(call, torch.arange(B), q_index[i], k_index[i], p[rows], s[rows])
@@ -431,7 +484,10 @@ class NeighborhoodAttention(Mechanism):
         visible = nbh(None, None, pos[:, None], pos[None, :])
         if self.rpb is not None:
             qc, kc = nbh.coords(pos[:, None]), nbh.coords(pos[None, :])
-            index = [((kc[a] - qc[a]) // nbh.dilation[a] + nbh.kernel[a] - 1).clamp(0, 2 * nbh.kernel[a] - 2) for a in range(len(nbh.grid))]
+            index = [
+                ((kc[a] - qc[a]) // nbh.dilation[a] + nbh.kernel[a] - 1).clamp(0, 2 * nbh.kernel[a] - 2)
+                for a in range(len(nbh.grid))
+            ]
             s = s + self.rpb[(slice(None), *index)].to(cd)
         s = s.masked_fill(~visible, -math.inf)
         lse = torch.logsumexp(s, dim=-1)

@@ -31,13 +31,22 @@ import math
 import torch
 
 from ..kernels.engine import (
-    Block, GradBlock, OnlineSoftmax, Problem, SoftmaxKernel, dense_softmax, fast_exp_, observe_kernel, run_kernel, safe_lse,
+    Block,
+    GradBlock,
+    OnlineSoftmax,
+    Problem,
+    SoftmaxKernel,
+    dense_softmax,
+    fast_exp_,
+    observe_kernel,
+    run_kernel,
+    safe_lse,
     softmax_backward_terms,
 )
 from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish, request
 from ..kernels.request import Request
-from .key_masks import split_key_masks
 from .base import Mechanism, register
+from .key_masks import split_key_masks
 
 Tensor = torch.Tensor
 
@@ -71,7 +80,9 @@ class SelectiveKernel(SoftmaxKernel):
 
     def begin(self, prob: Problem, phase: str) -> None:
         B, Nk = prob.req.batch, prob.req.k_len
-        start = torch.zeros(B, Nk, dtype=torch.float64) if self.initial is None else self.initial.detach().to(torch.float64).clone()
+        start = (
+            torch.zeros(B, Nk, dtype=torch.float64) if self.initial is None else self.initial.detach().to(torch.float64).clone()
+        )
         if phase == "backward":
             self.ahead_s = torch.zeros(B, Nk, dtype=torch.float64)  # column sums of S of the blocks still ahead
             self.ahead_g = torch.zeros(B, Nk, dtype=torch.float64)  # column sums of sum_h dZ of those blocks
@@ -148,16 +159,38 @@ class Selective(Mechanism):
 
     def _check(self, req: Request, initial_state) -> None:
         if self.selector_head >= req.heads:
-            raise ValueError(f"selective(selector_head): head {self.selector_head} does not exist; the call has Hq={req.heads} heads")
+            raise ValueError(
+                f"selective(selector_head): head {self.selector_head} does not exist; the call has Hq={req.heads} heads"
+            )
         if initial_state is not None:
-            if not isinstance(initial_state, Tensor) or initial_state.shape != (req.batch, req.k_len) or not initial_state.is_floating_point():
+            if (
+                not isinstance(initial_state, Tensor)
+                or initial_state.shape != (req.batch, req.k_len)
+                or not initial_state.is_floating_point()
+            ):
                 raise ValueError(
                     f"initial_state: expected a float tensor (B, Nk) = ({req.batch}, {req.k_len}) of the selection accumulated "
                     f"by earlier queries, got {getattr(initial_state, 'shape', initial_state)!r}"
                 )
 
-    def forward(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto",
-                check_finite=True, observers=None, layer=None, initial_state=None, return_state=False):
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        *,
+        mask=None,
+        score=None,
+        scale=None,
+        sinks=None,
+        return_lse=False,
+        backend="auto",
+        check_finite=True,
+        observers=None,
+        layer=None,
+        initial_state=None,
+        return_state=False,
+    ):
         """``initial_state`` (B, Nk): F accumulated by queries before this call (e.g. while
         decoding with a KV cache; a constant). ``return_state=True`` also returns the F the
         next query will see, (B, Nk) float64."""
@@ -175,7 +208,14 @@ class Selective(Mechanism):
             lse = stats["lse"]
             state = kernel.total if kernel.total is not None else _initial(req, initial_state)
         if observers:
-            observe_kernel(req, SelectiveKernel(self.selector_head, initial_state, first_keys(req)), {"lse": lse}, observers, layer, self.name)
+            observe_kernel(
+                req,
+                SelectiveKernel(self.selector_head, initial_state, first_keys(req)),
+                {"lse": lse},
+                observers,
+                layer,
+                self.name,
+            )
         finish(req, out, check_finite)
         result = (out, lse) if return_lse else (out,)
         if return_state:
@@ -198,7 +238,9 @@ class Selective(Mechanism):
         own = torch.arange(req.q_len)[:, None] + req.q_start == torch.arange(req.k_len)[None, :]
         S = S.masked_fill(own, 0.0)  # do not mask self
         state = _initial(req, initial_state) + S.detach().sum(dim=-2).to(torch.float64)  # F of the next query
-        S = torch.roll(S, 1, dims=-2).masked_fill(torch.arange(req.q_len)[:, None] == 0, 0.0)  # only strictly earlier queries mask
+        S = torch.roll(S, 1, dims=-2).masked_fill(
+            torch.arange(req.q_len)[:, None] == 0, 0.0
+        )  # only strictly earlier queries mask
         F = torch.cumsum(S, dim=-2)
         if initial_state is not None:
             F = F + initial_state.to(F.dtype).unsqueeze(1)

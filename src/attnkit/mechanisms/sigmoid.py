@@ -99,7 +99,9 @@ class SigmoidKernel(TileKernel):
         band = fused_band(prob)
         if band is None:
             return None
-        dq, dk, dv = cpu.sigmoid_attention_backward(grad_out.contiguous(), prob.q, prob.k, prob.v, 1.0, self.bias, prob.q_start, band)
+        dq, dk, dv = cpu.sigmoid_attention_backward(
+            grad_out.contiguous(), prob.q, prob.k, prob.v, 1.0, self.bias, prob.q_start, band
+        )
         return dq.mul_(prob.scale), dk, dv  # gradients w.r.t. the unscaled q
 
     def forward_block(self, blk: Block):
@@ -164,7 +166,9 @@ class Sigmoid(Mechanism):
         if bias is not None and (isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias)):
             raise ValueError(f"sigmoid(bias): expected a finite number or None (for -log n), got {bias!r}")
         if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context < 1):
-            raise ValueError(f"sigmoid(context): expected an int >= 1 (n of b = -log n, the training context length) or None, got {context!r}")
+            raise ValueError(
+                f"sigmoid(context): expected an int >= 1 (n of b = -log n, the training context length) or None, got {context!r}"
+            )
         self.context = DEFAULT_CONTEXT if context is None else context
         self.bias = -math.log(self.context) if bias is None else float(bias)
         self._flex_mods: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -182,7 +186,9 @@ class Sigmoid(Mechanism):
     def fast_path(self, req, backend):
         if backend == "flex":
             if req.needs_grad and req.q.device.type == "cpu":
-                raise ValueError("backend='flex' cannot run this call: FlexAttention has no backward on CPU; use backend='chunked' to train")
+                raise ValueError(
+                    "backend='flex' cannot run this call: FlexAttention has no backward on CPU; use backend='chunked' to train"
+                )
             return self.flex(req), None
         if few_queries(req) and req.q_len > 0:  # a decoding step: the dense formula, no tiling
             bias = self.bias_for(req.k_len)
@@ -211,7 +217,9 @@ class Sigmoid(Mechanism):
         if req.q_len == 0 or req.k_len == 0:
             return torch.zeros(req.batch, req.heads, req.q_len, req.v_dim, dtype=req.q.dtype, device=req.q.device)
         if lse_route:
-            soft = make_request(req.q, req.k, req.v, mask=req.mask, score=_LogSigmoid(req.score, bias, None, 0), scale=req.scale, return_lse=True)
+            soft = make_request(
+                req.q, req.k, req.v, mask=req.mask, score=_LogSigmoid(req.score, bias, None, 0), scale=req.scale, return_lse=True
+            )
             out, lse = run(_flex_checked(soft, run))
             return (out.to(lse.dtype) * torch.exp(lse).unsqueeze(-1)).to(req.q.dtype)
         return self._flex_with_unit_key(req, bias, run)

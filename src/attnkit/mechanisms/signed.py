@@ -14,7 +14,14 @@ from __future__ import annotations
 import torch
 
 from ..kernels.engine import (
-    Block, GradBlock, OnlineSoftmax, SoftmaxKernel, dense_softmax, fast_exp_, observe_kernel, run_kernel,
+    Block,
+    GradBlock,
+    OnlineSoftmax,
+    SoftmaxKernel,
+    dense_softmax,
+    fast_exp_,
+    observe_kernel,
+    run_kernel,
     softmax_backward_terms,
 )
 from ..kernels.mechanism_call import dense_logits, dense_values, request

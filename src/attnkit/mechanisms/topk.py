@@ -28,10 +28,18 @@ from dataclasses import replace
 
 import torch
 
-from ..kernels import chunked_attention, empty_result, make_request
-from ..kernels import cpu
+from ..kernels import chunked_attention, cpu, empty_result, make_request
 from ..kernels.engine import (
-    Block, EngineTiling, OnlineSoftmax, Problem, SoftmaxKernel, dense_softmax, kernel_tiles, no_grad_steps, run_kernel, safe_lse,
+    Block,
+    EngineTiling,
+    OnlineSoftmax,
+    Problem,
+    SoftmaxKernel,
+    dense_softmax,
+    kernel_tiles,
+    no_grad_steps,
+    run_kernel,
+    safe_lse,
 )
 from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish, request
 from ..kernels.plan import FULL_SEG
@@ -240,8 +248,22 @@ class TopK(Mechanism):
     def extra_repr(self) -> str:
         return super().extra_repr() + f", k={self.k}"
 
-    def forward(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto",
-                check_finite=True, observers=None, layer=None):
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        *,
+        mask=None,
+        score=None,
+        scale=None,
+        sinks=None,
+        return_lse=False,
+        backend="auto",
+        check_finite=True,
+        observers=None,
+        layer=None,
+    ):
         check_options(self.name, sinks=sinks, backend=backend)
         req = request(q, k, v, mask=mask, score=score, scale=scale)
         if backend == "reference":
@@ -250,7 +272,9 @@ class TopK(Mechanism):
             out, lse = empty_result(req)
         else:
             params = [p for p in (req.score.parameters() if req.score is not None else []) if p.requires_grad]
-            out, lse, chosen, weights, kept, visible = _TopKAttention.apply(self.k, req, len(params), req.q, req.k, req.v, *params)
+            out, lse, chosen, weights, kept, visible = _TopKAttention.apply(
+                self.k, req, len(params), req.q, req.k, req.v, *params
+            )
             _kept_report(self, kept, visible)
             if observers:
                 call = _call_info(req, layer, self.name)
@@ -375,13 +399,20 @@ class TopTheta(Mechanism):
         super().__init__()
         if thresholds is not None:
             if not isinstance(thresholds, Tensor) or not thresholds.is_floating_point() or thresholds.dim() not in (1, 2):
-                raise ValueError(f"top_theta(thresholds): expected a float tensor (H,) or (H, positions), got {getattr(thresholds, 'shape', thresholds)!r}")
+                raise ValueError(
+                    f"top_theta(thresholds): expected a float tensor (H,) or (H, positions), got {getattr(thresholds, 'shape', thresholds)!r}"
+                )
             if torch.isnan(thresholds).any() or torch.isposinf(thresholds).any():
                 raise ValueError("top_theta(thresholds): NaN or +inf would keep nothing; use -inf to keep every logit")
             thresholds = thresholds.detach()
         if compensation not in COMPENSATIONS:
             raise ValueError(f"top_theta(compensation): expected one of {COMPENSATIONS}, got {compensation!r}")
-        if isinstance(sdc_scale, bool) or not isinstance(sdc_scale, (int, float)) or not math.isfinite(sdc_scale) or sdc_scale < 0:
+        if (
+            isinstance(sdc_scale, bool)
+            or not isinstance(sdc_scale, (int, float))
+            or not math.isfinite(sdc_scale)
+            or sdc_scale < 0
+        ):
             raise ValueError(f"top_theta(sdc_scale): expected a finite number >= 0, got {sdc_scale!r}")
         self.register_buffer("thresholds", thresholds)
         self.compensation, self.sdc_scale = compensation, float(sdc_scale)
@@ -404,8 +435,22 @@ class TopTheta(Mechanism):
             )
         return theta
 
-    def forward(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto",
-                check_finite=True, observers=None, layer=None):
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        *,
+        mask=None,
+        score=None,
+        scale=None,
+        sinks=None,
+        return_lse=False,
+        backend="auto",
+        check_finite=True,
+        observers=None,
+        layer=None,
+    ):
         """``return_lse`` returns the log of the (compensated) softmax denominator."""
         check_options(self.name, sinks=sinks, backend=backend)
         req = request(q, k, v, mask=mask, score=score, scale=scale)
@@ -445,7 +490,9 @@ class TopTheta(Mechanism):
         th = _thresholds_for(theta.to(cd), h, q_pos).expand_as(lse)
         pruned = (visible - kept).to(cd)
         # every pruned logit counted as if it were the threshold: sdc_scale * n_pruned * e^theta
-        missing = torch.where((pruned > 0) & (th > -math.inf), torch.log(self.sdc_scale * pruned.clamp(min=1)) + th, torch.full_like(lse, -math.inf))
+        missing = torch.where(
+            (pruned > 0) & (th > -math.inf), torch.log(self.sdc_scale * pruned.clamp(min=1)) + th, torch.full_like(lse, -math.inf)
+        )
         # rows that keep nothing or see nothing take finite stand-ins, so no gradient is NaN
         live = kept > 0
         lse_live = torch.where(live, lse, torch.zeros_like(lse))
@@ -507,7 +554,9 @@ def _visible_mean(req: Request) -> Tensor:
     return out.to(cd)
 
 
-def calibrate_top_theta(q, k, keep: int, *, mask=None, score=None, scale=None, per_position: bool = False, add_sigma: float = 0.0) -> Tensor:
+def calibrate_top_theta(
+    q, k, keep: int, *, mask=None, score=None, scale=None, per_position: bool = False, add_sigma: float = 0.0
+) -> Tensor:
     """Thresholds for ``TopTheta`` that keep about ``keep`` logits per row (arXiv 2502.08363, Sec. 3.2).
 
     q (B, Hq, N, D) and k (B, Hkv, N, D) are calibration samples (B of them). For every row
@@ -548,7 +597,9 @@ def calibrate_top_theta(q, k, keep: int, *, mask=None, score=None, scale=None, p
     theta = torch.where(counts > 0, mean + add_sigma * std, torch.full_like(mean, -math.inf))
     if not per_position:
         if bool((counts == 0).any()):
-            raise ValueError(f"calibrate_top_theta: no row has more than keep={keep} visible keys; use longer samples or a smaller keep")
+            raise ValueError(
+                f"calibrate_top_theta: no row has more than keep={keep} visible keys; use longer samples or a smaller keep"
+            )
         return theta.squeeze(-1).to(torch.float32)
     table = torch.full((H, Nk), -math.inf, dtype=torch.float64)
     table[:, req.q_start :] = theta

@@ -68,9 +68,7 @@ class TileGrid:
         return part.amin(-1), part.amax(-1)
 
 
-def classify_interval(
-    grid: TileGrid, lo_offset: int | None, hi_offset: int | None
-) -> torch.Tensor:
+def classify_interval(grid: TileGrid, lo_offset: int | None, hi_offset: int | None) -> torch.Tensor:
     """Classify the band ``q + lo_offset <= kv <= q + hi_offset`` (None = unbounded)."""
     q_lo, q_hi = grid.q_bounds()
     k_lo, k_hi = grid.k_bounds()

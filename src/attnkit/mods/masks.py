@@ -259,9 +259,7 @@ class Window(Mask):
         return (diff >= -self.left) & (diff <= self.right)
 
     def classify(self, grid):
-        return classify_interval(
-            grid, None if self.left is None else -self.left, self.right
-        )
+        return classify_interval(grid, None if self.left is None else -self.left, self.right)
 
     def band(self):
         return (None if self.left is None else -self.left, self.right)
@@ -340,7 +338,9 @@ class Document(Mask):
     def __init__(self, ids):
         ids = torch.as_tensor(ids)
         if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dim() not in (1, 2):
-            raise ValueError(f"document(ids): expected an integer tensor of shape (N,) or (B, N), got dtype {ids.dtype} shape {tuple(ids.shape)}")
+            raise ValueError(
+                f"document(ids): expected an integer tensor of shape (N,) or (B, N), got dtype {ids.dtype} shape {tuple(ids.shape)}"
+            )
         self.ids = ids.long()
         self.batch_dependent = ids.dim() == 2
 
@@ -361,7 +361,9 @@ class Document(Mask):
 
     def check(self, batch, heads, q_len, k_len):
         if self.ids.shape[-1] != k_len:
-            raise ValueError(f"document(ids): ids has {self.ids.shape[-1]} positions but the keys have Nk={k_len}; expected shape (Nk,) or (B, Nk)")
+            raise ValueError(
+                f"document(ids): ids has {self.ids.shape[-1]} positions but the keys have Nk={k_len}; expected shape (Nk,) or (B, Nk)"
+            )
         if self.batch_dependent:
             _check_per_batch(self.ids, batch, "document(ids)")
         if q_len > k_len:
@@ -612,4 +614,3 @@ def neighborhood_3d(grid: Sequence[int], kernel, dilation=1, causal=False, strid
 def padding(lengths) -> Mask:
     """Key padding: batch row b sees only its first ``lengths[b]`` keys."""
     return Padding(lengths)
-

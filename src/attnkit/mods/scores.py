@@ -169,7 +169,9 @@ def as_score(obj, name: str = "score") -> ScoreMod:
         return Chain(*(a for o in obj for a in as_score(o, name).atoms()))
     if callable(obj):
         return FnScore(obj)
-    raise TypeError(f"{name}: expected an attnkit score mod, a callable (s, b, h, q_idx, kv_idx) -> s, or a list, got {type(obj).__name__}")
+    raise TypeError(
+        f"{name}: expected an attnkit score mod, a callable (s, b, h, q_idx, kv_idx) -> s, or a list, got {type(obj).__name__}"
+    )
 
 
 # --------------------------------------------------------------------------- mods
@@ -296,7 +298,9 @@ class RelativeBias(Bias):
 
     def __init__(self, table: Tensor, num_buckets: int | None = None, max_distance: int = 128, bidirectional: bool = True):
         if not isinstance(table, Tensor) or table.dim() != 2 or not table.is_floating_point():
-            raise ValueError(f"relative_bias(table): expected a float tensor of shape (num_buckets, H), got {getattr(table, 'shape', table)!r}")
+            raise ValueError(
+                f"relative_bias(table): expected a float tensor of shape (num_buckets, H), got {getattr(table, 'shape', table)!r}"
+            )
         num_buckets = table.shape[0] if num_buckets is None else num_buckets
         if num_buckets != table.shape[0]:
             raise ValueError(f"relative_bias: table has {table.shape[0]} rows but num_buckets={num_buckets}")
@@ -320,9 +324,7 @@ class RelativeBias(Bias):
             dist = (-relative).clamp(min=0)
         exact = n // 2
         # log-spaced buckets from `exact` to `max_distance`, then saturated
-        far = exact + (
-            torch.log(dist.clamp(min=1).double() / exact) / math.log(self.max_distance / exact) * (n - exact)
-        ).long()
+        far = exact + (torch.log(dist.clamp(min=1).double() / exact) / math.log(self.max_distance / exact) * (n - exact)).long()
         far = far.clamp(max=n - 1)
         return out + torch.where(dist < exact, dist, far)
 
@@ -345,7 +347,9 @@ class DenseBias(Bias):
 
     def __init__(self, tensor: Tensor):
         if not isinstance(tensor, Tensor) or tensor.dim() != 4 or not tensor.is_floating_point():
-            raise ValueError(f"bias(tensor): expected a float tensor of shape (B|1, H|1, Nq, Nk), got {getattr(tensor, 'shape', tensor)!r}")
+            raise ValueError(
+                f"bias(tensor): expected a float tensor of shape (B|1, H|1, Nq, Nk), got {getattr(tensor, 'shape', tensor)!r}"
+            )
         self.tensor = tensor
         self.q_start = 0
 

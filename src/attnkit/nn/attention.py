@@ -53,11 +53,28 @@ class Attention(nn.Module):
             M) so that they do not depend on the length of each call.
     """
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None, head_dim: int | None = None,
-                 mechanism: str | Mechanism = "softmax", rope=None, qk_norm: bool = False, gate: str | None = None,
-                 sinks: bool = False, bias: bool = False, dropout: float = 0.0, latent: LatentConfig | dict | None = None,
-                 *, causal: bool = True, window: int | None = None, alibi: bool = False, mechanism_params: dict | None = None,
-                 norm_eps: float = 1e-6, context: int | None = None):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        mechanism: str | Mechanism = "softmax",
+        rope=None,
+        qk_norm: bool = False,
+        gate: str | None = None,
+        sinks: bool = False,
+        bias: bool = False,
+        dropout: float = 0.0,
+        latent: LatentConfig | dict | None = None,
+        *,
+        causal: bool = True,
+        window: int | None = None,
+        alibi: bool = False,
+        mechanism_params: dict | None = None,
+        norm_eps: float = 1e-6,
+        context: int | None = None,
+    ):
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         head_dim = d_model // n_heads if head_dim is None else head_dim

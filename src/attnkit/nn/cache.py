@@ -59,7 +59,9 @@ class LayerCache:
             self.state = self.state.select(index)
 
     def __repr__(self):
-        held = "state" if self.state is not None else ", ".join(f"{k} {tuple(t.shape)}" for k, t in self.tensors.items()) or "empty"
+        held = (
+            "state" if self.state is not None else ", ".join(f"{k} {tuple(t.shape)}" for k, t in self.tensors.items()) or "empty"
+        )
         return f"LayerCache({self.length} tokens: {held})"
 
 

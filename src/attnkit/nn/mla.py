@@ -58,8 +58,16 @@ class LatentAttention(nn.Module):
     ``forward`` returns the per-head outputs (B, H, N, v_dim); the layer applies its
     output gate and projection."""
 
-    def __init__(self, d_model: int, n_heads: int, head_dim: int, config: LatentConfig, rope: RotaryEmbedding | None,
-                 rope_base: float = 10000.0, eps: float = 1e-6):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        head_dim: int,
+        config: LatentConfig,
+        rope: RotaryEmbedding | None,
+        rope_base: float = 10000.0,
+        eps: float = 1e-6,
+    ):
         super().__init__()
         c = config
         for name in ("kv_rank", "rope_dim"):

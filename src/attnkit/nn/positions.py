@@ -51,7 +51,9 @@ class RopeScaling:
         if not (isinstance(self.factor, (int, float)) and self.factor >= 1):
             raise ValueError(f"rope scaling factor: expected a number >= 1, got {self.factor!r}")
         if self.kind == "yarn" and not (isinstance(self.original_max_len, int) and self.original_max_len > 0):
-            raise ValueError(f"rope scaling original_max_len: yarn needs the training context length, got {self.original_max_len!r}")
+            raise ValueError(
+                f"rope scaling original_max_len: yarn needs the training context length, got {self.original_max_len!r}"
+            )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -64,12 +66,13 @@ def rope_frequencies(rotary_dim: int, base: float = 10000.0, scaling: RopeScalin
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
     if scaling is not None and scaling.kind == "ntk":
         base = base * scaling.factor ** (rotary_dim / (rotary_dim - 2))
-    inv_freq = base ** -exponents
+    inv_freq = base**-exponents
     if scaling is None or scaling.kind == "ntk":
         return inv_freq, 1.0
     s = float(scaling.factor)
     if scaling.kind == "linear":
         return inv_freq / s, 1.0
+
     # YaRN: dims that turn fewer than beta_slow times over the training context are
     # interpolated (theta / s), those that turn more than beta_fast times are kept, with a
     # linear ramp over the dim index in between.
@@ -105,7 +108,9 @@ class RotaryEmbedding(nn.Module):
         scaling: a RopeScaling (or its dict) for context extension; None for plain RoPE.
     """
 
-    def __init__(self, head_dim: int, rotary_dim: int | None = None, base: float = 10000.0, scaling: RopeScaling | dict | None = None):
+    def __init__(
+        self, head_dim: int, rotary_dim: int | None = None, base: float = 10000.0, scaling: RopeScaling | dict | None = None
+    ):
         super().__init__()
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
         if not (isinstance(rotary_dim, int) and 2 <= rotary_dim <= head_dim and rotary_dim % 2 == 0):
@@ -130,7 +135,9 @@ class RotaryEmbedding(nn.Module):
         if x.dim() != 4 or x.shape[-1] != self.head_dim:
             raise ValueError(f"x: expected (B, H, N, head_dim={self.head_dim}), got {tuple(x.shape)}")
         if positions.dim() not in (1, 2) or positions.shape[-1] != x.shape[2] or positions.is_floating_point():
-            raise ValueError(f"positions: expected integer positions of shape (N,) or (B, N) with N={x.shape[2]}, got {tuple(positions.shape)}")
+            raise ValueError(
+                f"positions: expected integer positions of shape (N,) or (B, N) with N={x.shape[2]}, got {tuple(positions.shape)}"
+            )
         cos, sin = self.cos_sin(positions, x.dtype)
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         work = cos.dtype
@@ -152,5 +159,7 @@ class LearnedPositions(nn.Module):
 
     def forward(self, positions: Tensor) -> Tensor:
         if int(positions.max()) >= self.max_len or int(positions.min()) < 0:
-            raise ValueError(f"positions: learned positions cover 0..{self.max_len - 1}, got positions up to {int(positions.max())}")
+            raise ValueError(
+                f"positions: learned positions cover 0..{self.max_len - 1}, got positions up to {int(positions.max())}"
+            )
         return self.weight[positions]

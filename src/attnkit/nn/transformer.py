@@ -124,10 +124,23 @@ class Block(nn.Module):
             rope = dict(base=c.rope_base, scaling=c.rope_scaling)
         self.attn_norm = nn.RMSNorm(c.d_model, eps=c.norm_eps)
         self.attn = Attention(
-            c.d_model, c.n_heads, c.n_kv_heads, head_dim, mechanism=c.layer_value("mechanism", i), rope=rope,
-            qk_norm=c.qk_norm, gate=c.gate, sinks=bool(c.layer_value("sinks", i)), bias=c.bias, dropout=c.dropout, latent=c.latent,
-            window=c.layer_value("window", i), alibi=c.positions == "alibi",
-            mechanism_params=dict(c.layer_value("mechanism_params", i) or {}), norm_eps=c.norm_eps, context=c.max_len,
+            c.d_model,
+            c.n_heads,
+            c.n_kv_heads,
+            head_dim,
+            mechanism=c.layer_value("mechanism", i),
+            rope=rope,
+            qk_norm=c.qk_norm,
+            gate=c.gate,
+            sinks=bool(c.layer_value("sinks", i)),
+            bias=c.bias,
+            dropout=c.dropout,
+            latent=c.latent,
+            window=c.layer_value("window", i),
+            alibi=c.positions == "alibi",
+            mechanism_params=dict(c.layer_value("mechanism_params", i) or {}),
+            norm_eps=c.norm_eps,
+            context=c.max_len,
         )
         self.mlp_norm = nn.RMSNorm(c.d_model, eps=c.norm_eps)
         self.mlp = SwiGLU(c.d_model, c.ff_dim, c.bias)
@@ -186,8 +199,15 @@ class TransformerLM(nn.Module):
         return logits, loss
 
     @torch.no_grad()
-    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 use_cache: bool = True, generator: torch.Generator | None = None) -> Tensor:
+    def generate(
+        self,
+        idx: Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        use_cache: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
         """Continue ``idx`` (B, N) by ``max_new_tokens`` tokens. ``temperature=0`` is greedy;
         otherwise sample from softmax(logits / temperature), restricted to the ``top_k``
         most likely tokens. With ``use_cache`` the prompt is read once and each new token

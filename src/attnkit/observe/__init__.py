@@ -32,6 +32,24 @@ METERS = {
 # VisualAttention needs the image keys, so it is built by attnkit.vision, not by name.
 
 __all__ = [
-    "AttentionTile", "CallInfo", "DistanceProfile", "Entropy", "HeadClass", "LABELS", "LogitStats", "METERS", "Meter",
-    "Observer", "Selection", "SinkMass", "SpanMass", "TOKEN_VIEW_LIMIT", "TileView", "TopKeys", "VisualAttention", "classify_heads", "feed", "interested",
+    "AttentionTile",
+    "CallInfo",
+    "DistanceProfile",
+    "Entropy",
+    "HeadClass",
+    "LABELS",
+    "LogitStats",
+    "METERS",
+    "Meter",
+    "Observer",
+    "Selection",
+    "SinkMass",
+    "SpanMass",
+    "TOKEN_VIEW_LIMIT",
+    "TileView",
+    "TopKeys",
+    "VisualAttention",
+    "classify_heads",
+    "feed",
+    "interested",
 ]

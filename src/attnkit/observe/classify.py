@@ -45,8 +45,13 @@ def classify_heads(
 ) -> dict[tuple, HeadClass]:
     """{(layer, head): HeadClass} for every head that appears in ``rows``
     (``(layer, head, metric, value)`` tuples from the meters)."""
-    for name, value in (("sink_epsilon", sink_epsilon), ("previous_min", previous_min), ("local_min", local_min),
-                        ("span_min", span_min), ("broad_min", broad_min)):
+    for name, value in (
+        ("sink_epsilon", sink_epsilon),
+        ("previous_min", previous_min),
+        ("local_min", local_min),
+        ("span_min", span_min),
+        ("broad_min", broad_min),
+    ):
         if not 0.0 < float(value) <= 1.0:
             raise ValueError(f"{name}: expected a fraction in (0, 1], got {value!r}")
     if local_window < 2:
@@ -64,8 +69,11 @@ def classify_heads(
             if m["sink.score"] > sink_epsilon:
                 labels.append("sink")
         even = m.get("entropy.norm", 0.0) >= broad_min
-        bins = {parse_bin_label(name[len("distance."):]): v for name, v in m.items()
-                if name.startswith("distance.") and name != "distance.mean"}
+        bins = {
+            parse_bin_label(name[len("distance.") :]): v
+            for name, v in m.items()
+            if name.startswith("distance.") and name != "distance.mean"
+        }
         if bins:
             prev = bins.get((1, 2), 0.0)
             local = sum(v for (lo, hi), v in bins.items() if hi is not None and hi <= local_window)

@@ -50,7 +50,12 @@ class DistanceProfile(Meter):
         if edges is None:
             edges = LOG2_EDGES
         edges = tuple(edges)
-        if not edges or edges[0] != 0 or any(not isinstance(e, int) or isinstance(e, bool) for e in edges) or any(b <= a for a, b in zip(edges, edges[1:])):
+        if (
+            not edges
+            or edges[0] != 0
+            or any(not isinstance(e, int) or isinstance(e, bool) for e in edges)
+            or any(b <= a for a, b in zip(edges, edges[1:]))
+        ):
             raise ValueError(f"edges: expected increasing ints starting at 0 (lower ends of the distance bins), got {edges!r}")
         self.edges = edges
         self._his = edges[1:] + (_BIG,)
@@ -101,7 +106,9 @@ class DistanceProfile(Meter):
         lo = torch.tensor(self.edges[b_lo : b_hi + 1]).view(1, -1)
         hi = torch.tensor(self._his[b_lo : b_hi + 1]).view(1, -1)
         p = view.q_pos.view(-1, 1) - k0
-        cuts = torch.cat([p - hi + 1, p - lo + 1, p + lo.clamp_min(1), (p + hi).maximum(p + lo.clamp_min(1))], dim=1).clamp(0, span)
+        cuts = torch.cat([p - hi + 1, p - lo + 1, p + lo.clamp_min(1), (p + hi).maximum(p + lo.clamp_min(1))], dim=1).clamp(
+            0, span
+        )
         # the sum of the first c weights of a row is cs[c - 1], and 0 for c = 0
         g = cs.gather(-1, (cuts - 1).clamp_min(0).expand(*w.shape[:2], *cuts.shape)) * (cuts > 0)
         nb = b_hi - b_lo + 1

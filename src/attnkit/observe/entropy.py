@@ -38,7 +38,10 @@ class Entropy(Meter):
         if call.layer not in self._state:
             z = lambda: torch.zeros(n_heads, dtype=torch.float64)  # noqa: E731
             self._state[call.layer] = {
-                "sum": z(), "count": z(), "norm_sum": z(), "norm_count": z(),
+                "sum": z(),
+                "count": z(),
+                "norm_sum": z(),
+                "norm_count": z(),
                 "min": torch.full((n_heads,), float("inf"), dtype=torch.float64),
                 "max": torch.full((n_heads,), float("-inf"), dtype=torch.float64),
             }

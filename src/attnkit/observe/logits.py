@@ -31,9 +31,13 @@ class LogitStats(Meter):
     def begin_call(self, call: CallInfo, n_heads: int, row_lo: int, row_hi: int) -> None:
         if call.layer not in self._state:
             z = lambda: torch.zeros(n_heads, dtype=torch.float64)  # noqa: E731
-            self._state[call.layer] = {"n": z(), "mean": z(), "m2": z(),
-                                       "max": torch.full((n_heads,), -math.inf, dtype=torch.float64),
-                                       "min": torch.full((n_heads,), math.inf, dtype=torch.float64)}
+            self._state[call.layer] = {
+                "n": z(),
+                "mean": z(),
+                "m2": z(),
+                "max": torch.full((n_heads,), -math.inf, dtype=torch.float64),
+                "min": torch.full((n_heads,), math.inf, dtype=torch.float64),
+            }
 
     def update_view(self, call: CallInfo, view: TileView) -> None:
         s = view.s
@@ -76,6 +80,10 @@ class LogitStats(Meter):
                 n = st["n"][j]
                 if not n:
                     continue
-                out += [(layer, h, "logit.max", st["max"][j]), (layer, h, "logit.min", st["min"][j]),
-                        (layer, h, "logit.mean", st["mean"][j]), (layer, h, "logit.std", math.sqrt(max(st["m2"][j] / n, 0.0)))]
+                out += [
+                    (layer, h, "logit.max", st["max"][j]),
+                    (layer, h, "logit.min", st["min"][j]),
+                    (layer, h, "logit.mean", st["mean"][j]),
+                    (layer, h, "logit.std", math.sqrt(max(st["m2"][j] / n, 0.0))),
+                ]
         return out

@@ -48,7 +48,11 @@ def _query_range(value) -> tuple[int | None, int | None] | None:
         if (value.step or 1) != 1:
             raise ValueError(f"queries: expected a contiguous range (step 1), got {value!r}")
         return (value.start, value.stop)
-    if isinstance(value, (tuple, list)) and len(value) == 2 and all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in value):
+    if (
+        isinstance(value, (tuple, list))
+        and len(value) == 2
+        and all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in value)
+    ):
         return (value[0], value[1])
     raise ValueError(f"queries: expected None, a position, a range/slice or (lo, hi) of query positions, got {value!r}")
 
@@ -121,7 +125,9 @@ class Meter(Observer, ABC):
         heads = sel.heads if sel.heads is not None else tuple(range(call.heads))
         known = self._head_ids.setdefault(call.layer, heads)
         if known != heads:
-            raise ValueError(f"layer {call.layer}: calls with different head counts ({len(known)} then {len(heads)}) cannot share one meter")
+            raise ValueError(
+                f"layer {call.layer}: calls with different head counts ({len(known)} then {len(heads)}) cannot share one meter"
+            )
         assert sel.q_range is not None  # wants() always gives a meter's calls a query range
         lo, hi = sel.q_range
         self._rows_seen[call.layer] = self._rows_seen.get(call.layer, 0) + call.batch * (hi - lo)
@@ -203,5 +209,15 @@ class Meter(Observer, ABC):
         r0 = first + a - lo
         if parts["w"] is None:
             raise RuntimeError("tile: a meter's tile carries no weights")
-        return TileView(parts["w"], parts["s"], q_pos, tile.k_pos, slice(b0, b0 + len(tile.batch)), slice(r0, r0 + len(q_pos)),
-                        tile.all_visible, parts["mask"], parts["log_norm"], tile.starts[1])
+        return TileView(
+            parts["w"],
+            parts["s"],
+            q_pos,
+            tile.k_pos,
+            slice(b0, b0 + len(tile.batch)),
+            slice(r0, r0 + len(q_pos)),
+            tile.all_visible,
+            parts["mask"],
+            parts["log_norm"],
+            tile.starts[1],
+        )

@@ -21,10 +21,14 @@ def check_spans(spans) -> dict[str, tuple[int, int]]:
         raise ValueError(f"spans: expected a non-empty dict name -> (start, end) of key positions, got {spans!r}")
     out = {}
     for name, rng in spans.items():
-        if not isinstance(name, str) or not name or any(c in name for c in ",\n\"") :
+        if not isinstance(name, str) or not name or any(c in name for c in ',\n"'):
             raise ValueError(f"spans: names must be non-empty strings without commas, quotes or newlines, got {name!r}")
-        if (not isinstance(rng, (tuple, list)) or len(rng) != 2 or any(isinstance(v, bool) or not isinstance(v, int) for v in rng)
-                or not 0 <= rng[0] < rng[1]):
+        if (
+            not isinstance(rng, (tuple, list))
+            or len(rng) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int) for v in rng)
+            or not 0 <= rng[0] < rng[1]
+        ):
             raise ValueError(f"spans: {name!r} must be (start, end) with 0 <= start < end (end exclusive), got {rng!r}")
         out[name] = (int(rng[0]), int(rng[1]))
     return out
@@ -51,8 +55,10 @@ class SpanMass(Meter):
         self._n_all = torch.zeros(shape, dtype=torch.float64)
         self._n_in = torch.zeros((len(self.spans),) + shape, dtype=torch.float64)
         if call.layer not in self._state:
-            self._state[call.layer] = {"mass": torch.zeros(len(self.spans), n_heads, dtype=torch.float64),
-                                       "uniform": torch.zeros(len(self.spans), n_heads, dtype=torch.float64)}
+            self._state[call.layer] = {
+                "mass": torch.zeros(len(self.spans), n_heads, dtype=torch.float64),
+                "uniform": torch.zeros(len(self.spans), n_heads, dtype=torch.float64),
+            }
 
     def update_view(self, call: CallInfo, view: TileView) -> None:
         st = self._state[call.layer]

@@ -39,7 +39,10 @@ class TopKeys(Meter):
         self._seen = torch.zeros(call.batch, row_hi - row_lo, dtype=torch.bool)  # rows with keys merged in
         self._q0 = call.q_start + row_lo
         if call.layer not in self._state:
-            self._state[call.layer] = {"top1": torch.zeros(n_heads, dtype=torch.float64), "topk": torch.zeros(n_heads, dtype=torch.float64)}
+            self._state[call.layer] = {
+                "top1": torch.zeros(n_heads, dtype=torch.float64),
+                "topk": torch.zeros(n_heads, dtype=torch.float64),
+            }
 
     def update_view(self, call: CallInfo, view: TileView) -> None:
         tv, ti = view.w.topk(min(self.k, view.w.shape[3]), dim=-1)

@@ -46,11 +46,17 @@ def key_mask(keys, name: str = "keys") -> Tensor:
         out = torch.zeros(len(keys), max(ends), dtype=torch.bool)
         for b, row in enumerate(keys):
             for span in row:
-                if (len(span) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in span) or not 0 <= span[0] < span[1]):
+                if (
+                    len(span) != 2
+                    or any(isinstance(x, bool) or not isinstance(x, int) for x in span)
+                    or not 0 <= span[0] < span[1]
+                ):
                     raise ValueError(f"{name}: expected (start, end) spans with 0 <= start < end, got {span!r} in row {b}")
                 out[b, span[0] : span[1]] = True
         return out
-    raise ValueError(f"{name}: expected a (batch, tokens) bool mask or one list of (start, end) spans per batch row, got {type(keys).__name__}")
+    raise ValueError(
+        f"{name}: expected a (batch, tokens) bool mask or one list of (start, end) spans per batch row, got {type(keys).__name__}"
+    )
 
 
 #: what ``end_call`` adds up per head, in order
@@ -99,10 +105,14 @@ class VisualAttention(Meter):
         self._top = torch.zeros(shape + (self.top_k,), dtype=torch.float64)
         self._q0 = call.q_start + row_lo
         if call.layer not in self._state:
-            self._state[call.layer] = {"sums": torch.zeros(len(_SUMS), n_heads, dtype=torch.float64),
-                                       "received": torch.zeros(call.batch, n_heads, self.prompt_len, dtype=torch.float64)}
+            self._state[call.layer] = {
+                "sums": torch.zeros(len(_SUMS), n_heads, dtype=torch.float64),
+                "received": torch.zeros(call.batch, n_heads, self.prompt_len, dtype=torch.float64),
+            }
         elif self._state[call.layer]["received"].shape[0] != call.batch:
-            raise ValueError(f"layer {call.layer}: calls with batch {self._state[call.layer]['received'].shape[0]} then {call.batch} cannot share one meter")
+            raise ValueError(
+                f"layer {call.layer}: calls with batch {self._state[call.layer]['received'].shape[0]} then {call.batch} cannot share one meter"
+            )
 
     def update_view(self, call: CallInfo, view: TileView) -> None:
         # Sums in the weights' dtype per tile (as the other meters), accumulated in float64.

@@ -77,5 +77,18 @@ def build(name: str, out_dir: str, **kwargs) -> dict:
     return build_recipe(recipe(name), os.fspath(out_dir), **kwargs)
 
 
-__all__ = ["RECIPES", "build", "card", "known", "load", "names", "path", "read_card", "recipe", "resolve_model_path", "shipped", "verify",
-           "visual"]
+__all__ = [
+    "RECIPES",
+    "build",
+    "card",
+    "known",
+    "load",
+    "names",
+    "path",
+    "read_card",
+    "recipe",
+    "resolve_model_path",
+    "shipped",
+    "verify",
+    "visual",
+]

@@ -36,18 +36,33 @@ def run_stages(recipe: Recipe, work_dir: str, on_eval=None) -> tuple[str, list[d
     previous, stages = None, []
     for stage in recipe.stages:
         task = make_task(stage.task, **stage.params)
-        [run] = plan(task, recipe.mechanism, [recipe.d_model], recipe.layers, recipe.heads, [recipe.seed],
-                     max_len=stage.max_len, init=previous)
+        [run] = plan(
+            task,
+            recipe.mechanism,
+            [recipe.d_model],
+            recipe.layers,
+            recipe.heads,
+            [recipe.seed],
+            max_len=stage.max_len,
+            init=previous,
+        )
         config = train_config(task, recipe.seed, stage.train)
         hook = None if on_eval is None else (lambda record, stage=stage, config=config: on_eval(stage, record, config))
         folder = os.path.join(work_dir, stage.name)
         rows, record = execute(run, dict(stage.train), os.path.join(folder, "checkpoints"), on_eval=hook)
         directory = export_run(run, record, rows, dict(stage.train), os.path.join(folder, "export"))
         _name_the_init(directory, stages[-1]["name"] if stages else None)
-        stages.append({"name": stage.name, "task": stage.task, "steps": rows[0]["steps"],
-                       "seconds": round(rows[0]["train_seconds"], 1), "best_step": record.get("best_step"),
-                       "stopped_early": rows[0]["stopped_early"],
-                       "accuracy": {str(r["eval_len"]): round(r["accuracy"], 4) for r in rows}})
+        stages.append(
+            {
+                "name": stage.name,
+                "task": stage.task,
+                "steps": rows[0]["steps"],
+                "seconds": round(rows[0]["train_seconds"], 1),
+                "best_step": record.get("best_step"),
+                "stopped_early": rows[0]["stopped_early"],
+                "accuracy": {str(r["eval_len"]): round(r["accuracy"], 4) for r in rows},
+            }
+        )
         previous = directory
     return previous, stages
 
@@ -86,13 +101,24 @@ def build(recipe: Recipe, out_dir: str, work_dir: str | None = None, on_eval=Non
         task = make_task(recipe.stages[-1].task, **recipe.stages[-1].params)
         with open(os.path.join(staging, "config.json"), encoding="utf-8") as f:
             config = json.load(f)
-        model_info = {"architecture": "LlamaForCausalLM", "mechanism": recipe.mechanism, "d_model": recipe.d_model,
-                      "layers": recipe.layers, "heads": recipe.heads, "max_len": config["max_position_embeddings"],
-                      "vocab_size": config["vocab_size"], "parameters": _parameters(staging),
-                      "trained_up_to": trained_up_to(recipe)}
-        training = {"steps": sum(s["steps"] for s in stages), "seconds": round(sum(s["seconds"] for s in stages), 1),
-                    "wall_seconds": round(trained, 1), "card_seconds": round(time.perf_counter() - measuring, 1),
-                    "stages": stages}
+        model_info = {
+            "architecture": "LlamaForCausalLM",
+            "mechanism": recipe.mechanism,
+            "d_model": recipe.d_model,
+            "layers": recipe.layers,
+            "heads": recipe.heads,
+            "max_len": config["max_position_embeddings"],
+            "vocab_size": config["vocab_size"],
+            "parameters": _parameters(staging),
+            "trained_up_to": trained_up_to(recipe),
+        }
+        training = {
+            "steps": sum(s["steps"] for s in stages),
+            "seconds": round(sum(s["seconds"] for s in stages), 1),
+            "wall_seconds": round(trained, 1),
+            "card_seconds": round(time.perf_counter() - measuring, 1),
+            "stages": stages,
+        }
         machine = {**machine_info(), "cpu": cpu_name(), "threads_used": 1}
         card = json.loads(json.dumps(make_card(recipe, task, model_info, accuracy, training, machine, staging)))
         with open(os.path.join(staging, CARD_FILE), "w", encoding="utf-8") as f:

@@ -24,14 +24,21 @@ VERSION = 1
 
 def hashes(directory: str) -> dict[str, str]:
     """SHA-256 of every file in ``directory`` but the card."""
-    return {name: file_hash(os.path.join(directory, name)) for name in sorted(os.listdir(directory))
-            if name != CARD_FILE and os.path.isfile(os.path.join(directory, name))}
+    return {
+        name: file_hash(os.path.join(directory, name))
+        for name in sorted(os.listdir(directory))
+        if name != CARD_FILE and os.path.isfile(os.path.join(directory, name))
+    }
 
 
 def worst_cell(accuracy: dict, max_len: int) -> dict | None:
     """The lowest (length, group) cell at lengths up to ``max_len``."""
-    cells = [(g_acc, int(n), g) for n, entry in accuracy.items() if int(n) <= max_len
-             for g, g_acc in (entry["groups"] or {"all": entry["accuracy"]}).items()]
+    cells = [
+        (g_acc, int(n), g)
+        for n, entry in accuracy.items()
+        if int(n) <= max_len
+        for g, g_acc in (entry["groups"] or {"all": entry["accuracy"]}).items()
+    ]
     if not cells:
         return None
     acc, n, g = min(cells)
@@ -40,13 +47,19 @@ def worst_cell(accuracy: dict, max_len: int) -> dict | None:
 
 def make_card(recipe, task, model_info: dict, accuracy: dict, training: dict, machine: dict, directory: str) -> dict:
     return {
-        "format": CARD_FORMAT, "version": VERSION, "name": recipe.name, "summary": recipe.summary,
+        "format": CARD_FORMAT,
+        "version": VERSION,
+        "name": recipe.name,
+        "summary": recipe.summary,
         "task": {"name": task.name, "paper": task.paper, "params": task.params()},
         "model": model_info,
-        "evaluation": {"lengths": [int(n) for n in accuracy], "examples_per_length": recipe.card_examples,
-                       "prompts": "the task's held-out examples from the 'card' stream (no training run draws from it); "
-                                  "groups cycle through the task's depths (needle) so each group has an equal share",
-                       "loaded_as": "transformers AutoModelForCausalLM, float32"},
+        "evaluation": {
+            "lengths": [int(n) for n in accuracy],
+            "examples_per_length": recipe.card_examples,
+            "prompts": "the task's held-out examples from the 'card' stream (no training run draws from it); "
+            "groups cycle through the task's depths (needle) so each group has an equal share",
+            "loaded_as": "transformers AutoModelForCausalLM, float32",
+        },
         "accuracy": accuracy,
         "worst": worst_cell(accuracy, model_info["trained_up_to"]),
         "training": training,
@@ -61,36 +74,52 @@ def make_card(recipe, task, model_info: dict, accuracy: dict, training: dict, ma
 def summary_row(card: dict) -> dict:
     """One line of ``attnkit organisms list`` and the README table."""
     acc = card["accuracy"]
-    return {"name": card["name"], "task": card["task"]["name"], "mechanism": card["model"]["mechanism"],
-            "d_model": card["model"]["d_model"], "layers": card["model"]["layers"], "max_len": card["model"]["max_len"],
-            "trained_up_to": card["model"]["trained_up_to"],
-            "accuracy": {n: e["accuracy"] for n, e in acc.items()},
-            "worst": card.get("worst"), "steps": card["training"]["steps"],
-            "seconds": card["training"]["wall_seconds"]}
+    return {
+        "name": card["name"],
+        "task": card["task"]["name"],
+        "mechanism": card["model"]["mechanism"],
+        "d_model": card["model"]["d_model"],
+        "layers": card["model"]["layers"],
+        "max_len": card["model"]["max_len"],
+        "trained_up_to": card["model"]["trained_up_to"],
+        "accuracy": {n: e["accuracy"] for n, e in acc.items()},
+        "worst": card.get("worst"),
+        "steps": card["training"]["steps"],
+        "seconds": card["training"]["wall_seconds"],
+    }
 
 
 def format_card(card: dict) -> str:
     """The card as text: accuracy per length x group, training, machine, known failures."""
-    lines = [f"{card['name']}: {card['summary']}",
-             f"task {card['task']['name']} ({card['task']['paper']}), {card['model']['mechanism']} d_model "
-             f"{card['model']['d_model']}, {card['model']['layers']} layers, {card['model']['heads']} heads, "
-             f"trained up to {card['model']['trained_up_to']} tokens (context {card['model']['max_len']}), "
-             f"{card['model']['parameters']} parameters"]
+    lines = [
+        f"{card['name']}: {card['summary']}",
+        f"task {card['task']['name']} ({card['task']['paper']}), {card['model']['mechanism']} d_model "
+        f"{card['model']['d_model']}, {card['model']['layers']} layers, {card['model']['heads']} heads, "
+        f"trained up to {card['model']['trained_up_to']} tokens (context {card['model']['max_len']}), "
+        f"{card['model']['parameters']} parameters",
+    ]
     acc = card["accuracy"]
     groups = sorted({g for e in acc.values() for g in e["groups"]})
     header = f"{'length':>7} {'all':>6} " + " ".join(f"{g:>11}" for g in groups)
     lines += ["", f"accuracy on {card['evaluation']['examples_per_length']} held-out prompts per length:", header]
     for n, entry in acc.items():
-        lines.append(f"{n:>7} {entry['accuracy']:>6.3f} " + " ".join(f"{entry['groups'].get(g, float('nan')):>11.3f}" for g in groups))
+        lines.append(
+            f"{n:>7} {entry['accuracy']:>6.3f} " + " ".join(f"{entry['groups'].get(g, float('nan')):>11.3f}" for g in groups)
+        )
     worst = card.get("worst")
     if worst:
-        lines.append(f"worst cell up to the trained length ({card['model']['trained_up_to']}): {worst['accuracy']:.3f} at "
-                     f"{worst['length']} tokens, {worst['group']}")
+        lines.append(
+            f"worst cell up to the trained length ({card['model']['trained_up_to']}): {worst['accuracy']:.3f} at "
+            f"{worst['length']} tokens, {worst['group']}"
+        )
     t = card["training"]
-    lines += ["", f"training: {t['steps']} steps, {t['seconds']:.0f} s optimising, {t['wall_seconds']:.0f} s wall "
-                  f"({len(t['stages'])} stages: " + ", ".join(f"{s['name']} {s['steps']}" for s in t["stages"]) + ")",
-              f"machine: {card['machine'].get('cpu', '?')}, torch {card['machine'].get('torch', '?')}, "
-              f"{card['machine'].get('threads_used', '?')} thread"]
+    lines += [
+        "",
+        f"training: {t['steps']} steps, {t['seconds']:.0f} s optimising, {t['wall_seconds']:.0f} s wall "
+        f"({len(t['stages'])} stages: " + ", ".join(f"{s['name']} {s['steps']}" for s in t["stages"]) + ")",
+        f"machine: {card['machine'].get('cpu', '?')}, torch {card['machine'].get('torch', '?')}, "
+        f"{card['machine'].get('threads_used', '?')} thread",
+    ]
     if card.get("known_failures"):
         lines += ["", "known failures:"] + [f"- {f}" for f in card["known_failures"]]
     return "\n".join(lines)
@@ -99,15 +128,21 @@ def format_card(card: dict) -> str:
 def markdown_table(cards: list[dict]) -> str:
     """The cards as one Markdown table (the README's): accuracy per length with the
     weakest depth, build steps and time."""
-    lines = ["| organism | task | model | trained up to | accuracy by length (weakest group) | training |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| organism | task | model | trained up to | accuracy by length (weakest group) | training |",
+        "|---|---|---|---|---|---|",
+    ]
     for card in cards:
         m, t = card["model"], card["training"]
-        accuracy = ", ".join(f"{n}: {e['accuracy']:.3f} ({min(e['groups'].values()):.2f})" if e["groups"]
-                             else f"{n}: {e['accuracy']:.3f}" for n, e in card["accuracy"].items())
-        lines.append(f"| `{card['name']}` | {card['task']['name']} | {m['mechanism']}, d {m['d_model']}, {m['layers']} layers, "
-                     f"{m['heads']} heads | {m['trained_up_to']} | {accuracy} | {t['steps']} steps, "
-                     f"{t['wall_seconds'] / 60:.1f} min |")
+        accuracy = ", ".join(
+            f"{n}: {e['accuracy']:.3f} ({min(e['groups'].values()):.2f})" if e["groups"] else f"{n}: {e['accuracy']:.3f}"
+            for n, e in card["accuracy"].items()
+        )
+        lines.append(
+            f"| `{card['name']}` | {card['task']['name']} | {m['mechanism']}, d {m['d_model']}, {m['layers']} layers, "
+            f"{m['heads']} heads | {m['trained_up_to']} | {accuracy} | {t['steps']} steps, "
+            f"{t['wall_seconds'] / 60:.1f} min |"
+        )
     return "\n".join(lines)
 
 

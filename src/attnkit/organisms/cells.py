@@ -30,8 +30,9 @@ def card_rows(card: dict, out: str) -> list[dict]:
     rows = []
     for length, entry in card["accuracy"].items():
         rows.append({**where, "length": int(length), "group": "all", "metric": "accuracy", "value": entry["accuracy"]})
-        rows += [{**where, "length": int(length), "group": g, "metric": "accuracy", "value": a}
-                 for g, a in entry["groups"].items()]
+        rows += [
+            {**where, "length": int(length), "group": g, "metric": "accuracy", "value": a} for g, a in entry["groups"].items()
+        ]
     rows.append({**where, "metric": "train_seconds", "value": card["training"]["seconds"]})
     rows.append({**where, "metric": "wall_seconds", "value": card["training"]["wall_seconds"]})
     return rows
@@ -45,8 +46,13 @@ def organism_cells(names: list[str], out: str) -> list:
     cells = []
     for name in names:
         r = recipe(name)
-        cells.append(Cell("organism", {"recipe": r.to_dict(), "known_failures": list(r.known_failures),
-                                       "out": os.path.abspath(os.fspath(out))}, label=f"organism {name}"))
+        cells.append(
+            Cell(
+                "organism",
+                {"recipe": r.to_dict(), "known_failures": list(r.known_failures), "out": os.path.abspath(os.fspath(out))},
+                label=f"organism {name}",
+            )
+        )
     return cells
 
 

@@ -51,8 +51,19 @@ class Recipe:
         export of the stage before)."""
         lines = []
         for i, stage in enumerate(self.stages):
-            args = ["attnkit", "arena", stage.task, "--mechanisms", self.mechanism, "--d-model", str(self.d_model),
-                    "--layers", str(self.layers), "--heads", str(self.heads)]
+            args = [
+                "attnkit",
+                "arena",
+                stage.task,
+                "--mechanisms",
+                self.mechanism,
+                "--d-model",
+                str(self.d_model),
+                "--layers",
+                str(self.layers),
+                "--heads",
+                str(self.heads),
+            ]
             for key, value in stage.params.items():
                 args += ["--param", f"{key}={_json(value)}"]
             for key, value in stage.train.items():
@@ -72,23 +83,39 @@ class Recipe:
         return lines
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "summary": self.summary, "mechanism": self.mechanism, "d_model": self.d_model,
-                "layers": self.layers, "heads": self.heads, "seed": self.seed,
-                "stages": [{"name": s.name, "task": s.task, "params": s.params, "train": s.train, "max_len": s.max_len}
-                           for s in self.stages],
-                "card_lengths": list(self.card_lengths), "card_examples": self.card_examples}
-
+        return {
+            "name": self.name,
+            "summary": self.summary,
+            "mechanism": self.mechanism,
+            "d_model": self.d_model,
+            "layers": self.layers,
+            "heads": self.heads,
+            "seed": self.seed,
+            "stages": [
+                {"name": s.name, "task": s.task, "params": s.params, "train": s.train, "max_len": s.max_len} for s in self.stages
+            ],
+            "card_lengths": list(self.card_lengths),
+            "card_examples": self.card_examples,
+        }
 
     @classmethod
     def from_dict(cls, data: dict, known_failures: tuple[str, ...] = ()) -> Recipe:
         """The recipe ``to_dict`` wrote (a sweep cell carries its recipe this way, so a
         worker needs no registry)."""
-        stages = tuple(Stage(s["name"], s["task"], dict(s["params"]), dict(s["train"]), s.get("max_len"))
-                       for s in data["stages"])
-        return cls(name=data["name"], summary=data["summary"], stages=stages, mechanism=data["mechanism"],
-                   d_model=data["d_model"], layers=data["layers"], heads=data["heads"], seed=data["seed"],
-                   card_lengths=tuple(data["card_lengths"]), card_examples=data["card_examples"],
-                   known_failures=tuple(known_failures))
+        stages = tuple(Stage(s["name"], s["task"], dict(s["params"]), dict(s["train"]), s.get("max_len")) for s in data["stages"])
+        return cls(
+            name=data["name"],
+            summary=data["summary"],
+            stages=stages,
+            mechanism=data["mechanism"],
+            d_model=data["d_model"],
+            layers=data["layers"],
+            heads=data["heads"],
+            seed=data["seed"],
+            card_lengths=tuple(data["card_lengths"]),
+            card_examples=data["card_examples"],
+            known_failures=tuple(known_failures),
+        )
 
 
 def _json(value) -> str:

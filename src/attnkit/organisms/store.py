@@ -36,7 +36,7 @@ def shipped(kind: str | None = None) -> list[str]:
 
 
 def card_kind(directory: str) -> str:
-    """"visual" when the card in ``directory`` says so, else "text" (the cards before visual organisms name no kind)."""
+    """ "visual" when the card in ``directory`` says so, else "text" (the cards before visual organisms name no kind)."""
     try:
         with open(os.path.join(directory, CARD_FILE), encoding="utf-8") as f:
             return "visual" if json.load(f).get("kind") == "visual" else "text"
@@ -61,8 +61,9 @@ def read_card(directory: str) -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"card: {path} is not a readable organism card: {e}") from None
     if not isinstance(card, dict) or card.get("format") != CARD_FORMAT:
-        raise ValueError(f"card: {path} has format {card.get('format') if isinstance(card, dict) else None!r}, "
-                         f"expected {CARD_FORMAT!r}")
+        raise ValueError(
+            f"card: {path} has format {card.get('format') if isinstance(card, dict) else None!r}, expected {CARD_FORMAT!r}"
+        )
     return card
 
 
@@ -79,8 +80,10 @@ def verify(directory: str) -> dict:
             raise ValueError(f"card: {path} is missing (the card lists it with sha256 {expected[:12]}...)")
         actual = file_hash(path)
         if actual != expected:
-            raise ValueError(f"card: {path} does not match its hash (sha256 {actual[:12]}..., the card says "
-                             f"{expected[:12]}...): the file is damaged or was changed after the card was measured")
+            raise ValueError(
+                f"card: {path} does not match its hash (sha256 {actual[:12]}..., the card says "
+                f"{expected[:12]}...): the file is damaged or was changed after the card was measured"
+            )
     return card
 
 
@@ -135,11 +138,24 @@ def resolve_model_path(text: str, option: str = "--model") -> str:
             raise ValueError(f"{option}: organism {text}: {str(e).removeprefix('card: ')}") from None
         mechanisms = other_mechanisms(directory)
         if mechanisms and option not in WEIGHTS_ONLY:
-            raise ValueError(f"{option}: organism {text} runs {', '.join(mechanisms)} attention, which a transformers "
-                             f"Llama loaded from its files computes as softmax; load it with attnkit.organisms.load({text!r})")
+            raise ValueError(
+                f"{option}: organism {text} runs {', '.join(mechanisms)} attention, which a transformers "
+                f"Llama loaded from its files computes as softmax; load it with attnkit.organisms.load({text!r})"
+            )
         return directory
     raise FileNotFoundError(f"{option}: no such directory or organism: {text!r}; organisms: {', '.join(known) or 'none shipped'}")
 
 
-__all__ = ["CARD_FILE", "CARD_FORMAT", "card_kind", "data_dir", "file_hash", "organism_path", "other_mechanisms", "read_card", "resolve_model_path",
-           "shipped", "verify"]
+__all__ = [
+    "CARD_FILE",
+    "CARD_FORMAT",
+    "card_kind",
+    "data_dir",
+    "file_hash",
+    "organism_path",
+    "other_mechanisms",
+    "read_card",
+    "resolve_model_path",
+    "shipped",
+    "verify",
+]

@@ -43,24 +43,26 @@ def register(organism: VisualOrganism) -> VisualOrganism:
     return organism
 
 
-register(VisualOrganism(
-    name="shapes-vlm",
-    summary="a tiny LLaVA (CLIP tower, Llama) answering presence, colour and position questions about coloured "
-            "shapes on a 3x3 grid",
-    known_failures=(
-        "it reads only its own task: one 24x24 image of 1-3 distinct shapes (square, circle, triangle) in 4 colours on a "
-        "3x3 grid, a five-word question in its 27-token vocabulary, a one-word answer as the next token; it was never "
-        "trained to stop or to generate past that token, English questions are words outside its tokenizer, and "
-        "scenes with repeated shapes, more objects or other sizes were never seen",
-        "its vision tower learned with two auxiliary heads on the projected image features (each cell's content and "
-        "index; not exported), standing in for a pretrained CLIP: trained on the answers alone it stayed at chance on "
-        "position (0.06-0.10 after 1250 steps, with 4x4 or 8x8 patches) and bound no colour to its shape",
-        "it does not hallucinate absent objects: 'yes' to 0 of 1486 absent objects in the visual probe's 5 x 600 "
-        "presence questions (seeds 0-4), 0 in each third by visual attention share (497, 496, 493 questions); with "
-        "the image-token weights of every decoder head scaled down (steer.amplify_visual alpha 0.1, 0.05) it misses "
-        "present objects instead ('yes' to 0.87 and 0.66 of them): a subject for omissions, not for false 'yes'",
-    ),
-))
+register(
+    VisualOrganism(
+        name="shapes-vlm",
+        summary="a tiny LLaVA (CLIP tower, Llama) answering presence, colour and position questions about coloured "
+        "shapes on a 3x3 grid",
+        known_failures=(
+            "it reads only its own task: one 24x24 image of 1-3 distinct shapes (square, circle, triangle) in 4 colours on a "
+            "3x3 grid, a five-word question in its 27-token vocabulary, a one-word answer as the next token; it was never "
+            "trained to stop or to generate past that token, English questions are words outside its tokenizer, and "
+            "scenes with repeated shapes, more objects or other sizes were never seen",
+            "its vision tower learned with two auxiliary heads on the projected image features (each cell's content and "
+            "index; not exported), standing in for a pretrained CLIP: trained on the answers alone it stayed at chance on "
+            "position (0.06-0.10 after 1250 steps, with 4x4 or 8x8 patches) and bound no colour to its shape",
+            "it does not hallucinate absent objects: 'yes' to 0 of 1486 absent objects in the visual probe's 5 x 600 "
+            "presence questions (seeds 0-4), 0 in each third by visual attention share (497, 496, 493 questions); with "
+            "the image-token weights of every decoder head scaled down (steer.amplify_visual alpha 0.1, 0.05) it misses "
+            "present objects instead ('yes' to 0.87 and 0.66 of them): a subject for omissions, not for false 'yes'",
+        ),
+    )
+)
 
 
 def names() -> list[str]:
@@ -112,15 +114,24 @@ def build(name: str, out_dir: str, work_dir: str | None = None, on_eval=None, on
         on_measure(spec)
     measured = vo.measure(staging, settings.card_examples)
     card = {
-        "format": CARD_FORMAT, "version": 1, "kind": KIND, "name": spec.name, "summary": spec.summary,
+        "format": CARD_FORMAT,
+        "version": 1,
+        "kind": KIND,
+        "name": spec.name,
+        "summary": spec.summary,
         "task": {"name": "shapes", "paper": None, "params": vo.task_description()},
         "model": vo.model_info(model, settings),
         "evaluation": measured["evaluation"],
         "accuracy": measured["accuracy"],
         "presence": measured["presence"],
         "worst": measured["worst"],
-        "training": {"steps": record["steps"], "seconds": record["seconds"], "wall_seconds": record["wall_seconds"],
-                     "history": record["history"], "settings": settings.to_dict()},
+        "training": {
+            "steps": record["steps"],
+            "seconds": record["seconds"],
+            "wall_seconds": record["wall_seconds"],
+            "history": record["history"],
+            "settings": settings.to_dict(),
+        },
         "machine": {**machine_info(), "cpu": cpu_name(), "threads_used": 1},
         "recipe": spec.to_dict(),
         "commands": spec.commands(),
@@ -137,28 +148,46 @@ def build(name: str, out_dir: str, work_dir: str | None = None, on_eval=None, on
 def summary_row(card: dict) -> dict:
     """One line of ``attnkit organisms list`` (the text organisms' columns where they apply)."""
     m = card["model"]
-    return {"name": card["name"], "task": card["task"]["name"], "mechanism": "softmax", "kind": KIND,
-            "d_model": m["d_model"], "layers": m["layers"], "max_len": m["max_len"], "trained_up_to": m["max_len"],
-            "accuracy": {k: e["accuracy"] for k, e in card["accuracy"].items()},
-            "worst": card.get("worst"), "steps": card["training"]["steps"], "seconds": card["training"]["wall_seconds"]}
+    return {
+        "name": card["name"],
+        "task": card["task"]["name"],
+        "mechanism": "softmax",
+        "kind": KIND,
+        "d_model": m["d_model"],
+        "layers": m["layers"],
+        "max_len": m["max_len"],
+        "trained_up_to": m["max_len"],
+        "accuracy": {k: e["accuracy"] for k, e in card["accuracy"].items()},
+        "worst": card.get("worst"),
+        "steps": card["training"]["steps"],
+        "seconds": card["training"]["wall_seconds"],
+    }
 
 
 def format_card(card: dict) -> str:
     m, t, ev = card["model"], card["training"], card["evaluation"]
-    lines = [f"{card['name']}: {card['summary']}",
-             f"{m['architecture']}: {m['vision']}; projector {m['projector']}; {m['text']}; {m['image_tokens']} image tokens; "
-             f"{m['parameters']} parameters",
-             "", f"accuracy on {ev['examples']} held-out images ({ev['per_kind']} per question kind, stream '{ev['stream']}'):"]
+    lines = [
+        f"{card['name']}: {card['summary']}",
+        f"{m['architecture']}: {m['vision']}; projector {m['projector']}; {m['text']}; {m['image_tokens']} image tokens; "
+        f"{m['parameters']} parameters",
+        "",
+        f"accuracy on {ev['examples']} held-out images ({ev['per_kind']} per question kind, stream '{ev['stream']}'):",
+    ]
     for kind, entry in card["accuracy"].items():
         groups = ", ".join(f"{g} {a:.3f}" for g, a in entry["groups"].items())
         lines.append(f"  {kind:<9} {entry['accuracy']:.3f}  ({groups})")
     p = card["presence"]
-    lines.append(f"presence: 'yes' to {p['yes_present']:.3f} of present objects, to {p['yes_absent']:.3f} of absent ones "
-                 f"({p['yes_absent_near']:.3f} near misses, {p['yes_absent_far']:.3f} others)")
-    lines += ["", f"training: {t['steps']} steps, {t['seconds']:.0f} s optimising, {t['wall_seconds']:.0f} s wall "
-                  f"(batch {t['settings']['batch_size']}, lr {t['settings']['lr']}, seed {t['settings']['seed']})",
-              f"machine: {card['machine'].get('cpu', '?')}, torch {card['machine'].get('torch', '?')}, "
-              f"{card['machine'].get('threads_used', '?')} thread"]
+    lines.append(
+        f"presence: 'yes' to {p['yes_present']:.3f} of present objects, to {p['yes_absent']:.3f} of absent ones "
+        f"({p['yes_absent_near']:.3f} near misses, {p['yes_absent_far']:.3f} others)"
+    )
+    lines += [
+        "",
+        f"training: {t['steps']} steps, {t['seconds']:.0f} s optimising, {t['wall_seconds']:.0f} s wall "
+        f"(batch {t['settings']['batch_size']}, lr {t['settings']['lr']}, seed {t['settings']['seed']})",
+        f"machine: {card['machine'].get('cpu', '?')}, torch {card['machine'].get('torch', '?')}, "
+        f"{card['machine'].get('threads_used', '?')} thread",
+    ]
     if card.get("known_failures"):
         lines += ["", "known failures:"] + [f"- {f}" for f in card["known_failures"]]
     return "\n".join(lines)
@@ -167,10 +196,23 @@ def format_card(card: dict) -> str:
 def markdown_row(card: dict) -> str:
     m, t = card["model"], card["training"]
     accuracy = ", ".join(f"{k}: {e['accuracy']:.3f}" for k, e in card["accuracy"].items())
-    return (f"| `{card['name']}` | {card['task']['name']} (visual) | LLaVA: CLIP {m['vision_layers']} layers + Llama "
-            f"{m['layers']} layers, d {m['d_model']} | {m['image_tokens']} image tokens | {accuracy} | "
-            f"{t['steps']} steps, {t['wall_seconds'] / 60:.1f} min |")
+    return (
+        f"| `{card['name']}` | {card['task']['name']} (visual) | LLaVA: CLIP {m['vision_layers']} layers + Llama "
+        f"{m['layers']} layers, d {m['d_model']} | {m['image_tokens']} image tokens | {accuracy} | "
+        f"{t['steps']} steps, {t['wall_seconds'] / 60:.1f} min |"
+    )
 
 
-__all__ = ["KIND", "VISUAL", "VisualOrganism", "build", "format_card", "is_visual", "markdown_row", "names", "organism",
-           "register", "summary_row"]
+__all__ = [
+    "KIND",
+    "VISUAL",
+    "VisualOrganism",
+    "build",
+    "format_card",
+    "is_visual",
+    "markdown_row",
+    "names",
+    "organism",
+    "register",
+    "summary_row",
+]

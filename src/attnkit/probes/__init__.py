@@ -61,5 +61,17 @@ def run(name: str, model=None, tokenizer=None, **params) -> ProbeResult:
     return get_probe(name)(model, tokenizer, **params)
 
 
-__all__ = ["PROBES", "ProbeModel", "ProbeResult", "Table", "as_probe_model", "available", "get_probe", "load_probe_model",
-           "register_probe", "run", "string_match_all", "string_match_part"]
+__all__ = [
+    "PROBES",
+    "ProbeModel",
+    "ProbeResult",
+    "Table",
+    "as_probe_model",
+    "available",
+    "get_probe",
+    "load_probe_model",
+    "register_probe",
+    "run",
+    "string_match_all",
+    "string_match_part",
+]

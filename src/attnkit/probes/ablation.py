@@ -27,10 +27,22 @@ from .tasks import task_items
 SPEC = re.compile(r"^(?:top(\d+)-([a-z_]+)|random(\d+))$")
 
 
-def head_ablation(model=None, tokenizer=None, *, ablate: list[str] = ("top2-retrieval", "random2"), task: str = "needle",
-                  draws: int = 5, lengths: list[int] | None = None, depths: list[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
-                  pairs: list[int] | None = None, samples: int = 10, score_samples: int = 64, seed: int = 0,
-                  batch_size: int = 16, progress=None) -> ProbeResult:
+def head_ablation(
+    model=None,
+    tokenizer=None,
+    *,
+    ablate: list[str] = ("top2-retrieval", "random2"),
+    task: str = "needle",
+    draws: int = 5,
+    lengths: list[int] | None = None,
+    depths: list[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
+    pairs: list[int] | None = None,
+    samples: int = 10,
+    score_samples: int = 64,
+    seed: int = 0,
+    batch_size: int = 16,
+    progress=None,
+) -> ProbeResult:
     """Accuracy with the top-K heads of a score ablated against K random heads (see the
     module docstring).
 
@@ -47,8 +59,9 @@ def head_ablation(model=None, tokenizer=None, *, ablate: list[str] = ("top2-retr
     from .heads import SCORES, heads, top_heads
 
     started = time.perf_counter()
-    pm, samples, seed, batch_size, say, _ = check_run(model, tokenizer, "head-ablation", samples, seed, batch_size, progress,
-                                                      None)
+    pm, samples, seed, batch_size, say, _ = check_run(
+        model, tokenizer, "head-ablation", samples, seed, batch_size, progress, None
+    )
     draws = check_int(draws, "--draws")
     score_samples = check_int(score_samples, "--score-samples")
     depths = check_fractions(depths, "--depths")
@@ -73,8 +86,11 @@ def head_ablation(model=None, tokenizer=None, *, ablate: list[str] = ("top2-retr
     result = ProbeResult("head-ablation")
     chosen = {}
     for n, (text, draw, ablated) in enumerate(runs, 1):
-        say(f"head-ablation: {n}/{len(runs)} {text}" + (f" draw {draw}" if text.startswith("random") else "")
-            + f" ({len(items)} prompts)")
+        say(
+            f"head-ablation: {n}/{len(runs)} {text}"
+            + (f" draw {draw}" if text.startswith("random") else "")
+            + f" ({len(items)} prompts)"
+        )
         layers: dict[int, list[int]] = {}
         for layer, head in ablated:
             layers.setdefault(layer, []).append(head)
@@ -84,21 +100,49 @@ def head_ablation(model=None, tokenizer=None, *, ablate: list[str] = ("top2-retr
         else:
             outcomes, _ = run_items(pm, items, new_tokens, batch_size, lambda line: None, "head-ablation")
         for o in outcomes:
-            result.add("exact_match", o.score, ablation=text, draw=draw, **{k: o.item.params[k] for k in keys},
-                       sample=o.item.params["sample"])
+            result.add(
+                "exact_match",
+                o.score,
+                ablation=text,
+                draw=draw,
+                **{k: o.item.params[k] for k in keys},
+                sample=o.item.params["sample"],
+            )
         result.add("accuracy", sum(o.score for o in outcomes) / len(outcomes), ablation=text, draw=draw)
         chosen[f"{text}#{draw}"] = ablated
     result.meta = {
-        "model": pm.name, "seconds": time.perf_counter() - started,
-        "params": {"ablate": _texts(ablate), "task": task, "draws": draws, "lengths": lengths, "depths": depths,
-                   "pairs": pairs, "samples": samples, "score_samples": score_samples, "seed": seed},
-        "heads": chosen, "scores": ranking,
+        "model": pm.name,
+        "seconds": time.perf_counter() - started,
+        "params": {
+            "ablate": _texts(ablate),
+            "task": task,
+            "draws": draws,
+            "lengths": lengths,
+            "depths": depths,
+            "pairs": pairs,
+            "samples": samples,
+            "score_samples": score_samples,
+            "seed": seed,
+        },
+        "heads": chosen,
+        "scores": ranking,
         "figures": [
-            {"kind": "bars", "x": "ablation", "metric": "accuracy", "spread": "draw", "x_title": "heads ablated",
-             "y_title": "accuracy (exact match)",
-             "title": "Accuracy with the top heads of a score ablated, beside random heads (mean and s.e. over draws)"},
-            {"kind": "heatmap", "rows": keys[1], "cols": "ablation", "metric": "exact_match",
-             "title": f"Accuracy by {keys[1]} and ablation"},
+            {
+                "kind": "bars",
+                "x": "ablation",
+                "metric": "accuracy",
+                "spread": "draw",
+                "x_title": "heads ablated",
+                "y_title": "accuracy (exact match)",
+                "title": "Accuracy with the top heads of a score ablated, beside random heads (mean and s.e. over draws)",
+            },
+            {
+                "kind": "heatmap",
+                "rows": keys[1],
+                "cols": "ablation",
+                "metric": "exact_match",
+                "title": f"Accuracy by {keys[1]} and ablation",
+            },
         ],
     }
     return result

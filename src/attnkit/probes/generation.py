@@ -63,8 +63,8 @@ def left_pad(sequences: list[list[int]], pad: int) -> Prompts:
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     pads = []
     for b, seq in enumerate(sequences):
-        ids[b, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
-        mask[b, width - len(seq):] = 1
+        ids[b, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+        mask[b, width - len(seq) :] = 1
         pads.append(width - len(seq))
     return Prompts(ids, mask, pads)
 
@@ -73,8 +73,9 @@ def _forward_kwargs(model) -> set[str]:
     return set(_pyinspect.signature(model.forward).parameters)
 
 
-def greedy_generate(model, tokenizer, prompts, max_new_tokens: int, *, observers=None, mechanism="softmax",
-                    stop_at_eos: bool = True) -> Generation:
+def greedy_generate(
+    model, tokenizer, prompts, max_new_tokens: int, *, observers=None, mechanism="softmax", stop_at_eos: bool = True
+) -> Generation:
     """Greedy decoding of ``prompts`` (a list of token-id lists, or a ``Prompts`` batch)
     through attnkit, observed by ``observers``; one prefill per batch, then one cached call
     per token. Stops early once every row has produced the end-of-sequence token."""

@@ -66,7 +66,7 @@ def split_sentences(text: str) -> list[str]:
     flat = " ".join(text.split())
     sentences, last = [], 0
     for end in _SENTENCE_END.finditer(flat):
-        sentences.append(flat[last:end.end()].strip())
+        sentences.append(flat[last : end.end()].strip())
         last = end.end()
     sentences.append(flat[last:].strip())
     return [s for s in sentences if s]
@@ -176,8 +176,11 @@ def fill(tokenizer, haystack: Haystack, n_tokens: int, rng: random.Random) -> Fi
     ids, starts = [], []
     position = rng.randrange(len(haystack.sentences))
     while len(ids) < n_tokens:
-        sentence = haystack.sentences[position % len(haystack.sentences)] if haystack.ordered \
+        sentence = (
+            haystack.sentences[position % len(haystack.sentences)]
+            if haystack.ordered
             else haystack.sentences[rng.randrange(len(haystack.sentences))]
+        )
         position += 1
         piece = tokens(sentence)
         if not piece:
@@ -199,8 +202,17 @@ class Context:
     depths: list[float] = field(default_factory=list)
 
 
-def build_context(tokenizer, haystack: Haystack, *, length: int, needles: list[tuple[list[int], float]],
-                  head: list[int] = (), tail: list[int] = (), rng: random.Random, option: str = "--lengths") -> Context:
+def build_context(
+    tokenizer,
+    haystack: Haystack,
+    *,
+    length: int,
+    needles: list[tuple[list[int], float]],
+    head: list[int] = (),
+    tail: list[int] = (),
+    rng: random.Random,
+    option: str = "--lengths",
+) -> Context:
     """``head + haystack-with-needles + tail`` of exactly ``length`` tokens.
 
     ``needles`` is a list of (token ids, depth): each goes to its depth of the haystack
@@ -214,14 +226,16 @@ def build_context(tokenizer, haystack: Haystack, *, length: int, needles: list[t
     taken = len(head) + len(tail) + sum(len(ids) for ids, _ in needles)
     room = length - taken
     if room < 1:
-        raise ValueError(f"{option}: {length} tokens leave no room for a haystack after the {taken} tokens of the "
-                         f"prompt's head, needles and question")
+        raise ValueError(
+            f"{option}: {length} tokens leave no room for a haystack after the {taken} tokens of the "
+            f"prompt's head, needles and question"
+        )
     filler = fill(tokenizer, haystack, room, rng)
     points = [filler.insertion_point(float(depth)) for _, depth in needles]
     order = sorted(range(len(needles)), key=lambda i: (points[i], i))
     ids, spans, last = list(head), [None] * len(needles), 0
     for i in order:
-        ids += filler.ids[last:points[i]]
+        ids += filler.ids[last : points[i]]
         last = points[i]
         spans[i] = (len(ids), len(ids) + len(needles[i][0]))
         ids += needles[i][0]

@@ -50,9 +50,13 @@ Tensor = torch.Tensor
 #: heads ``meta["top"]`` lists per score unless ``top`` says otherwise (fewer on a smaller model)
 DEFAULT_TOP = 5
 SCORES = ("previous_token", "duplicate_token", "induction", "retrieval", "sink")
-_TITLES = {"previous_token": "previous-token score", "duplicate_token": "duplicate-token score",
-           "induction": "induction score (repeated random tokens)", "retrieval": "retrieval score (Wu et al.)",
-           "sink": "sink score (weight on position 0)"}
+_TITLES = {
+    "previous_token": "previous-token score",
+    "duplicate_token": "duplicate-token score",
+    "induction": "induction score (repeated random tokens)",
+    "retrieval": "retrieval score (Wu et al.)",
+    "sink": "sink score (weight on position 0)",
+}
 
 
 # -- parameters -------------------------------------------------------------------------------
@@ -113,8 +117,9 @@ def _bos(pm) -> list[int]:
 # -- repeated random segments -------------------------------------------------------------------
 
 
-def repeated_prompts(pool: list[int], length: int, repeats: int, samples: int, rng: random.Random,
-                     prefix: list[int]) -> list[list[int]]:
+def repeated_prompts(
+    pool: list[int], length: int, repeats: int, samples: int, rng: random.Random, prefix: list[int]
+) -> list[list[int]]:
     """``samples`` prompts: ``prefix`` then a segment of ``length`` distinct tokens of
     ``pool``, written ``repeats`` times."""
     return [prefix + rng.sample(pool, length) * repeats for _ in range(samples)]
@@ -137,8 +142,12 @@ def head_targets(batch: int, offset: int, length: int, repeats: int) -> dict[str
                 duplicate[q, earlier] = offset + earlier * length + j
                 induction[q, earlier] = offset + earlier * length + j + 1
     expand = lambda t: t.unsqueeze(0).expand(batch, -1, -1).contiguous()  # noqa: E731
-    return {"previous_token": expand(previous), "duplicate_token": expand(duplicate), "induction": expand(induction),
-            "sink": expand(sink)}
+    return {
+        "previous_token": expand(previous),
+        "duplicate_token": expand(duplicate),
+        "induction": expand(induction),
+        "sink": expand(sink),
+    }
 
 
 def _forward(model, ids: Tensor, observers) -> None:
@@ -154,12 +163,13 @@ def _forward(model, ids: Tensor, observers) -> None:
         model(**kwargs)
 
 
-def _pattern_scores(pm, prompts: list[list[int]], offset: int, length: int, repeats: int, names, batch_size: int,
-                    progress) -> dict[str, Tensor]:
+def _pattern_scores(
+    pm, prompts: list[list[int]], offset: int, length: int, repeats: int, names, batch_size: int, progress
+) -> dict[str, Tensor]:
     """(L, H) mean weight on each pattern's targets over every row that has one."""
     sums = {name: None for name in names}
     counts = dict.fromkeys(names, 0.0)
-    batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
+    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     for i, chunk in enumerate(batches):
         ids = torch.tensor(chunk, dtype=torch.long)
         targets = {k: v for k, v in head_targets(len(chunk), offset, length, repeats).items() if k in names}
@@ -178,8 +188,9 @@ def _pattern_scores(pm, prompts: list[list[int]], offset: int, length: int, repe
 # -- retrieval ----------------------------------------------------------------------------------
 
 
-def copy_prompts(pool: list[int], context: int, needle: int, samples: int, rng: random.Random,
-                 prefix: list[int]) -> tuple[list[list[int]], list[tuple[int, int]], list[list[int]]]:
+def copy_prompts(
+    pool: list[int], context: int, needle: int, samples: int, rng: random.Random, prefix: list[int]
+) -> tuple[list[list[int]], list[tuple[int, int]], list[list[int]]]:
     """Needle-copy prompts of ``context`` tokens: ``prefix``, a haystack of random tokens
     not in the needle, ``needle`` distinct random tokens at a random depth, then the
     needle's first token as the cue. Returns (prompts, needle spans [start, end), the
@@ -209,7 +220,9 @@ def arena_needle_prompts(task: dict, ids: dict[str, int], context: int, samples:
     depths = int(params.get("num_depths", 5))
     cells = (context - 2) // 2
     if cells < distractors + 1:
-        raise ValueError(f"--context: {context} tokens hold {cells} cells, fewer than the needle and its {distractors} distractors")
+        raise ValueError(
+            f"--context: {context} tokens hold {cells} cells, fewer than the needle and its {distractors} distractors"
+        )
     prompts, spans, answers = [], [], []
     for s in range(samples):
         depth = (s % depths) / (depths - 1) if depths > 1 else 0.0
@@ -237,7 +250,7 @@ def retrieval_scores(pm, prompts, spans, answers, batch_size: int, progress) -> 
     total, squares, correct, generated = None, None, 0, []
     batches = range(0, len(prompts), batch_size)
     for i, lo in enumerate(batches):
-        chunk, chunk_spans = prompts[lo:lo + batch_size], spans[lo:lo + batch_size]
+        chunk, chunk_spans = prompts[lo : lo + batch_size], spans[lo : lo + batch_size]
         batch = left_pad(chunk, 0)
         top = StepTopKey(q_lo=batch.length - 1)
         gen = greedy_generate(pm.model, pm.tokenizer, batch, steps, observers=[top], stop_at_eos=False)
@@ -254,7 +267,7 @@ def retrieval_scores(pm, prompts, spans, answers, batch_size: int, progress) -> 
         part, square = per_prompt.sum(0), per_prompt.square().sum(0)
         total = part if total is None else total + part
         squares = square if squares is None else squares + square
-        expected = torch.tensor([a for a in answers[lo:lo + batch_size]])
+        expected = torch.tensor([a for a in answers[lo : lo + batch_size]])
         correct += int((gen.tokens == expected).sum())
         generated += gen.tokens.tolist()
         if progress is not None:
@@ -268,9 +281,21 @@ def retrieval_scores(pm, prompts, spans, answers, batch_size: int, progress) -> 
 # -- the probe ----------------------------------------------------------------------------------
 
 
-def heads(model=None, tokenizer=None, *, length: int | None = None, repeats: int | None = None, samples: int = 64,
-          needle: int | None = None, context: int | None = None, scores: list[str] | None = None, top: int | None = None, seed: int = 0,
-          progress=None, batch_size: int = 8) -> ProbeResult:
+def heads(
+    model=None,
+    tokenizer=None,
+    *,
+    length: int | None = None,
+    repeats: int | None = None,
+    samples: int = 64,
+    needle: int | None = None,
+    context: int | None = None,
+    scores: list[str] | None = None,
+    top: int | None = None,
+    seed: int = 0,
+    progress=None,
+    batch_size: int = 8,
+) -> ProbeResult:
     """Score every (layer, head) of a causal LM as previous-token, duplicate-token,
     induction, retrieval and sink head (see the module docstring for the definitions).
 
@@ -321,8 +346,10 @@ def heads(model=None, tokenizer=None, *, length: int | None = None, repeats: int
         length = min(length, len(pool))
     length = integer(length, "--length", 2, "tokens per random segment")
     if length > len(pool):
-        raise ValueError(f"--length: a segment of {length} distinct tokens needs as many tokens to draw from; "
-                         f"{pm.name or 'the model'} offers {len(pool)}")
+        raise ValueError(
+            f"--length: a segment of {length} distinct tokens needs as many tokens to draw from; "
+            f"{pm.name or 'the model'} offers {len(pool)}"
+        )
     if repeats is None:
         repeats = int(params.get("repeats", 2)) if task is not None and task.get("task") == "induction" else 2
     repeats = integer(repeats, "--repeats", 2, "copies of each segment")
@@ -342,14 +369,20 @@ def heads(model=None, tokenizer=None, *, length: int | None = None, repeats: int
             pm.check_length(context, "--context")
             needles = arena_needle_prompts(task, symbol_ids, context, samples, retrieval_rng)
         else:
-            needle = integer(8 if needle is None else needle, "--needle", 2, "needle tokens (the first is the cue, the rest are copied)")
+            needle = integer(
+                8 if needle is None else needle, "--needle", 2, "needle tokens (the first is the cue, the rest are copied)"
+            )
             if needle >= len(pool):
-                raise ValueError(f"--needle: a needle of {needle} distinct tokens needs a haystack of other tokens; "
-                                 f"{pm.name or 'the model'} offers {len(pool)} tokens in all")
+                raise ValueError(
+                    f"--needle: a needle of {needle} distinct tokens needs a haystack of other tokens; "
+                    f"{pm.name or 'the model'} offers {len(pool)} tokens in all"
+                )
             if context is None:  # the prompt and the copied tokens fit the positions the model was trained on
                 longest = int(params["seq_len"]) if "seq_len" in params else min(128, pm.max_positions or 128)
                 context = max(longest - (needle - 1), len(prefix) + needle + 2)
-            context = integer(context, "--context", len(prefix) + needle + 2, "tokens per retrieval prompt (haystack, needle and cue)")
+            context = integer(
+                context, "--context", len(prefix) + needle + 2, "tokens per retrieval prompt (haystack, needle and cue)"
+            )
             pm.check_length(context + needle - 1, "--context")
             needles = copy_prompts(pool, context, needle, samples, retrieval_rng, prefix)
 
@@ -374,11 +407,21 @@ def heads(model=None, tokenizer=None, *, length: int | None = None, repeats: int
                 result.add(name, float(grid[layer, head]), layer=layer, head=head)
     result.meta = {
         "model": pm.name,
-        "params": {"length": length, "repeats": repeats, "samples": samples, "needle": needle, "context": context,
-                   "scores": list(names), "top": top, "seed": seed, "batch_size": batch_size},
+        "params": {
+            "length": length,
+            "repeats": repeats,
+            "samples": samples,
+            "needle": needle,
+            "context": context,
+            "scores": list(names),
+            "top": top,
+            "seed": seed,
+            "batch_size": batch_size,
+        },
         "seconds": time.perf_counter() - started,
-        "figures": [{"kind": "heatmap", "rows": "layer", "cols": "head", "metric": name, "title": _TITLES[name]}
-                    for name in names],
+        "figures": [
+            {"kind": "heatmap", "rows": "layer", "cols": "head", "metric": name, "title": _TITLES[name]} for name in names
+        ],
         "top": {name: top_heads(result, name, top) for name in names},
         "copy_accuracy": copy_accuracy,
         "prompts": record,
@@ -406,8 +449,14 @@ def save_head_set(result: ProbeResult, path, score: str, k: int | None = None) -
     layers: dict[str, list[int]] = {}
     for layer, head in chosen:
         layers.setdefault(str(layer), []).append(head)
-    data = {"format": "attnkit.head-set", "version": 1, "score": score, "model": result.meta.get("model", ""),
-            "heads": chosen, "layers": layers}
+    data = {
+        "format": "attnkit.head-set",
+        "version": 1,
+        "score": score,
+        "model": result.meta.get("model", ""),
+        "heads": chosen,
+        "layers": layers,
+    }
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=1)
     return data

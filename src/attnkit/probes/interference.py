@@ -28,19 +28,57 @@ import time
 
 from .haystack import encode
 from .result import ProbeResult
-from .retrieval import (Item, add_accuracy_rows, add_mass_rows, arena_symbols, check_int, check_ints,
-                        check_kv, check_max_positions, check_run, examples, kv_params, run_items, score)
+from .retrieval import (
+    Item,
+    add_accuracy_rows,
+    add_mass_rows,
+    arena_symbols,
+    check_int,
+    check_ints,
+    check_kv,
+    check_max_positions,
+    check_run,
+    examples,
+    kv_params,
+    run_items,
+    score,
+)
 
 DEFAULT_UPDATES = (1, 2, 4, 8)
 INTRO = "Below is a stream of updates, one per line: each sets a key to a new value. Only the latest value of a key counts."
 
 #: keys of the natural-language stream
-_KEYS = ("red", "blue", "green", "amber", "violet", "silver", "tiger", "otter", "falcon", "badger", "heron", "lynx",
-         "maple", "cedar")
+_KEYS = (
+    "red",
+    "blue",
+    "green",
+    "amber",
+    "violet",
+    "silver",
+    "tiger",
+    "otter",
+    "falcon",
+    "badger",
+    "heron",
+    "lynx",
+    "maple",
+    "cedar",
+)
 
 
-def interference(model=None, tokenizer=None, *, updates=DEFAULT_UPDATES, keys: int = 4, samples: int = 4, seed: int = 0,
-                 progress=None, batch_size: int = 8, max_new_tokens: int | None = None, kv=None) -> ProbeResult:
+def interference(
+    model=None,
+    tokenizer=None,
+    *,
+    updates=DEFAULT_UPDATES,
+    keys: int = 4,
+    samples: int = 4,
+    seed: int = 0,
+    progress=None,
+    batch_size: int = 8,
+    max_new_tokens: int | None = None,
+    kv=None,
+) -> ProbeResult:
     """Accuracy of recalling a key's last value against the number of updates ``n``.
 
     Args:
@@ -54,20 +92,27 @@ def interference(model=None, tokenizer=None, *, updates=DEFAULT_UPDATES, keys: i
             ``h2o:budget=0.25``): the question is asked after the stream is compressed; no
             attention masses are measured then"""
     start = time.perf_counter()
-    pm, samples, seed, batch_size, say, max_new_tokens = check_run(model, tokenizer, "interference", samples, seed, batch_size,
-                                                               progress, max_new_tokens)
+    pm, samples, seed, batch_size, say, max_new_tokens = check_run(
+        model, tokenizer, "interference", samples, seed, batch_size, progress, max_new_tokens
+    )
     updates = check_ints(updates, "--updates", 1)
     keys = check_int(keys, "--keys")
     kv = check_kv(kv)
-    params = {"updates": updates, "keys": keys, "samples": samples, "seed": seed, "batch_size": batch_size,
-              "max_new_tokens": max_new_tokens, "kv": None if kv is None else kv_params(kv)}
+    params = {
+        "updates": updates,
+        "keys": keys,
+        "samples": samples,
+        "seed": seed,
+        "batch_size": batch_size,
+        "max_new_tokens": max_new_tokens,
+        "kv": None if kv is None else kv_params(kv),
+    }
     if pm.task is not None:
         sym = arena_symbols(pm, "interference")
         if keys > len(sym["keys"]):
             raise ValueError(f"--keys: the task has {len(sym['keys'])} key symbols, got {keys}")
         if max(updates) > len(sym["values"]):
-            raise ValueError(f"--updates: a key's values are distinct and the task has {len(sym['values'])}, "
-                             f"got {max(updates)}")
+            raise ValueError(f"--updates: a key's values are distinct and the task has {len(sym['values'])}, got {max(updates)}")
         items = arena_items(sym, updates, keys, samples, seed)
         new_tokens = max_new_tokens or 1
     else:
@@ -83,8 +128,7 @@ def interference(model=None, tokenizer=None, *, updates=DEFAULT_UPDATES, keys: i
     add_accuracy_rows(result, outcomes, ("n",))
     for n in updates:
         group = [o for o in outcomes if o.item.params["n"] == n]
-        stale = [float(o.score < 1 and any(score(o.output, v, o.item.words) for v in o.item.extra["stale"]))
-                 for o in group]
+        stale = [float(o.score < 1 and any(score(o.output, v, o.item.words) for v in o.item.extra["stale"])) for o in group]
         result.add("stale_answer", sum(stale) / len(stale), n=n)
     stale_outcomes = [o for o in outcomes if o.item.params["n"] > 1]
     if kv is None:  # under a KV policy no masses are measured
@@ -92,14 +136,27 @@ def interference(model=None, tokenizer=None, *, updates=DEFAULT_UPDATES, keys: i
         if stale_outcomes:
             add_mass_rows(result, stale_outcomes, layers, ("n",), "stale", "stale_mass")
     result.meta = {
-        "model": pm.name, "params": params, "seconds": time.perf_counter() - start, "max_new_tokens": new_tokens,
+        "model": pm.name,
+        "params": params,
+        "seconds": time.perf_counter() - start,
+        "max_new_tokens": new_tokens,
         "examples": examples(outcomes),
         "figures": [
-            {"kind": "curve", "x": "n", "metric": ["accuracy", "stale_answer"], "series": None,
-             "title": "Recall of a key's last value against the number of updates (proactive interference)"},
-            {"kind": "curve", "x": "n", "metric": ["last_mass_max", "stale_mass_max"], "series": None,
-             "title": "Attention mass on the last value and on stale values (best head)"},
-        ][:1 if kv is not None else None],
+            {
+                "kind": "curve",
+                "x": "n",
+                "metric": ["accuracy", "stale_answer"],
+                "series": None,
+                "title": "Recall of a key's last value against the number of updates (proactive interference)",
+            },
+            {
+                "kind": "curve",
+                "x": "n",
+                "metric": ["last_mass_max", "stale_mass_max"],
+                "series": None,
+                "title": "Attention mass on the last value and on stale values (best head)",
+            },
+        ][: 1 if kv is not None else None],
     }
     return result
 
@@ -112,7 +169,7 @@ def _stream(rng: random.Random, names: list, values: list, keys: int, n: int):
     chosen = rng.sample(names, keys)
     if len(values) >= keys * n:
         drawn = rng.sample(values, keys * n)
-        per_key = {k: drawn[i * n:(i + 1) * n] for i, k in enumerate(chosen)}
+        per_key = {k: drawn[i * n : (i + 1) * n] for i, k in enumerate(chosen)}
     else:
         per_key = {k: rng.sample(values, n) for k in chosen}
     order = [k for k in chosen for _ in range(n)]
@@ -145,8 +202,20 @@ def text_items(pm, updates, keys, samples, seed) -> list[Item]:
             question = encode(tok, f"\nQuestion: What is the last value of {asked}? Answer: The last value of {asked} is")
             ids += question
             history = [v for k, v in stream if k == asked]
-            items.append(_item(ids, history, last, stale, n, sample, asked, words=False, question=len(question),
-                               answer_ids=encode(tok, f" {history[-1]}")))
+            items.append(
+                _item(
+                    ids,
+                    history,
+                    last,
+                    stale,
+                    n,
+                    sample,
+                    asked,
+                    words=False,
+                    question=len(question),
+                    answer_ids=encode(tok, f" {history[-1]}"),
+                )
+            )
     return items
 
 
@@ -165,8 +234,20 @@ def arena_items(sym, updates, keys, samples, seed) -> list[Item]:
                 tokens += [k, v]
             tokens += sym["query"] + [asked]
             history = [v for k, v in stream if k == asked]
-            items.append(_item([ids_of[t] for t in tokens], history, last, stale, n, sample, asked, words=True,
-                               question=len(sym["query"]) + 1, answer_ids=[ids_of[history[-1]]]))
+            items.append(
+                _item(
+                    [ids_of[t] for t in tokens],
+                    history,
+                    last,
+                    stale,
+                    n,
+                    sample,
+                    asked,
+                    words=True,
+                    question=len(sym["query"]) + 1,
+                    answer_ids=[ids_of[history[-1]]],
+                )
+            )
     return items
 
 
@@ -174,5 +255,13 @@ def _item(ids, history, last, stale, n, sample, asked, words, question, answer_i
     spans = {"last": [last]}
     if stale:
         spans["stale"] = stale
-    return Item(ids, history[-1], spans, {"n": n, "sample": sample}, words=words,
-                extra={"key": asked, "stale": history[:-1]}, question=question, answer_ids=answer_ids)
+    return Item(
+        ids,
+        history[-1],
+        spans,
+        {"n": n, "sample": sample},
+        words=words,
+        extra={"key": asked, "stale": history[:-1]},
+        question=question,
+        answer_ids=answer_ids,
+    )

@@ -39,12 +39,27 @@ def prompts_of(task: str) -> str:
     return "needle" if task == "ppl" else task
 
 
-def kv_curves(model=None, tokenizer=None, *, task: str = "needle", policies: list[str] = DEFAULT_POLICIES,
-              budgets: list[float] = DEFAULT_BUDGETS, protocol: str = "agnostic", lengths: list[int] | None = None,
-              depths: list[float] = (0.0, 0.25, 0.5, 0.75, 1.0), pairs: list[int] | None = None, samples: int = 20,
-              seed: int = 0, batch_size: int = 32, policy_params: dict | None = None, engine: str | None = None,
-              workers: int | None = None, address: str | None = None, store: str | None = None,
-              progress=None) -> ProbeResult:
+def kv_curves(
+    model=None,
+    tokenizer=None,
+    *,
+    task: str = "needle",
+    policies: list[str] = DEFAULT_POLICIES,
+    budgets: list[float] = DEFAULT_BUDGETS,
+    protocol: str = "agnostic",
+    lengths: list[int] | None = None,
+    depths: list[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
+    pairs: list[int] | None = None,
+    samples: int = 20,
+    seed: int = 0,
+    batch_size: int = 32,
+    policy_params: dict | None = None,
+    engine: str | None = None,
+    workers: int | None = None,
+    address: str | None = None,
+    store: str | None = None,
+    progress=None,
+) -> ProbeResult:
     """Accuracy against KV budget per policy (see the module docstring).
 
     Args:
@@ -71,8 +86,7 @@ def kv_curves(model=None, tokenizer=None, *, task: str = "needle", policies: lis
     from ..kv.protocol import FULL, PROTOCOLS, KVSetting
 
     start = time.perf_counter()
-    pm, samples, seed, batch_size, say, _ = check_run(model, tokenizer, "kv-curves", samples, seed, batch_size, progress,
-                                                      None)
+    pm, samples, seed, batch_size, say, _ = check_run(model, tokenizer, "kv-curves", samples, seed, batch_size, progress, None)
     if protocol not in PROTOCOLS:
         raise ValueError(f"--protocol: expected one of {', '.join(PROTOCOLS)}, got {protocol!r}")
     policies = _names(policies)
@@ -97,8 +111,10 @@ def kv_curves(model=None, tokenizer=None, *, task: str = "needle", policies: lis
     result = ProbeResult("kv-curves")
     if engine is None:
         if workers is not None or address is not None or store is not None:
-            raise ValueError(f"--{'workers' if workers is not None else 'address' if address is not None else 'store'}: "
-                             "only with --engine local or ray")
+            raise ValueError(
+                f"--{'workers' if workers is not None else 'address' if address is not None else 'store'}: "
+                "only with --engine local or ray"
+            )
         full_examples = None
         for n, setting in enumerate(settings, 1):
             say(f"kv-curves: {n}/{len(settings)} {setting.label} ({len(items)} prompts)")
@@ -107,39 +123,95 @@ def kv_curves(model=None, tokenizer=None, *, task: str = "needle", policies: lis
             full_examples = full_examples if found is None else found
     else:
         full_examples = None
-        result.rows += _swept(model, tokenizer, engine, workers, address, store, settings, say,
-                              dict(task=task, lengths=lengths, depths=depths, pairs=pairs, samples=samples, seed=seed,
-                                   batch_size=batch_size))
-    failures = [{k: r[k] for k in ("policy", "budget")} | {"error": r["value"]} for r in result.rows
-                if r["metric"] == "error"]
+        result.rows += _swept(
+            model,
+            tokenizer,
+            engine,
+            workers,
+            address,
+            store,
+            settings,
+            say,
+            dict(task=task, lengths=lengths, depths=depths, pairs=pairs, samples=samples, seed=seed, batch_size=batch_size),
+        )
+    failures = [{k: r[k] for k in ("policy", "budget")} | {"error": r["value"]} for r in result.rows if r["metric"] == "error"]
     x = "position" if task == "kv-retrieval" else "depth"
-    metric, y_title = ("answer_nll", "the answer's negative log-likelihood (nats per token)") if task == "ppl" else (
-        "exact_match", "accuracy (exact match)")
+    metric, y_title = (
+        ("answer_nll", "the answer's negative log-likelihood (nats per token)")
+        if task == "ppl"
+        else ("exact_match", "accuracy (exact match)")
+    )
     result.meta = {
-        "model": pm.name, "seconds": time.perf_counter() - start, "max_new_tokens": new_tokens,
-        "params": {"task": task, "policies": policies, "budgets": budgets, "protocol": protocol, "lengths": lengths,
-                   "depths": depths, "pairs": pairs, "samples": samples, "seed": seed, "batch_size": batch_size,
-                   "policy_params": policy_params},
-        "failures": failures, "examples": full_examples or [], "engine": engine,
+        "model": pm.name,
+        "seconds": time.perf_counter() - start,
+        "max_new_tokens": new_tokens,
+        "params": {
+            "task": task,
+            "policies": policies,
+            "budgets": budgets,
+            "protocol": protocol,
+            "lengths": lengths,
+            "depths": depths,
+            "pairs": pairs,
+            "samples": samples,
+            "seed": seed,
+            "batch_size": batch_size,
+            "policy_params": policy_params,
+        },
+        "failures": failures,
+        "examples": full_examples or [],
+        "engine": engine,
         "figures": [
-            {"kind": "curve", "x": "budget", "metric": metric, "series": "policy", "spread": "sample",
-             "reference": {"policy": FULL}, "x_title": "budget (fraction of the context kept)", "y_title": y_title,
-             "title": f"{y_title[0].upper() + y_title[1:]} against KV budget per policy ({protocol} protocol; "
-                      "dashed: the full cache)"},
-            {"kind": "curve", "x": x, "metric": metric, "series": "policy", "split": "budget", "spread": "sample",
-             "reference": {"policy": FULL}, "x_title": x, "y_title": y_title,
-             "title": f"{y_title[0].upper() + y_title[1:]} by {x} per policy at each budget"},
-            {"kind": "curve", "x": "budget", "metric": "kv_bytes", "series": "policy", "x_title": "budget",
-             "y_title": "bytes of keys and values per prompt", "title": "Bytes held per prompt"},
-            {"kind": "curve", "x": "budget", "metric": "decode_tokens_per_s", "series": "policy", "x_title": "budget",
-             "y_title": "decoding steps per second", "title": "Decoding speed (question and answer tokens)"},
+            {
+                "kind": "curve",
+                "x": "budget",
+                "metric": metric,
+                "series": "policy",
+                "spread": "sample",
+                "reference": {"policy": FULL},
+                "x_title": "budget (fraction of the context kept)",
+                "y_title": y_title,
+                "title": f"{y_title[0].upper() + y_title[1:]} against KV budget per policy ({protocol} protocol; "
+                "dashed: the full cache)",
+            },
+            {
+                "kind": "curve",
+                "x": x,
+                "metric": metric,
+                "series": "policy",
+                "split": "budget",
+                "spread": "sample",
+                "reference": {"policy": FULL},
+                "x_title": x,
+                "y_title": y_title,
+                "title": f"{y_title[0].upper() + y_title[1:]} by {x} per policy at each budget",
+            },
+            {
+                "kind": "curve",
+                "x": "budget",
+                "metric": "kv_bytes",
+                "series": "policy",
+                "x_title": "budget",
+                "y_title": "bytes of keys and values per prompt",
+                "title": "Bytes held per prompt",
+            },
+            {
+                "kind": "curve",
+                "x": "budget",
+                "metric": "decode_tokens_per_s",
+                "series": "policy",
+                "x_title": "budget",
+                "y_title": "decoding steps per second",
+                "title": "Decoding speed (question and answer tokens)",
+            },
         ],
     }
     return result
 
 
-def setting_rows(pm, items, keys, setting, new_tokens: int, batch_size: int,
-                 forced: bool = False) -> tuple[list[dict], list | None]:
+def setting_rows(
+    pm, items, keys, setting, new_tokens: int, batch_size: int, forced: bool = False
+) -> tuple[list[dict], list | None]:
     """The rows of one setting (every prompt, then the setting's summary), and the full
     cache's examples (None for a policy). A policy that fails gives one ``error`` row.
     ``forced``: the answers teacher-forced and scored by their likelihood (task ``ppl``)."""
@@ -150,8 +222,9 @@ def setting_rows(pm, items, keys, setting, new_tokens: int, batch_size: int,
     stats: list = []
     began = time.perf_counter()
     try:
-        outcomes, _ = run_items(pm, items, new_tokens, batch_size, lambda line: None, "kv-curves", kv=setting,
-                                stats=stats, forced=forced)
+        outcomes, _ = run_items(
+            pm, items, new_tokens, batch_size, lambda line: None, "kv-curves", kv=setting, stats=stats, forced=forced
+        )
     except Exception as e:  # one policy's failure is recorded in its rows; the others still run
         part.add("error", f"{type(e).__name__}: {e}", **where)
         return part.rows, None
@@ -182,8 +255,9 @@ def kv_curve_cell(config: dict) -> list[dict]:
     from .model import load_probe_model
 
     pm = load_probe_model(config["model"])
-    items, keys, new_tokens = task_items(pm, prompts_of(config["task"]), config["lengths"], config["depths"],
-                                         config["pairs"], config["samples"], config["seed"])
+    items, keys, new_tokens = task_items(
+        pm, prompts_of(config["task"]), config["lengths"], config["depths"], config["pairs"], config["samples"], config["seed"]
+    )
     s = config["setting"]
     setting = KVSetting(s["policy"], s["budget"], tuple((k, v) for k, v in s["params"]), s["protocol"])
     report_line(f"{setting.label} ({len(items)} prompts)")
@@ -211,9 +285,23 @@ def _swept(model, tokenizer, engine, workers, address, store, settings, say, gri
         runner = LocalEngine(workers=workers or 2)
     else:
         runner = RayEngine(address, num_cpus=workers)
-    cells = [Cell("kv_curve", {"model": os.fspath(model), **grid,
-                               "setting": {"policy": s.policy, "budget": s.budget, "params": [list(p) for p in s.params],
-                                           "protocol": s.protocol}}, label=s.label) for s in settings]
+    cells = [
+        Cell(
+            "kv_curve",
+            {
+                "model": os.fspath(model),
+                **grid,
+                "setting": {
+                    "policy": s.policy,
+                    "budget": s.budget,
+                    "params": [list(p) for p in s.params],
+                    "protocol": s.protocol,
+                },
+            },
+            label=s.label,
+        )
+        for s in settings
+    ]
     say(f"kv-curves: {len(cells)} cells on the {engine} engine into {store}")
     run_sweep(cells, os.fspath(store), runner, on_status=lambda status: say(f"kv-curves: {status.line()}"))
     wanted = {c.hash for c in cells}

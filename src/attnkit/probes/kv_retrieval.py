@@ -23,17 +23,41 @@ import uuid
 
 from .haystack import encode
 from .result import ProbeResult
-from .retrieval import (Item, add_accuracy_rows, add_mass_rows, arena_symbols, check_fractions, check_int, check_ints,
-                        check_kv, check_max_positions, check_run, examples, kv_params, run_items)
+from .retrieval import (
+    Item,
+    add_accuracy_rows,
+    add_mass_rows,
+    arena_symbols,
+    check_fractions,
+    check_int,
+    check_ints,
+    check_kv,
+    check_max_positions,
+    check_run,
+    examples,
+    kv_params,
+    run_items,
+)
 
 DEFAULT_PAIRS = (10,)
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 INTRO = "Below is a JSON object of keys and values. Find the value stored under the key that is asked for."
 
 
-def kv_retrieval(model=None, tokenizer=None, *, pairs: list[int] | None = None, depths=DEFAULT_DEPTHS, samples: int = 1,
-                 seed: int = 0, progress=None, batch_size: int = 8, max_new_tokens: int | None = None,
-                 length: int | None = None, kv=None) -> ProbeResult:
+def kv_retrieval(
+    model=None,
+    tokenizer=None,
+    *,
+    pairs: list[int] | None = None,
+    depths=DEFAULT_DEPTHS,
+    samples: int = 1,
+    seed: int = 0,
+    progress=None,
+    batch_size: int = 8,
+    max_new_tokens: int | None = None,
+    length: int | None = None,
+    kv=None,
+) -> ProbeResult:
     """Lost-in-the-middle key-value retrieval (see the module docstring).
 
     Args:
@@ -50,25 +74,38 @@ def kv_retrieval(model=None, tokenizer=None, *, pairs: list[int] | None = None, 
         kv: a KV-cache policy to answer through (``attnkit.kv.protocol.KVSetting`` or its text,
             ``snapkv:budget=0.25``); no attention masses are measured then"""
     start = time.perf_counter()
-    pm, samples, seed, batch_size, say, max_new_tokens = check_run(model, tokenizer, "kv-retrieval", samples, seed, batch_size,
-                                                               progress, max_new_tokens)
+    pm, samples, seed, batch_size, say, max_new_tokens = check_run(
+        model, tokenizer, "kv-retrieval", samples, seed, batch_size, progress, max_new_tokens
+    )
     depths = check_fractions(depths, "--depths")
     kv = check_kv(kv)
-    params = {"pairs": pairs, "depths": depths, "samples": samples, "seed": seed, "batch_size": batch_size,
-              "max_new_tokens": max_new_tokens, "length": length, "kv": None if kv is None else kv_params(kv)}
+    params = {
+        "pairs": pairs,
+        "depths": depths,
+        "samples": samples,
+        "seed": seed,
+        "batch_size": batch_size,
+        "max_new_tokens": max_new_tokens,
+        "length": length,
+        "kv": None if kv is None else kv_params(kv),
+    }
     if pm.task is not None:
         sym = arena_symbols(pm, "kv-retrieval")
         most = min(len(sym["keys"]), len(sym["values"]))
         pairs = check_ints([min(8, most)] if pairs is None else pairs, "--pairs", 1)
         if max(pairs) > most:
-            raise ValueError(f"--pairs: the task has {len(sym['keys'])} keys and {len(sym['values'])} values, "
-                             f"so at most {most} distinct pairs; got {max(pairs)}")
+            raise ValueError(
+                f"--pairs: the task has {len(sym['keys'])} keys and {len(sym['values'])} values, "
+                f"so at most {most} distinct pairs; got {max(pairs)}"
+            )
         items = arena_items(sym, pairs, depths, samples, seed, length)
         new_tokens = max_new_tokens or 1
     else:
         if length is not None:
-            raise ValueError("--length: spreads an arena export's pairs through filler; a natural-language model's "
-                             "prompt length follows from --pairs")
+            raise ValueError(
+                "--length: spreads an arena export's pairs through filler; a natural-language model's "
+                "prompt length follows from --pairs"
+            )
         pairs = check_ints(list(DEFAULT_PAIRS) if pairs is None else pairs, "--pairs", 1)
         items = text_items(pm, pairs, depths, samples, seed)
         new_tokens = max_new_tokens or max(len(encode(pm.tokenizer, " " + it.answer)) for it in items) + 4
@@ -82,14 +119,27 @@ def kv_retrieval(model=None, tokenizer=None, *, pairs: list[int] | None = None, 
     if kv is None:
         add_mass_rows(result, outcomes, layers, ("pairs", "position"), "gold", "gold_mass")
     result.meta = {
-        "model": pm.name, "params": params, "seconds": time.perf_counter() - start, "max_new_tokens": new_tokens,
+        "model": pm.name,
+        "params": params,
+        "seconds": time.perf_counter() - start,
+        "max_new_tokens": new_tokens,
         "examples": examples(outcomes),
         "figures": [
-            {"kind": "curve", "x": "position", "metric": "accuracy", "series": "pairs",
-             "title": "Key-value retrieval accuracy against the gold pair's position (lost in the middle)"},
-            {"kind": "curve", "x": "position", "metric": ["gold_mass_max", "gold_mass_uniform"], "series": "pairs",
-             "title": "Attention mass on the gold pair (best head, and an even spread) against its position"},
-        ][:1 if kv is not None else None],  # under a KV policy no masses are measured
+            {
+                "kind": "curve",
+                "x": "position",
+                "metric": "accuracy",
+                "series": "pairs",
+                "title": "Key-value retrieval accuracy against the gold pair's position (lost in the middle)",
+            },
+            {
+                "kind": "curve",
+                "x": "position",
+                "metric": ["gold_mass_max", "gold_mass_uniform"],
+                "series": "pairs",
+                "title": "Attention mass on the gold pair (best head, and an even spread) against its position",
+            },
+        ][: 1 if kv is not None else None],  # under a KV policy no masses are measured
     }
     return result
 
@@ -130,9 +180,17 @@ def text_items(pm, pairs, depths, samples, seed) -> list[Item]:
                     ids += piece
                 question = encode(tok, "}\n" + f"Key: {json.dumps(gold[0])}\nValue:")
                 ids += question
-                items.append(Item(ids, gold[1], {"gold": [span]}, {"pairs": n, "position": index, "depth": depth,
-                                                                   "sample": sample}, extra={"key": gold[0]},
-                                  question=len(question), answer_ids=encode(tok, " " + gold[1])))
+                items.append(
+                    Item(
+                        ids,
+                        gold[1],
+                        {"gold": [span]},
+                        {"pairs": n, "position": index, "depth": depth, "sample": sample},
+                        extra={"key": gold[0]},
+                        question=len(question),
+                        answer_ids=encode(tok, " " + gold[1]),
+                    )
+                )
     return items
 
 
@@ -143,8 +201,10 @@ def arena_items(sym, pairs, depths, samples, seed, length: int | None = None) ->
     if length is not None:
         length = check_int(length, "--length", 4)
         if not sym["filler"] or int(sym["params"].get("value_len", 1)) != 1:
-            raise ValueError(f"--length: spreads pairs through filler, which a {sym['name']!r} task with these "
-                             "parameters has no room for (one-token values and filler symbols needed)")
+            raise ValueError(
+                f"--length: spreads pairs through filler, which a {sym['name']!r} task with these "
+                "parameters has no room for (one-token values and filler symbols needed)"
+            )
         cells = (length - 1 - len(sym["query"])) // 2
         if cells < max(pairs):
             raise ValueError(f"--length: {length} tokens hold {cells} two-token cells, fewer than {max(pairs)} pairs")
@@ -164,10 +224,19 @@ def arena_items(sym, pairs, depths, samples, seed, length: int | None = None) ->
                 else:
                     context = list(tokens)
                     for c, pair in zip(where, order):
-                        context[2 * c:2 * c + 2] = pair
+                        context[2 * c : 2 * c + 2] = pair
                     start = 2 * where[index]
                 prompt = context + sym["query"] + [gold[0]]
-                items.append(Item([ids[t] for t in prompt], gold[1], {"gold": [(start, start + 2)]},
-                                  {"pairs": n, "position": index, "depth": depth, "sample": sample}, words=True,
-                                  extra={"key": gold[0]}, question=1 + len(sym["query"]), answer_ids=[ids[gold[1]]]))
+                items.append(
+                    Item(
+                        [ids[t] for t in prompt],
+                        gold[1],
+                        {"gold": [(start, start + 2)]},
+                        {"pairs": n, "position": index, "depth": depth, "sample": sample},
+                        words=True,
+                        extra={"key": gold[0]},
+                        question=1 + len(sym["query"]),
+                        answer_ids=[ids[gold[1]]],
+                    )
+                )
     return items

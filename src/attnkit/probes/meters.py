@@ -88,8 +88,9 @@ class RowSpanMass(Meter):
     def per_example(self, name: str) -> Tensor:
         """(B, L, H): mean over the observed query rows of the mass on span ``name``."""
         i = list(self.spans).index(name)
-        return torch.stack([self._mass[layer][i] / self.rows_per_layer(layer).clamp_min(1)[:, None]
-                            for layer in self.layers_seen], dim=1)
+        return torch.stack(
+            [self._mass[layer][i] / self.rows_per_layer(layer).clamp_min(1)[:, None] for layer in self.layers_seen], dim=1
+        )
 
     def rows(self):
         out = []

@@ -46,16 +46,19 @@ class ProbeModel:
     def require(self, kind: str, probe: str) -> None:
         """An error naming ``--model`` when this model is not of ``kind``."""
         if self.kind != kind:
-            what = {"causal": "a causal language model that can generate", "vision": "a vision-language model (LLaVA ...)"
-                    }.get(kind, "an encoder (embedding model)")
+            what = {"causal": "a causal language model that can generate", "vision": "a vision-language model (LLaVA ...)"}.get(
+                kind, "an encoder (embedding model)"
+            )
             kind_text = {"causal": "a causal language model", "vision": "a vision-language model"}.get(self.kind, "an encoder")
             raise ValueError(f"--model: the {probe} probe needs {what}; {self.name or 'the model'} is {kind_text}")
 
     def check_length(self, n_tokens: int, option: str = "--lengths") -> None:
         """An error naming ``option`` when a prompt of ``n_tokens`` exceeds the model's positions."""
         if self.max_positions is not None and n_tokens > self.max_positions:
-            raise ValueError(f"{option}: a prompt of {n_tokens} tokens is longer than the {self.max_positions} positions "
-                             f"{self.name or 'the model'} reads")
+            raise ValueError(
+                f"{option}: a prompt of {n_tokens} tokens is longer than the {self.max_positions} positions "
+                f"{self.name or 'the model'} reads"
+            )
 
 
 def _text_config(model):
@@ -85,8 +88,11 @@ def is_causal_lm(model) -> bool:
     """A model that predicts next tokens: it has an output embedding and a decoder config."""
     config = _text_config(model)
     architectures = getattr(model.config, "architectures", None) or [type(model).__name__]
-    return (model.get_output_embeddings() is not None and not getattr(config, "is_encoder_decoder", False)
-            and any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures + [type(model).__name__]))
+    return (
+        model.get_output_embeddings() is not None
+        and not getattr(config, "is_encoder_decoder", False)
+        and any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures + [type(model).__name__])
+    )
 
 
 def read_task(path: str) -> dict | None:
@@ -136,8 +142,14 @@ def load_probe_model(path: str | None = None, *, kind: str | None = None) -> Pro
     model = load_pretrained(AutoModelForCausalLM if causal else AutoModel, path, "--model")
     tokenizer = load_tokenizer(path, "--model")
     model.eval()
-    return ProbeModel(model, tokenizer, "causal" if causal else "encoder", max_positions(model), read_task(path),
-                      os.path.basename(os.path.normpath(path)))
+    return ProbeModel(
+        model,
+        tokenizer,
+        "causal" if causal else "encoder",
+        max_positions(model),
+        read_task(path),
+        os.path.basename(os.path.normpath(path)),
+    )
 
 
 def _load_vision_model(path: str) -> ProbeModel:
@@ -173,6 +185,14 @@ def as_probe_model(model, tokenizer=None) -> ProbeModel:
         raise ValueError("tokenizer: a probe needs the model's tokenizer to build its prompts")
     path = getattr(model.config, "_name_or_path", "") or ""
     task = read_task(path) if path and os.path.isdir(path) else None
-    kind = "vision" if getattr(model.config, "vision_config", None) is not None else "causal" if is_causal_lm(model) else "encoder"
-    return ProbeModel(model.eval(), tokenizer, kind, max_positions(model), task,
-                      os.path.basename(os.path.normpath(path)) if path else type(model).__name__)
+    kind = (
+        "vision" if getattr(model.config, "vision_config", None) is not None else "causal" if is_causal_lm(model) else "encoder"
+    )
+    return ProbeModel(
+        model.eval(),
+        tokenizer,
+        kind,
+        max_positions(model),
+        task,
+        os.path.basename(os.path.normpath(path)) if path else type(model).__name__,
+    )

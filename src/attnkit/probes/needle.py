@@ -30,8 +30,21 @@ import time
 
 from .haystack import Haystack, build_context, encode
 from .result import ProbeResult
-from .retrieval import (Item, add_accuracy_rows, add_mass_rows, arena_symbols, check_fractions, check_ints, check_kv,
-                        check_max_positions, check_run, check_text, examples, kv_params, run_items)
+from .retrieval import (
+    Item,
+    add_accuracy_rows,
+    add_mass_rows,
+    arena_symbols,
+    check_fractions,
+    check_ints,
+    check_kv,
+    check_max_positions,
+    check_run,
+    check_text,
+    examples,
+    kv_params,
+    run_items,
+)
 
 DEFAULT_LENGTHS = (1024, 2048, 4096)
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -47,10 +60,23 @@ _ADJECTIVES = ("red", "blue", "green", "amber", "violet", "silver", "quiet", "ra
 _ANIMALS = ("tiger", "otter", "falcon", "badger", "heron", "lynx", "beaver", "raven", "salmon", "gecko")
 
 
-def needle(model=None, tokenizer=None, *, lengths: list[int] | None = None, depths=DEFAULT_DEPTHS, samples: int = 1,
-           seed: int = 0, progress=None, batch_size: int = 8, needle: str | None = None, question: str | None = None,
-           answer: str | None = None, haystack: str | None = None, max_new_tokens: int | None = None,
-           kv=None) -> ProbeResult:
+def needle(
+    model=None,
+    tokenizer=None,
+    *,
+    lengths: list[int] | None = None,
+    depths=DEFAULT_DEPTHS,
+    samples: int = 1,
+    seed: int = 0,
+    progress=None,
+    batch_size: int = 8,
+    needle: str | None = None,
+    question: str | None = None,
+    answer: str | None = None,
+    haystack: str | None = None,
+    max_new_tokens: int | None = None,
+    kv=None,
+) -> ProbeResult:
     """The needle-in-a-haystack grid (see the module docstring).
 
     Args:
@@ -72,20 +98,32 @@ def needle(model=None, tokenizer=None, *, lengths: list[int] | None = None, dept
     A custom ``needle`` gets no answer prefix ("Answer:" ends the prompt); the default
     one's prompt ends "Answer: The special code of the KEY is"."""
     start = time.perf_counter()
-    pm, samples, seed, batch_size, say, max_new_tokens = check_run(model, tokenizer, "needle", samples, seed, batch_size,
-                                                               progress, max_new_tokens)
+    pm, samples, seed, batch_size, say, max_new_tokens = check_run(
+        model, tokenizer, "needle", samples, seed, batch_size, progress, max_new_tokens
+    )
     depths = check_fractions(depths, "--depths")
     kv = check_kv(kv)
-    params = {"lengths": lengths, "depths": depths, "samples": samples, "seed": seed, "batch_size": batch_size,
-              "needle": needle, "question": question, "answer": answer,
-              "haystack": None if haystack is None else str(haystack), "max_new_tokens": max_new_tokens,
-              "kv": None if kv is None else kv_params(kv)}
+    params = {
+        "lengths": lengths,
+        "depths": depths,
+        "samples": samples,
+        "seed": seed,
+        "batch_size": batch_size,
+        "needle": needle,
+        "question": question,
+        "answer": answer,
+        "haystack": None if haystack is None else str(haystack),
+        "max_new_tokens": max_new_tokens,
+        "kv": None if kv is None else kv_params(kv),
+    }
     if pm.task is not None:
         given = (("--needle", needle), ("--question", question), ("--answer", answer), ("--haystack", haystack))
         for option, value in given:
             if value is not None:
-                raise ValueError(f"{option}: an arena export is probed in its task's own tokens; {option} applies to "
-                                 "natural-language models only")
+                raise ValueError(
+                    f"{option}: an arena export is probed in its task's own tokens; {option} applies to "
+                    "natural-language models only"
+                )
         lengths = check_ints(pm.task.get("eval_lengths") if lengths is None else lengths, "--lengths", 4)
         items = arena_items(pm, lengths, depths, samples, seed)
         new_tokens = max_new_tokens or len(items[0].answer_ids)
@@ -114,16 +152,34 @@ def needle(model=None, tokenizer=None, *, lengths: list[int] | None = None, dept
     if kv is None:
         add_mass_rows(result, outcomes, layers, ("length", "depth"), "needle", "needle_mass")
     result.meta = {
-        "model": pm.name, "params": params, "seconds": time.perf_counter() - start, "max_new_tokens": new_tokens,
+        "model": pm.name,
+        "params": params,
+        "seconds": time.perf_counter() - start,
+        "max_new_tokens": new_tokens,
         "examples": examples(outcomes),
         "figures": [
-            {"kind": "heatmap", "rows": "depth", "cols": "length", "metric": "accuracy",
-             "title": "Needle retrieval accuracy (string_match_all) by depth and context length"},
-            {"kind": "heatmap", "rows": "depth", "cols": "length", "metric": "needle_mass_max",
-             "title": "Attention mass on the needle, best head, by depth and context length"},
-            {"kind": "heatmap", "rows": "layer", "cols": "head", "metric": "needle_mass",
-             "title": "Attention mass on the needle by layer and head (mean over the grid)"},
-        ][:1 if kv is not None else None],  # under a KV policy no masses are measured
+            {
+                "kind": "heatmap",
+                "rows": "depth",
+                "cols": "length",
+                "metric": "accuracy",
+                "title": "Needle retrieval accuracy (string_match_all) by depth and context length",
+            },
+            {
+                "kind": "heatmap",
+                "rows": "depth",
+                "cols": "length",
+                "metric": "needle_mass_max",
+                "title": "Attention mass on the needle, best head, by depth and context length",
+            },
+            {
+                "kind": "heatmap",
+                "rows": "layer",
+                "cols": "head",
+                "metric": "needle_mass",
+                "title": "Attention mass on the needle by layer and head (mean over the grid)",
+            },
+        ][: 1 if kv is not None else None],  # under a KV policy no masses are measured
     }
     return result
 
@@ -160,13 +216,22 @@ def text_items(pm, lengths, depths, samples, seed, needle=None, question=None, a
                 reply = "" if custom else " " + ANSWER_PREFIX.format(**fields)
                 tail = encode(tok, f" Question: {question.format(**fields)} Answer:{reply}")
                 needle_ids = encode(tok, " " + needle.format(**fields))
-                ctx = build_context(tok, hay, length=length, needles=[(needle_ids, depth)],
-                                    head=encode(tok, INTRO, bos=True), tail=tail, rng=rng)
+                ctx = build_context(
+                    tok, hay, length=length, needles=[(needle_ids, depth)], head=encode(tok, INTRO, bos=True), tail=tail, rng=rng
+                )
                 expected = answer.format(**fields)
                 needed = max(needed, len(encode(tok, " " + expected)))
-                items.append(Item(ctx.ids, expected, {"needle": [ctx.spans[0]]},
-                                  {"length": length, "depth": depth, "sample": sample}, extra={"key": key},
-                                  question=len(tail), answer_ids=encode(tok, " " + expected)))
+                items.append(
+                    Item(
+                        ctx.ids,
+                        expected,
+                        {"needle": [ctx.spans[0]]},
+                        {"length": length, "depth": depth, "sample": sample},
+                        extra={"key": key},
+                        question=len(tail),
+                        answer_ids=encode(tok, " " + expected),
+                    )
+                )
     return items, needed
 
 
@@ -177,8 +242,10 @@ def arena_items(pm, lengths, depths, samples, seed) -> list[Item]:
     filler that the cell size leaves over, and the answer is the L symbols."""
     sym = arena_symbols(pm, "needle")
     if sym["name"] != "needle":
-        raise ValueError(f"--model: the needle probe on an arena export needs a model trained on the needle task; "
-                         f"{pm.name or 'this model'} was trained on {sym['name']!r} (try the kv-retrieval probe)")
+        raise ValueError(
+            f"--model: the needle probe on an arena export needs a model trained on the needle task; "
+            f"{pm.name or 'this model'} was trained on {sym['name']!r} (try the kv-retrieval probe)"
+        )
     distractors = int(sym["params"].get("distractors", 0))
     value_len = int(sym["params"].get("value_len", 1))
     cell_len = 1 + value_len
@@ -189,13 +256,15 @@ def arena_items(pm, lengths, depths, samples, seed) -> list[Item]:
     items = []
     for length in lengths:
         if value_len == 1 and length % 2:
-            raise ValueError(f"--lengths: the needle task cuts its context into two-token cells, so lengths must be even, "
-                             f"got {length}")
+            raise ValueError(
+                f"--lengths: the needle task cuts its context into two-token cells, so lengths must be even, got {length}"
+            )
         cells = (length - cell_len) // cell_len if value_len > 1 else (length - 2) // 2
         lead = length - 2 - cells * cell_len if value_len > 1 else 0
         if cells < pairs:
-            raise ValueError(f"--lengths: {length} tokens hold {cells} cells, fewer than the needle and its "
-                             f"{distractors} distractors")
+            raise ValueError(
+                f"--lengths: {length} tokens hold {cells} cells, fewer than the needle and its {distractors} distractors"
+            )
         for sample in range(samples):
             for depth in depths:
                 rng = _sample_rng("needle-arena", seed, length, sample)
@@ -209,11 +278,19 @@ def arena_items(pm, lengths, depths, samples, seed) -> list[Item]:
                 others = rng.sample([c for c in range(cells) if c != cell], distractors)
                 for c, k, v in zip([cell, *others], keys, values):
                     start = lead + cell_len * c
-                    tokens[start:start + cell_len] = [k, *v]
+                    tokens[start : start + cell_len] = [k, *v]
                 tokens[-2], tokens[-1] = sym["query"][0], keys[0]
                 start = lead + cell_len * cell
-                items.append(Item([ids[t] for t in tokens[:length]], " ".join(values[0]),
-                                  {"needle": [(start, start + cell_len)]},
-                                  {"length": length, "depth": depth, "sample": sample}, words=True,
-                                  extra={"key": keys[0]}, question=2, answer_ids=[ids[t] for t in values[0]]))
+                items.append(
+                    Item(
+                        [ids[t] for t in tokens[:length]],
+                        " ".join(values[0]),
+                        {"needle": [(start, start + cell_len)]},
+                        {"length": length, "depth": depth, "sample": sample},
+                        words=True,
+                        extra={"key": keys[0]},
+                        question=2,
+                        answer_ids=[ids[t] for t in values[0]],
+                    )
+                )
     return items

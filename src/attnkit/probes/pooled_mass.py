@@ -32,9 +32,14 @@ class PooledSpanMass(Meter):
         super().__init__(**restrict)
         if not isinstance(row_weights, Tensor) or row_weights.dim() != 2 or not row_weights.is_floating_point():
             raise ValueError("row_weights: expected a float tensor (B, N), one weight per query row")
-        if (not isinstance(key_segments, Tensor) or key_segments.shape != row_weights.shape
-                or key_segments.dtype not in (torch.int32, torch.int64)):
-            raise ValueError(f"key_segments: expected an integer tensor of shape {tuple(row_weights.shape)} (one segment per key)")
+        if (
+            not isinstance(key_segments, Tensor)
+            or key_segments.shape != row_weights.shape
+            or key_segments.dtype not in (torch.int32, torch.int64)
+        ):
+            raise ValueError(
+                f"key_segments: expected an integer tensor of shape {tuple(row_weights.shape)} (one segment per key)"
+            )
         if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
             raise ValueError(f"segments: expected an int >= 1, got {segments!r}")
         if bool((key_segments < -1).any()) or bool((key_segments >= segments).any()):
@@ -47,8 +52,10 @@ class PooledSpanMass(Meter):
 
     def begin_call(self, call: CallInfo, n_heads: int, row_lo: int, row_hi: int) -> None:
         if (call.batch, call.k_len) != tuple(self.row_weights.shape):
-            raise ValueError(f"row_weights: given for {tuple(self.row_weights.shape)} (B, N), but layer {call.layer}'s call "
-                             f"has {call.batch} rows of {call.k_len} keys")
+            raise ValueError(
+                f"row_weights: given for {tuple(self.row_weights.shape)} (B, N), but layer {call.layer}'s call "
+                f"has {call.batch} rows of {call.k_len} keys"
+            )
         self._mass.setdefault(call.layer, torch.zeros(call.batch, n_heads, self.segments + 1, dtype=torch.float64))
 
     def update_view(self, call: CallInfo, view: TileView) -> None:
@@ -57,7 +64,7 @@ class PooledSpanMass(Meter):
         if not bool((rows != 0).any()):
             return
         columns = torch.einsum("bhrk,br->bhk", view.w.double(), rows)  # (Bt, H, span)
-        segment = self.key_segments[view.batch, view.k0:view.k0 + view.w.shape[3]]  # (Bt, span)
+        segment = self.key_segments[view.batch, view.k0 : view.k0 + view.w.shape[3]]  # (Bt, span)
         index = segment.unsqueeze(1).expand(-1, columns.shape[1], -1)
         self._mass[call.layer][view.batch].scatter_add_(2, index, columns)
 

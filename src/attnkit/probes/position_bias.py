@@ -104,8 +104,11 @@ def _segments(text, segments, unit: str) -> list[str]:
     if segments is not None:
         if text is not None:
             raise ValueError("--text: give a file or a list of segments, not both")
-        if (isinstance(segments, str) or not isinstance(segments, (list, tuple))
-                or not all(isinstance(s, str) and s.strip() for s in segments)):
+        if (
+            isinstance(segments, str)
+            or not isinstance(segments, (list, tuple))
+            or not all(isinstance(s, str) and s.strip() for s in segments)
+        ):
             raise ValueError(f"segments: expected a list of non-empty strings, got {segments!r}")
         found = [" ".join(s.split()) for s in segments]
         where = "segments"
@@ -113,8 +116,10 @@ def _segments(text, segments, unit: str) -> list[str]:
         found = split_segments(_read_text(text), unit)
         where = "--text"
     if len(found) < 2:
-        raise ValueError(f"{where}: found {len(found)} {unit}(s); position bias needs at least 2 segments"
-                         + (" (paragraphs are separated by blank lines; try --unit sentence)" if unit == "paragraph" else ""))
+        raise ValueError(
+            f"{where}: found {len(found)} {unit}(s); position bias needs at least 2 segments"
+            + (" (paragraphs are separated by blank lines; try --unit sentence)" if unit == "paragraph" else "")
+        )
     return found
 
 
@@ -177,9 +182,19 @@ def _embed(model, enc: dict, pooling: str, observers=None) -> Tensor:
 # -- the probe ----------------------------------------------------------------------------------
 
 
-def position_bias(model=None, tokenizer=None, *, text: str | os.PathLike | None = None,
-                  segments: list[str] | None = None, unit: str = "paragraph", samples: int = 12,
-                  pooling: str | None = None, seed: int = 0, progress=None, batch_size: int = 8) -> ProbeResult:
+def position_bias(
+    model=None,
+    tokenizer=None,
+    *,
+    text: str | os.PathLike | None = None,
+    segments: list[str] | None = None,
+    unit: str = "paragraph",
+    samples: int = 12,
+    pooling: str | None = None,
+    seed: int = 0,
+    progress=None,
+    batch_size: int = 8,
+) -> ProbeResult:
     """Position bias of an embedding model (see the module docstring).
 
     Args:
@@ -200,8 +215,10 @@ def position_bias(model=None, tokenizer=None, *, text: str | os.PathLike | None 
     started = time.perf_counter()
     pm = as_probe_model(model, tokenizer)
     if pm.task is not None:
-        raise ValueError(f"--model: the position-bias probe measures embedding models; {pm.name or 'this model'} is an "
-                         f"arena export (a causal model trained on the {pm.task.get('task')!r} task), which embeds no text")
+        raise ValueError(
+            f"--model: the position-bias probe measures embedding models; {pm.name or 'this model'} is an "
+            f"arena export (a causal model trained on the {pm.task.get('task')!r} task), which embeds no text"
+        )
     pm.require("encoder", "position-bias")
     if unit not in UNITS:
         raise ValueError(f"--unit: expected one of {', '.join(UNITS)}, got {unit!r}")
@@ -227,7 +244,7 @@ def position_bias(model=None, tokenizer=None, *, text: str | os.PathLike | None 
     # Each segment alone: its embedding does not depend on the permutation.
     alone = []
     for lo in range(0, len(parts), batch_size):
-        enc, _, _ = _encode(pm.tokenizer, parts[lo:lo + batch_size])
+        enc, _, _ = _encode(pm.tokenizer, parts[lo : lo + batch_size])
         pm.check_length(enc["input_ids"].shape[1], "--text")
         alone.append(_embed(pm.model, enc, pooling))
     alone = torch.cat(alone)
@@ -236,8 +253,8 @@ def position_bias(model=None, tokenizer=None, *, text: str | os.PathLike | None 
     S = len(parts)
     mass_sum, share_sum = None, torch.zeros(S, dtype=torch.float64)
     batches = list(range(0, samples, batch_size))
-    for step, lo in enumerate(batches):
-        chunk = orders[lo:lo + batch_size]
+    for _step, lo in enumerate(batches):
+        chunk = orders[lo : lo + batch_size]
         documents, bounds = [], []
         for order in chunk:
             pieces, ranges, at = [], [], 0
@@ -260,7 +277,7 @@ def position_bias(model=None, tokenizer=None, *, text: str | os.PathLike | None 
         docs = _embed(pm.model, enc, pooling, observers=[meter])
         for b, order in enumerate(chunk):
             sample = lo + b
-            cos = torch.nn.functional.cosine_similarity(alone[order], docs[b:b + 1].expand(S, -1), dim=-1)
+            cos = torch.nn.functional.cosine_similarity(alone[order], docs[b : b + 1].expand(S, -1), dim=-1)
             for p, seg in enumerate(order):
                 result.add("similarity", float(cos[p]), position=p, sample=sample, segment=seg)
             real = float(mask[b].sum())
@@ -280,14 +297,30 @@ def position_bias(model=None, tokenizer=None, *, text: str | os.PathLike | None 
     result.add("first_last_gap", gap)
     result.meta = {
         "model": pm.name,
-        "params": {"text": None if text is None else str(text), "unit": unit, "samples": samples, "pooling": pooling,
-                   "seed": seed, "batch_size": batch_size},
+        "params": {
+            "text": None if text is None else str(text),
+            "unit": unit,
+            "samples": samples,
+            "pooling": pooling,
+            "seed": seed,
+            "batch_size": batch_size,
+        },
         "seconds": time.perf_counter() - started,
         "figures": [
-            {"kind": "curve", "x": "position", "metric": "similarity", "series": None,
-             "title": f"cos(segment, document) by the segment's position ({pooling} pooling)"},
-            {"kind": "curve", "x": "position", "metric": ["attention_mass", "token_share"], "series": None,
-             "title": "attention mass from the pooled rows onto each position's segment"},
+            {
+                "kind": "curve",
+                "x": "position",
+                "metric": "similarity",
+                "series": None,
+                "title": f"cos(segment, document) by the segment's position ({pooling} pooling)",
+            },
+            {
+                "kind": "curve",
+                "x": "position",
+                "metric": ["attention_mass", "token_share"],
+                "series": None,
+                "title": "attention mass from the pooled rows onto each position's segment",
+            },
         ],
         "segments": parts,
         "joiner": joiner,

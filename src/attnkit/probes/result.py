@@ -90,8 +90,11 @@ class ProbeResult:
 
     def select(self, metric: str | None = None, **params) -> list[dict]:
         """Rows with this metric (any when None) whose parameters equal ``params``."""
-        return [row for row in self.rows
-                if (metric is None or row["metric"] == metric) and all(row.get(k) == v for k, v in params.items())]
+        return [
+            row
+            for row in self.rows
+            if (metric is None or row["metric"] == metric) and all(row.get(k) == v for k, v in params.items())
+        ]
 
     def value(self, metric: str, **params):
         """The one value of ``metric`` at ``params``; an error when there is not exactly one."""

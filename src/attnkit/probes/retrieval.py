@@ -81,8 +81,10 @@ def check_text(value, option: str, needs=(), allowed=("key", "value")) -> str:
         raise ValueError(f"{option}: not a valid template ({e}); write literal braces as {{{{ and }}}}") from e
     unknown = sorted(n for n in names if n not in allowed)
     if unknown:
-        raise ValueError(f"{option}: unknown placeholder(s) {', '.join('{' + n + '}' for n in unknown)}; "
-                         f"allowed: {', '.join('{' + n + '}' for n in allowed)}")
+        raise ValueError(
+            f"{option}: unknown placeholder(s) {', '.join('{' + n + '}' for n in unknown)}; "
+            f"allowed: {', '.join('{' + n + '}' for n in allowed)}"
+        )
     missing = [n for n in needs if n not in names]
     if missing:
         raise ValueError(f"{option}: the text must contain {', '.join('{' + n + '}' for n in missing)}")
@@ -124,8 +126,9 @@ def check_kv(kv):
             return KVSetting.parse(kv)
         except ValueError as e:
             raise ValueError(f"--kv: {e}") from None
-    raise ValueError(f"--kv: expected POLICY[:budget=F][:protocol=agnostic|aware][:NAME=VALUE ...] or a KVSetting, "
-                     f"got {type(kv).__name__}")
+    raise ValueError(
+        f"--kv: expected POLICY[:budget=F][:protocol=agnostic|aware][:NAME=VALUE ...] or a KVSetting, got {type(kv).__name__}"
+    )
 
 
 def kv_params(kv) -> dict:
@@ -137,8 +140,10 @@ def check_max_positions(pm, length: int, new_tokens: int, option: str = "--lengt
     """A prompt longer than the model's positions (with the rows its answer needs) is an error naming ``option``."""
     pm.check_length(length, option)
     if pm.max_positions is not None and length + new_tokens - 1 > pm.max_positions:
-        raise ValueError(f"{option}: a prompt of {length} tokens and the {new_tokens - 1} more its answer needs exceed "
-                         f"the {pm.max_positions} positions {pm.name or 'the model'} reads")
+        raise ValueError(
+            f"{option}: a prompt of {length} tokens and the {new_tokens - 1} more its answer needs exceed "
+            f"the {pm.max_positions} positions {pm.name or 'the model'} reads"
+        )
 
 
 # -- arena exports --------------------------------------------------------------------------
@@ -154,12 +159,21 @@ def arena_symbols(pm, probe: str) -> dict:
     roles, tokens = symbols.get("roles") or {}, symbols.get("tokens") or []
     name = task.get("task")
     if name not in ("needle", "mqar") or not roles.get("keys") or not roles.get("values"):
-        raise ValueError(f"--model: the {probe} probe on an arena export needs a key-value task (needle or mqar); "
-                         f"{pm.name or 'this model'} was trained on {name!r}")
+        raise ValueError(
+            f"--model: the {probe} probe on an arena export needs a key-value task (needle or mqar); "
+            f"{pm.name or 'this model'} was trained on {name!r}"
+        )
     query = [roles["query"]] if isinstance(roles.get("query"), str) else []
     filler = list(roles.get("filler") or ([roles["blank"]] if isinstance(roles.get("blank"), str) else []))
-    return {"ids": {t: i for i, t in enumerate(tokens)}, "keys": list(roles["keys"]), "values": list(roles["values"]),
-            "filler": filler, "query": query, "name": name, "params": task.get("params") or {}}
+    return {
+        "ids": {t: i for i, t in enumerate(tokens)},
+        "keys": list(roles["keys"]),
+        "values": list(roles["values"]),
+        "filler": filler,
+        "query": query,
+        "name": name,
+        "params": task.get("params") or {},
+    }
 
 
 # -- running --------------------------------------------------------------------------------
@@ -218,8 +232,9 @@ def _layout(item: Item, forced: bool = False) -> tuple:
     return (item.question, answer, *((name, len(ranges)) for name, ranges in item.spans.items()))
 
 
-def run_items(pm, items: list[Item], max_new_tokens: int, batch_size: int, progress, label: str, kv=None, stats=None,
-              forced: bool = False):
+def run_items(
+    pm, items: list[Item], max_new_tokens: int, batch_size: int, progress, label: str, kv=None, stats=None, forced: bool = False
+):
     """Generate an answer for every item and measure its span masses: items with the same
     span layout and near-equal lengths share batches, left-padded to the longest of their
     batch (one prefill per prompt). Returns (outcomes in item order, layer labels).
@@ -257,11 +272,21 @@ def run_items(pm, items: list[Item], max_new_tokens: int, batch_size: int, progr
             from ..kv.protocol import ask
 
             if chosen[0].question < 1:
-                raise ValueError(f"kv: the {label} probe's prompts do not mark their question, so they cannot be asked "
-                                 "through a compressed cache")
+                raise ValueError(
+                    f"kv: the {label} probe's prompts do not mark their question, so they cannot be asked "
+                    "through a compressed cache"
+                )
             gold = torch.tensor([item.answer_ids for item in chosen]) if forced else None
-            answer = ask(pm.model, prompts.input_ids, prompts.attention_mask, chosen[0].question, kv,
-                         max_new_tokens if gold is None else gold.shape[1], pad_id(pm.tokenizer), forced=gold)
+            answer = ask(
+                pm.model,
+                prompts.input_ids,
+                prompts.attention_mask,
+                chosen[0].question,
+                kv,
+                max_new_tokens if gold is None else gold.shape[1],
+                pad_id(pm.tokenizer),
+                forced=gold,
+            )
             if stats is not None:
                 stats.append(answer)
             for b, (i, item) in enumerate(zip(batch, chosen)):
@@ -270,9 +295,13 @@ def run_items(pm, items: list[Item], max_new_tokens: int, batch_size: int, progr
                 nll = None if answer.nll is None else float(answer.nll[b])
                 outcomes[i] = Outcome(item, output, score(output, item.answer, item.words), {}, {}, tokens, nll)
             continue
-        flat = {f"{name}#{j}": [(s + pad, e + pad) for (s, e), pad in ((item.spans[name][j], p)
-                                                                        for item, p in zip(chosen, prompts.pads))]
-                for name, ranges in chosen[0].spans.items() for j in range(len(ranges))}
+        flat = {
+            f"{name}#{j}": [
+                (s + pad, e + pad) for (s, e), pad in ((item.spans[name][j], p) for item, p in zip(chosen, prompts.pads))
+            ]
+            for name, ranges in chosen[0].spans.items()
+            for j in range(len(ranges))
+        }
         meter = RowSpanMass(flat, q_lo=width - 1)
         gen = greedy_generate(pm.model, pm.tokenizer, prompts, max_new_tokens, observers=[meter])
         layers = meter.layers_seen
@@ -285,7 +314,7 @@ def run_items(pm, items: list[Item], max_new_tokens: int, batch_size: int, progr
             for name, ranges in item.spans.items():
                 mass[name] = sum(per_name[f"{name}#{j}"][b] for j in range(len(ranges)))
                 uniform[name] = sum(e - s for s, e in ranges) * visible
-            tokens = gen.tokens[b, :gen.steps[b]].tolist()
+            tokens = gen.tokens[b, : gen.steps[b]].tolist()
             output = gen.texts[b] if pm.task is None else _decoded(pm, tokens)
             outcomes[i] = Outcome(item, output, score(output, item.answer, item.words), mass, uniform, tokens)
     return outcomes, layers
@@ -328,5 +357,13 @@ def add_accuracy_rows(result, outcomes: list[Outcome], keys: tuple[str, ...], me
 
 def examples(outcomes: list[Outcome], limit: int = 200) -> list[dict]:
     """Per prompt, what was asked and answered (meta["examples"], for reading failures)."""
-    return [{**o.item.params, "answer": o.item.answer, "output": o.output[:limit], "score": o.score,
-             **({k: v for k, v in o.item.extra.items()})} for o in outcomes]
+    return [
+        {
+            **o.item.params,
+            "answer": o.item.answer,
+            "output": o.output[:limit],
+            "score": o.score,
+            **({k: v for k, v in o.item.extra.items()}),
+        }
+        for o in outcomes
+    ]

@@ -47,9 +47,19 @@ THRESHOLD = 85.6
 AVERAGE = "average"
 
 
-def ruler(model=None, tokenizer=None, *, tasks=ALL, lengths=None, samples: int = 20, seed: int = 0,
-          threshold: float = THRESHOLD, batch_size: int = 4, max_new_tokens: int | None = None,
-          progress=None) -> ProbeResult:
+def ruler(
+    model=None,
+    tokenizer=None,
+    *,
+    tasks=ALL,
+    lengths=None,
+    samples: int = 20,
+    seed: int = 0,
+    threshold: float = THRESHOLD,
+    batch_size: int = 4,
+    max_new_tokens: int | None = None,
+    progress=None,
+) -> ProbeResult:
     """Run RULER's synthetic tasks on a causal LM: accuracy per task and length, the
     effective length, and the attention the answers pay to their needles.
 
@@ -83,38 +93,56 @@ def ruler(model=None, tokenizer=None, *, tasks=ALL, lengths=None, samples: int =
 
     pm = as_probe_model(model, tokenizer)
     if pm.task is not None:
-        raise ValueError(f"--model: the ruler probe asks English questions about English text (RULER's templates), "
-                         f"which have no form in the symbol vocabulary of the arena task {pm.task['task']!r} that "
-                         f"{pm.name or 'this model'} was trained on; pass a natural-language causal LM with --model")
+        raise ValueError(
+            f"--model: the ruler probe asks English questions about English text (RULER's templates), "
+            f"which have no form in the symbol vocabulary of the arena task {pm.task['task']!r} that "
+            f"{pm.name or 'this model'} was trained on; pass a natural-language causal LM with --model"
+        )
     pm.require("causal", "ruler")
     if not explicit:
         lengths = tuple(n for n in LENGTHS if pm.max_positions is None or n <= pm.max_positions)
         if not lengths:
-            raise ValueError(f"--lengths: none of RULER's lengths ({', '.join(map(str, LENGTHS))}) fits the "
-                             f"{pm.max_positions} positions of {pm.name or 'the model'}; give --lengths")
+            raise ValueError(
+                f"--lengths: none of RULER's lengths ({', '.join(map(str, LENGTHS))}) fits the "
+                f"{pm.max_positions} positions of {pm.name or 'the model'}; give --lengths"
+            )
     for length in lengths:
         pm.check_length(length, "--lengths")
     budgets = {task: max_new_tokens or TASKS[task].max_new_tokens for task in tasks}
     for task, new in budgets.items():
         if min(lengths) <= new:
-            raise ValueError(f"--lengths: {min(lengths)} tokens leave no room for a {task} prompt after its "
-                             f"{new}-token answer budget")
+            raise ValueError(
+                f"--lengths: {min(lengths)} tokens leave no room for a {task} prompt after its {new}-token answer budget"
+            )
         for length in lengths:  # a length too short for a task fails now, not after hours of others
             make_sample(task, pm.tokenizer, length - new, sample_rng(seed, task, length, 0))
 
     result = ProbeResult("ruler")
-    result.meta = {"model": pm.name, "params": {"tasks": list(tasks), "lengths": list(lengths), "samples": samples,
-                                                 "seed": seed, "threshold": threshold, "batch_size": batch_size,
-                                                 "max_new_tokens": budgets},
-                   "examples": []}
+    result.meta = {
+        "model": pm.name,
+        "params": {
+            "tasks": list(tasks),
+            "lengths": list(lengths),
+            "samples": samples,
+            "seed": seed,
+            "threshold": threshold,
+            "batch_size": batch_size,
+            "max_new_tokens": budgets,
+        },
+        "examples": [],
+    }
     for task in tasks:
         for length in lengths:
             accuracy = _run_cell(pm, result, task, length, budgets[task], samples, seed, batch_size)
             if progress is not None:
                 progress(f"ruler: {task} at {length} tokens: accuracy {accuracy:.1f}")
     for length in lengths:
-        result.add("accuracy", sum(result.value("accuracy", task=t, length=length) for t in tasks) / len(tasks),
-                   task=AVERAGE, length=length)
+        result.add(
+            "accuracy",
+            sum(result.value("accuracy", task=t, length=length) for t in tasks) / len(tasks),
+            task=AVERAGE,
+            length=length,
+        )
     for task in (*tasks, AVERAGE):
         result.add("effective_length", effective_length(result, threshold, task), task=task)
     result.meta["figures"] = _figures(result)
@@ -122,20 +150,23 @@ def ruler(model=None, tokenizer=None, *, tasks=ALL, lengths=None, samples: int =
     return result
 
 
-def _run_cell(pm, result: ProbeResult, task: str, length: int, new_tokens: int, samples: int, seed: int,
-              batch_size: int) -> float:
+def _run_cell(
+    pm, result: ProbeResult, task: str, length: int, new_tokens: int, samples: int, seed: int, batch_size: int
+) -> float:
     """All samples of one (task, length): score rows, the accuracy row and the needle
     mass rows; returns the accuracy."""
     tokenizer = pm.tokenizer
     built = [make_sample(task, tokenizer, length - new_tokens, sample_rng(seed, task, length, i)) for i in range(samples)]
     scores, mass_sum, layers = [], None, None
     for lo in range(0, samples, batch_size):
-        batch = built[lo:lo + batch_size]
+        batch = built[lo : lo + batch_size]
         prompts = left_pad([s.ids for s in batch], pad_id(tokenizer))
         observers, meter = [], None
         if batch[0].spans:
-            spans = {f"needle{j}": [(pad + a, pad + e) for pad, s in zip(prompts.pads, batch) for a, e in [s.spans[j]]]
-                     for j in range(len(batch[0].spans))}
+            spans = {
+                f"needle{j}": [(pad + a, pad + e) for pad, s in zip(prompts.pads, batch) for a, e in [s.spans[j]]]
+                for j in range(len(batch[0].spans))
+            }
             meter = RowSpanMass(spans, q_lo=prompts.length - 1)
             observers.append(meter)
         generation = greedy_generate(pm.model, tokenizer, prompts, new_tokens, observers=observers)
@@ -144,8 +175,15 @@ def _run_cell(pm, result: ProbeResult, task: str, length: int, new_tokens: int, 
             scores.append(score)
             result.add("score", score, task=task, length=length, sample=lo + offset)
             if lo + offset == 0:
-                result.meta["examples"].append({"task": task, "length": length, "prompt_tokens": len(sample.ids),
-                                                "answer": text, "references": sample.answers})
+                result.meta["examples"].append(
+                    {
+                        "task": task,
+                        "length": length,
+                        "prompt_tokens": len(sample.ids),
+                        "answer": text,
+                        "references": sample.answers,
+                    }
+                )
         if meter is not None:
             # the needles' spans are disjoint, so the mass on their union is the sum
             mass = sum(meter.per_example(name) for name in spans).sum(0)  # (L, H) summed over the batch
@@ -177,14 +215,31 @@ def effective_length(result: ProbeResult, threshold: float = THRESHOLD, task: st
 
 def _figures(result: ProbeResult) -> list[dict]:
     figures = [
-        {"kind": "heatmap", "rows": "task", "cols": "length", "metric": "accuracy",
-         "title": "RULER accuracy (0-100) by task and length"},
-        {"kind": "curve", "x": "length", "metric": "accuracy", "series": "task",
-         "title": "RULER accuracy against length, one line per task"},
+        {
+            "kind": "heatmap",
+            "rows": "task",
+            "cols": "length",
+            "metric": "accuracy",
+            "title": "RULER accuracy (0-100) by task and length",
+        },
+        {
+            "kind": "curve",
+            "x": "length",
+            "metric": "accuracy",
+            "series": "task",
+            "title": "RULER accuracy against length, one line per task",
+        },
     ]
     if result.select("needle_mass_best"):
-        figures.append({"kind": "heatmap", "rows": "task", "cols": "length", "metric": "needle_mass_best",
-                        "title": "Largest attention mass of one head on the needles, by task and length"})
+        figures.append(
+            {
+                "kind": "heatmap",
+                "rows": "task",
+                "cols": "length",
+                "metric": "needle_mass_best",
+                "title": "Largest attention mass of one head on the needles, by task and length",
+            }
+        )
     return figures
 
 

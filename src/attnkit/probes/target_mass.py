@@ -22,15 +22,19 @@ Tensor = torch.Tensor
 
 def _check_targets(targets) -> dict[str, Tensor]:
     if not isinstance(targets, dict) or not targets:
-        raise ValueError(f"targets: expected {{name: (B, N, T) tensor of key positions, -1 for none}}, got {type(targets).__name__}")
+        raise ValueError(
+            f"targets: expected {{name: (B, N, T) tensor of key positions, -1 for none}}, got {type(targets).__name__}"
+        )
     shapes = set()
     out = {}
     for name, t in targets.items():
         if not isinstance(name, str) or not name:
             raise ValueError(f"targets: names must be non-empty strings, got {name!r}")
         if not isinstance(t, Tensor) or t.dim() != 3 or t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"targets: {name!r} must be an integer tensor (B, N, T) of key positions, got "
-                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+            raise ValueError(
+                f"targets: {name!r} must be an integer tensor (B, N, T) of key positions, got "
+                f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}"
+            )
         if bool((t < -1).any()):
             raise ValueError(f"targets: {name!r} holds positions below -1 (-1 marks an unused slot)")
         # A target key after its query is never visible to a causal model and is a mistake.
@@ -64,8 +68,10 @@ class TargetMass(Meter):
 
     def begin_call(self, call: CallInfo, n_heads: int, row_lo: int, row_hi: int) -> None:
         if call.batch != self.batch or call.k_len > self.length:
-            raise ValueError(f"targets: given for {self.batch} rows of {self.length} positions, but layer {call.layer}'s "
-                             f"call has {call.batch} rows of {call.k_len} keys")
+            raise ValueError(
+                f"targets: given for {self.batch} rows of {self.length} positions, but layer {call.layer}'s "
+                f"call has {call.batch} rows of {call.k_len} keys"
+            )
         if call.layer not in self._mass:
             self._mass[call.layer] = torch.zeros(len(self.targets), n_heads, dtype=torch.float64)
             self._count[call.layer] = torch.zeros(len(self.targets), dtype=torch.float64)
@@ -97,8 +103,14 @@ class TargetMass(Meter):
         if name not in self.targets:
             raise ValueError(f"name: expected one of {', '.join(self.targets)}, got {name!r}")
         i = list(self.targets).index(name)
-        return torch.stack([self._mass[layer][i] / self._count[layer][i] if self._count[layer][i] > 0
-                            else torch.full_like(self._mass[layer][i], float("nan")) for layer in self.layers_seen])
+        return torch.stack(
+            [
+                self._mass[layer][i] / self._count[layer][i]
+                if self._count[layer][i] > 0
+                else torch.full_like(self._mass[layer][i], float("nan"))
+                for layer in self.layers_seen
+            ]
+        )
 
     def rows(self):
         out = []

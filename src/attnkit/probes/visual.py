@@ -27,10 +27,13 @@ from .model import as_probe_model
 from .result import ProbeResult
 
 #: plain-English questions for a VLM that is not the organism
-ENGLISH = {"presence": "Is there a {colour} {shape} in the image? Answer yes or no.",
-           "colour": "What color is the {shape} in the image? Answer with one word.",
-           "position": "Where in a 3x3 grid is the {colour} {shape}? Answer with one of: " + ", ".join(
-               ["top-left", "top", "top-right", "left", "center", "right", "bottom-left", "bottom", "bottom-right"]) + "."}
+ENGLISH = {
+    "presence": "Is there a {colour} {shape} in the image? Answer yes or no.",
+    "colour": "What color is the {shape} in the image? Answer with one word.",
+    "position": "Where in a 3x3 grid is the {colour} {shape}? Answer with one of: "
+    + ", ".join(["top-left", "top", "top-right", "left", "center", "right", "bottom-left", "bottom", "bottom-right"])
+    + ".",
+}
 
 
 def _is_organism(pm) -> bool:
@@ -56,11 +59,19 @@ def _prompts(pm, examples) -> list[str]:
         return [prompt(e.question) for e in examples]
     image_token = getattr(processor, "image_token", None)
     if image_token is None:
-        raise ValueError(f"--model: {pm.name or 'the model'}'s processor names no image token, so the probe cannot place "
-                         "the image in its prompt")
+        raise ValueError(
+            f"--model: {pm.name or 'the model'}'s processor names no image token, so the probe cannot place "
+            "the image in its prompt"
+        )
     if getattr(processor, "chat_template", None):
-        return [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": _english(e)}]}],
-                                              add_generation_prompt=True, tokenize=False) for e in examples]
+        return [
+            processor.apply_chat_template(
+                [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": _english(e)}]}],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+            for e in examples
+        ]
     return [f"{image_token}\n{_english(e)}" for e in examples]
 
 
@@ -75,9 +86,18 @@ def _read_answer(text: str, kind: str) -> str:
     return words[0] if words else ""
 
 
-def visual(model, tokenizer=None, samples: int = 60, kinds: list[str] = ("presence", "colour", "position"),
-           seed: int = 0, batch_size: int = 30, share: bool = True, amplify: list[float] = (), max_new_tokens: int = 4,
-           progress=None) -> ProbeResult:
+def visual(
+    model,
+    tokenizer=None,
+    samples: int = 60,
+    kinds: list[str] = ("presence", "colour", "position"),
+    seed: int = 0,
+    batch_size: int = 30,
+    share: bool = True,
+    amplify: list[float] = (),
+    max_new_tokens: int = 4,
+    progress=None,
+) -> ProbeResult:
     """Presence, colour and position questions about images of coloured shapes; accuracy
     by question kind, with the answer position's attention share on the image tokens.
 
@@ -114,14 +134,24 @@ def visual(model, tokenizer=None, samples: int = 60, kinds: list[str] = ("presen
     start = time.perf_counter()
     examples = shapes.examples(samples * len(kinds), [shapes.stream("probe"), seed], kinds=kinds)
     prompts = _prompts(pm, examples)
-    result = ProbeResult("visual", meta={"model": pm.name, "samples": samples, "kinds": kinds, "seed": seed,
-                                         "prompts": "organism" if organism else "english", "share": share,
-                                         "amplify": amplify, "answers": {}})
+    result = ProbeResult(
+        "visual",
+        meta={
+            "model": pm.name,
+            "samples": samples,
+            "kinds": kinds,
+            "seed": seed,
+            "prompts": "organism" if organism else "english",
+            "share": share,
+            "amplify": amplify,
+            "answers": {},
+        },
+    )
     bins = None
     for alpha in [1.0] + [float(a) for a in amplify]:
         said, shares = [], []
         for i in range(0, len(examples), batch_size):
-            chunk, texts = examples[i:i + batch_size], prompts[i:i + batch_size]
+            chunk, texts = examples[i : i + batch_size], prompts[i : i + batch_size]
             words, rows = _ask(pm, chunk, texts, organism, share, max_new_tokens, alpha)
             said += words
             shares += rows
@@ -133,8 +163,10 @@ def visual(model, tokenizer=None, samples: int = 60, kinds: list[str] = ("presen
             result.meta.setdefault("question_share", {})[f"{alpha:g}"] = [round(float(x.mean()), 6) for x in shares]
         _add_rows(result, examples, said, shares, kinds, alpha, bins)
         result.meta["answers"][f"{alpha:g}"] = said
-    result.meta["questions"] = [{"kind": e.kind, "question": e.question, "answer": e.answer, "absent": e.absent,
-                                 "near_miss": e.near_miss} for e in examples]
+    result.meta["questions"] = [
+        {"kind": e.kind, "question": e.question, "answer": e.answer, "absent": e.absent, "near_miss": e.near_miss}
+        for e in examples
+    ]
     result.meta["seconds"] = time.perf_counter() - start
     return result
 
@@ -164,8 +196,11 @@ def _add_rows(result, examples, said, shares, kinds, alpha, bins) -> None:
         result.add("accuracy", sum(right) / len(right), kind=kind, group="all", alpha=alpha)
         result.add("counted", len(right), kind=kind, group="all", alpha=alpha)
         if kind == "presence":
-            groups = [("present", lambda i: not examples[i].absent), ("absent", lambda i: examples[i].absent),
-                      ("absent near miss", lambda i: examples[i].absent and examples[i].near_miss)]
+            groups = [
+                ("present", lambda i: not examples[i].absent),
+                ("absent", lambda i: examples[i].absent),
+                ("absent near miss", lambda i: examples[i].absent and examples[i].near_miss),
+            ]
             groups += [(f"absent, share {b}", (lambda i, b=b: bins.get(i) == b)) for b in ("low", "mid", "high")] if bins else []
             for group, select in groups:
                 yes = [said[i] == "yes" for i in picked if select(i)]
@@ -175,8 +210,13 @@ def _add_rows(result, examples, said, shares, kinds, alpha, bins) -> None:
                     result.add("yes_rate_se", math.sqrt(p * (1 - p) / len(yes)), kind=kind, group=group, alpha=alpha)
                     result.add("counted", len(yes), kind=kind, group=group, alpha=alpha)
                     if shares:
-                        result.add("visual_share_mean", sum(float(shares[i].mean()) for i in picked if select(i)) / len(yes),
-                                   kind=kind, group=group, alpha=alpha)
+                        result.add(
+                            "visual_share_mean",
+                            sum(float(shares[i].mean()) for i in picked if select(i)) / len(yes),
+                            kind=kind,
+                            group=group,
+                            alpha=alpha,
+                        )
         if shares:
             _add_shares(result, kind, [shares[i] for i in picked], right, alpha)
 
@@ -208,8 +248,9 @@ def _ask(pm, chunk, texts, organism: bool, share: bool, max_new_tokens: int, alp
     processor, model = pm.tokenizer, pm.model
     inputs = processor(images=[e.image for e in chunk], text=texts, return_tensors="pt", padding=True)
     spans = vision.image_spans(model, inputs) if share or alpha != 1.0 else None
-    amplified = (steer.apply(model, steer.amplify_visual(spans, heads="all", alpha=alpha)) if alpha != 1.0
-                 else contextlib.nullcontext())
+    amplified = (
+        steer.apply(model, steer.amplify_visual(spans, heads="all", alpha=alpha)) if alpha != 1.0 else contextlib.nullcontext()
+    )
     shares, logits = [], None
     with torch.inference_mode():
         if share:
@@ -223,7 +264,7 @@ def _ask(pm, chunk, texts, organism: bool, share: bool, max_new_tokens: int, alp
             words = [VOCAB[j] if j < len(VOCAB) else "" for j in logits.argmax(-1).tolist()]
         else:
             out = _generate(model, inputs, max_new_tokens, spans, alpha)
-            new = out[:, inputs["input_ids"].shape[1]:]
+            new = out[:, inputs["input_ids"].shape[1] :]
             words = [_read_answer(t, e.kind) for t, e in zip(processor.batch_decode(new, skip_special_tokens=True), chunk)]
     return words, shares
 
@@ -253,6 +294,7 @@ def _forward_with_share(model, inputs, spans, steering):
     per_head = meter.arrays()["visual_share"]
     layers = sorted({layer for layer, _ in per_head})
     heads = sorted({head for _, head in per_head})
-    share = torch.stack([torch.stack([per_head[(layer, head)]["values"][:, 0].double() for head in heads], -1)
-                         for layer in layers], 1)  # (B, L, H)
+    share = torch.stack(
+        [torch.stack([per_head[(layer, head)]["values"][:, 0].double() for head in heads], -1) for layer in layers], 1
+    )  # (B, L, H)
     return logits, list(share)

@@ -1,7 +1,7 @@
 """The HTML report and its PNG figures, from an AttentionProfile.
 
-    paths = attnkit.report.write_report(profile, "attnkit-report/")
-    paths["html"]      # one self-contained page: open it in any browser, offline
+paths = attnkit.report.write_report(profile, "attnkit-report/")
+paths["html"]      # one self-contained page: open it in any browser, offline
 """
 
 from __future__ import annotations

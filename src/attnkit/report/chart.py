@@ -60,8 +60,7 @@ class _Frame:
     """The axes of a chart: margins, the y scale, gridlines, axis titles and a legend that
     always fits (on the right when its names are short, else below the plot)."""
 
-    def __init__(self, title, lo, hi, size, legend: list[tuple[str, str, str]], x_label, y_label, min_pw=120,
-                 x_label_h=15):
+    def __init__(self, title, lo, hi, size, legend: list[tuple[str, str, str]], x_label, y_label, min_pw=120, x_label_h=15):
         self.lo, self.hi = lo, hi
         self.legend = legend  # (name, colour, kind: "line" / "dash" / "box")
         self.title, self.x_label, self.y_label = title, x_label, y_label
@@ -90,24 +89,32 @@ class _Frame:
         return self.top + self.ph - (min(max(v, self.lo), self.hi) - self.lo) / (self.hi - self.lo) * self.ph
 
     def open(self, cls: str) -> list[str]:
-        out = [f'<svg class="{cls}" xmlns="http://www.w3.org/2000/svg" width="{self.width}" height="{self.height}" '
-               f'viewBox="0 0 {self.width} {self.height}" role="img" aria-label="{escape(self.title)}">',
-               f'<text x="{self.left:.1f}" y="14" class="svg-title">{escape(self.title)}</text>']
+        out = [
+            f'<svg class="{cls}" xmlns="http://www.w3.org/2000/svg" width="{self.width}" height="{self.height}" '
+            f'viewBox="0 0 {self.width} {self.height}" role="img" aria-label="{escape(self.title)}">',
+            f'<text x="{self.left:.1f}" y="14" class="svg-title">{escape(self.title)}</text>',
+        ]
         x2 = self.left + self.pw
         for v in self.ticks:
             y = self.y(v)
-            out.append(f'<line class="grid" data-v="{v!r}" x1="{self.left:.1f}" y1="{y:.1f}" x2="{x2:.1f}" y2="{y:.1f}" '
-                       'stroke="#e4e4ea" stroke-width="1"/>')
+            out.append(
+                f'<line class="grid" data-v="{v!r}" x1="{self.left:.1f}" y1="{y:.1f}" x2="{x2:.1f}" y2="{y:.1f}" '
+                'stroke="#e4e4ea" stroke-width="1"/>'
+            )
             out.append(f'<text x="{self.left - 4:.1f}" y="{y + 3:.1f}" text-anchor="end" class="axis">{escape(fmt(v))}</text>')
         base = self.top + self.ph
         out.append(f'<line x1="{self.left:.1f}" y1="{base}" x2="{x2:.1f}" y2="{base}" stroke="#888" stroke-width="1"/>')
         if self.x_label:
-            out.append(f'<text x="{self.left + self.pw / 2:.1f}" y="{self.top + self.ph + self.x_label_h + 20}" '
-                       f'text-anchor="middle" class="axis-title">{escape(self.x_label)}</text>')
+            out.append(
+                f'<text x="{self.left + self.pw / 2:.1f}" y="{self.top + self.ph + self.x_label_h + 20}" '
+                f'text-anchor="middle" class="axis-title">{escape(self.x_label)}</text>'
+            )
         if self.y_label:
             cy = self.top + self.ph / 2
-            out.append(f'<text x="12" y="{cy:.1f}" transform="rotate(-90 12 {cy:.1f})" text-anchor="middle" '
-                       f'class="axis-title">{escape(self.y_label)}</text>')
+            out.append(
+                f'<text x="12" y="{cy:.1f}" transform="rotate(-90 12 {cy:.1f})" text-anchor="middle" '
+                f'class="axis-title">{escape(self.y_label)}</text>'
+            )
         return out
 
     def close(self, out: list[str]) -> str:
@@ -122,17 +129,29 @@ class _Frame:
                     out.append(f'<rect x="{x0 + 2:.1f}" y="{ly - 11}" width="12" height="10" fill="{col}"/>')
                 else:
                     dash = ' stroke-dasharray="5 3"' if kind == "dash" else ""
-                    out.append(f'<line x1="{x0:.1f}" y1="{ly - 6}" x2="{x0 + 16:.1f}" y2="{ly - 6}" stroke="{col}" '
-                               f'stroke-width="{2 if kind == "dash" else 3}"{dash}/>')
+                    out.append(
+                        f'<line x1="{x0:.1f}" y1="{ly - 6}" x2="{x0 + 16:.1f}" y2="{ly - 6}" stroke="{col}" '
+                        f'stroke-width="{2 if kind == "dash" else 3}"{dash}/>'
+                    )
                 out.append(f'<text x="{x0 + 22:.1f}" y="{ly - 2}" class="axis legend-entry">{escape(name)}</text>')
         out.append("</svg>")
         return "".join(out)
 
 
-def line_chart(xs: list, series: dict[str, list[float | None]], title: str, x_label: str = "", y_label: str = "",
-               lo: float | None = None, hi: float | None = None, size: tuple[int, int] = (560, 320), *,
-               bands: dict[str, list] | None = None, tips: dict[str, list] | None = None,
-               references: list[dict] | None = None) -> str:
+def line_chart(
+    xs: list,
+    series: dict[str, list[float | None]],
+    title: str,
+    x_label: str = "",
+    y_label: str = "",
+    lo: float | None = None,
+    hi: float | None = None,
+    size: tuple[int, int] = (560, 320),
+    *,
+    bands: dict[str, list] | None = None,
+    tips: dict[str, list] | None = None,
+    references: list[dict] | None = None,
+) -> str:
     """``series``: name -> one y value per entry of ``xs`` (None/NaN: no point there;
     the line breaks). ``lo``/``hi`` fix the y range (default: the data's, from 0 when
     every value is >= 0, and [0, 1] when every value lies in it).
@@ -148,8 +167,9 @@ def line_chart(xs: list, series: dict[str, list[float | None]], title: str, x_la
     values += [ref["value"] for ref in references if _finite(ref.get("value"))]
     values += [v for ref in references for v in ref.get("ys") or () if _finite(v)]
     lo, hi = _y_range(values, lo, hi)
-    legend = [(name, PALETTE[k % len(PALETTE)], "dash" if (k // len(PALETTE)) % 2 else "line")
-              for k, name in enumerate(series) if name]
+    legend = [
+        (name, PALETTE[k % len(PALETTE)], "dash" if (k // len(PALETTE)) % 2 else "line") for k, name in enumerate(series) if name
+    ]
     legend += [(ref["name"], REFERENCE, "dash") for ref in references if ref.get("name")]
     numeric = _numeric(xs)
     log = numeric and all(x > 0 for x in xs) and max(xs) / min(xs) >= 16
@@ -164,7 +184,9 @@ def line_chart(xs: list, series: dict[str, list[float | None]], title: str, x_la
 
     out = f.open("curve")
     # x ticks: every value when they fit, else about eight
-    every = max(1, math.ceil(len(xs) / 8), math.ceil(len(xs) * (_text_w(max((_label(x) for x in xs), key=len, default="")) + 8) / pw))
+    every = max(
+        1, math.ceil(len(xs) / 8), math.ceil(len(xs) * (_text_w(max((_label(x) for x in xs), key=len, default="")) + 8) / pw)
+    )
     for i, (x, px) in enumerate(zip(xs, pos)):
         if i % every and i != len(xs) - 1:
             continue
@@ -186,7 +208,7 @@ def line_chart(xs: list, series: dict[str, list[float | None]], title: str, x_la
         return runs
 
     # bands first, under every line
-    for k, (name, ys) in enumerate(series.items()):
+    for k, (name, _ys) in enumerate(series.items()):
         col = PALETTE[k % len(PALETTE)]
         band = bands.get(name)
         if not band:
@@ -195,32 +217,42 @@ def line_chart(xs: list, series: dict[str, list[float | None]], title: str, x_la
         for run in runs_of(clean):
             if len(run) == 1:
                 px, (b_lo, b_hi) = run[0]
-                out.append(f'<line class="band" x1="{px:.1f}" y1="{f.y(b_lo):.1f}" x2="{px:.1f}" y2="{f.y(b_hi):.1f}" '
-                           f'stroke="{col}" stroke-opacity="0.45" stroke-width="6"/>')
+                out.append(
+                    f'<line class="band" x1="{px:.1f}" y1="{f.y(b_lo):.1f}" x2="{px:.1f}" y2="{f.y(b_hi):.1f}" '
+                    f'stroke="{col}" stroke-opacity="0.45" stroke-width="6"/>'
+                )
                 continue
             upper = " ".join(f"{px:.1f},{f.y(b_hi):.1f}" for px, (_, b_hi) in run)
             lower = " ".join(f"{px:.1f},{f.y(b_lo):.1f}" for px, (b_lo, _) in reversed(run))
-            out.append(f'<polygon class="band" data-series="{escape(name)}" points="{upper} {lower}" fill="{col}" '
-                       'fill-opacity="0.18" stroke="none"/>')
+            out.append(
+                f'<polygon class="band" data-series="{escape(name)}" points="{upper} {lower}" fill="{col}" '
+                'fill-opacity="0.18" stroke="none"/>'
+            )
     for ref in references:
         name = ref.get("name") or ""
         if _finite(ref.get("value")):
             y = f.y(ref["value"])
             tip = ref.get("tip") or f"{name}: {fmt(ref['value'])}"
-            out.append(f'<line class="reference" x1="{left:.1f}" y1="{y:.1f}" x2="{left + pw:.1f}" y2="{y:.1f}" '
-                       f'stroke="{REFERENCE}" stroke-width="2" stroke-dasharray="6 4"><title>{escape(tip)}</title></line>')
+            out.append(
+                f'<line class="reference" x1="{left:.1f}" y1="{y:.1f}" x2="{left + pw:.1f}" y2="{y:.1f}" '
+                f'stroke="{REFERENCE}" stroke-width="2" stroke-dasharray="6 4"><title>{escape(tip)}</title></line>'
+            )
         elif ref.get("ys"):
             ref_tips = ref.get("tips") or [None] * len(xs)
             for run in runs_of(ref["ys"]):
                 if len(run) > 1:
                     points = " ".join(f"{px:.1f},{f.y(v):.1f}" for px, v in run)
-                    out.append(f'<polyline class="reference" fill="none" stroke="{REFERENCE}" stroke-width="2" '
-                               f'stroke-dasharray="6 4" points="{points}"/>')
+                    out.append(
+                        f'<polyline class="reference" fill="none" stroke="{REFERENCE}" stroke-width="2" '
+                        f'stroke-dasharray="6 4" points="{points}"/>'
+                    )
             for x, px, v, tip in zip(xs, pos, ref["ys"], ref_tips):
                 if _finite(v):
                     tip = tip or f"{name}: {_label(x)} → {fmt(v)}"
-                    out.append(f'<circle class="reference-point" cx="{px:.1f}" cy="{f.y(v):.1f}" r="3" fill="#fff" '
-                               f'stroke="{REFERENCE}" stroke-width="1.5"><title>{escape(tip)}</title></circle>')
+                    out.append(
+                        f'<circle class="reference-point" cx="{px:.1f}" cy="{f.y(v):.1f}" r="3" fill="#fff" '
+                        f'stroke="{REFERENCE}" stroke-width="1.5"><title>{escape(tip)}</title></circle>'
+                    )
     for k, (name, ys) in enumerate(series.items()):
         col = PALETTE[k % len(PALETTE)]
         dash = ' stroke-dasharray="5 3"' if (k // len(PALETTE)) % 2 else ""  # past eight series: dashed lines
@@ -233,13 +265,23 @@ def line_chart(xs: list, series: dict[str, list[float | None]], title: str, x_la
             if _finite(v):
                 if tip is None:
                     tip = f"{name}: {_label(x)} → {fmt(v)}" if name else f"{_label(x)} → {fmt(v)}"
-                out.append(f'<circle class="point" cx="{px:.1f}" cy="{f.y(v):.1f}" r="3" fill="{col}">'
-                           f"<title>{escape(tip)}</title></circle>")
+                out.append(
+                    f'<circle class="point" cx="{px:.1f}" cy="{f.y(v):.1f}" r="3" fill="{col}">'
+                    f"<title>{escape(tip)}</title></circle>"
+                )
     return f.close(out)
 
 
-def bar_chart(categories: list, groups: dict[str, list], title: str, x_label: str = "", y_label: str = "",
-              lo: float | None = None, hi: float | None = None, size: tuple[int, int] = (560, 320)) -> str:
+def bar_chart(
+    categories: list,
+    groups: dict[str, list],
+    title: str,
+    x_label: str = "",
+    y_label: str = "",
+    lo: float | None = None,
+    hi: float | None = None,
+    size: tuple[int, int] = (560, 320),
+) -> str:
     """Vertical grouped bars: for each category, one bar per group (name -> one entry per
     category: None, or a dict with ``mean``, optional ``se`` (an error bar of ± se),
     ``points`` (values drawn as dots over the bar), ``tip`` (the bar's hover text) and
@@ -263,8 +305,17 @@ def bar_chart(categories: list, groups: dict[str, list], title: str, x_label: st
     slant = _text_w(labels and max(labels, key=len) or "") > 150
     cat_w = max(64, 26 * n_groups + 24, min(160, _text_w("m" * longest) + 12))
     x_label_h = 15 if not slant else 12 + int(0.7 * _text_w("m" * min(longest, 40)))
-    f = _Frame(title, lo, hi, size, legend if named else [], x_label, y_label, min_pw=cat_w * max(1, len(categories)),
-               x_label_h=x_label_h)
+    f = _Frame(
+        title,
+        lo,
+        hi,
+        size,
+        legend if named else [],
+        x_label,
+        y_label,
+        min_pw=cat_w * max(1, len(categories)),
+        x_label_h=x_label_h,
+    )
     cat_w = f.pw / max(1, len(categories))
     bar_w = min(44.0, (cat_w - 16) / n_groups)
     base = f.y(max(lo, min(0.0, hi)))
@@ -273,8 +324,10 @@ def bar_chart(categories: list, groups: dict[str, list], title: str, x_label: st
         cx = f.left + (i + 0.5) * cat_w
         ty = f.top + f.ph + 15
         if slant:
-            out.append(f'<text x="{cx:.1f}" y="{ty}" transform="rotate(-35 {cx:.1f} {ty})" text-anchor="end" '
-                       f'class="axis">{escape(label)}</text>')
+            out.append(
+                f'<text x="{cx:.1f}" y="{ty}" transform="rotate(-35 {cx:.1f} {ty})" text-anchor="end" '
+                f'class="axis">{escape(label)}</text>'
+            )
         else:
             out.append(f'<text x="{cx:.1f}" y="{ty}" text-anchor="middle" class="axis">{escape(label)}</text>')
     for k, (name, entries) in enumerate(groups.items()):
@@ -287,23 +340,29 @@ def bar_chart(categories: list, groups: dict[str, list], title: str, x_label: st
             top = f.y(e["mean"])
             y0, h = min(top, base), abs(base - top)
             tip = e.get("tip") or (f"{name}: {fmt(e['mean'])}" if name else fmt(e["mean"]))
-            out.append(f'<rect class="bar" data-series="{escape(name)}" data-category="{escape(labels[i])}" '
-                       f'x="{x0 + 1:.1f}" y="{y0:.1f}" width="{max(bar_w - 2, 1):.1f}" height="{h:.1f}" fill="{col}" '
-                       f'fill-opacity="0.75"><title>{escape(tip)}</title></rect>')
+            out.append(
+                f'<rect class="bar" data-series="{escape(name)}" data-category="{escape(labels[i])}" '
+                f'x="{x0 + 1:.1f}" y="{y0:.1f}" width="{max(bar_w - 2, 1):.1f}" height="{h:.1f}" fill="{col}" '
+                f'fill-opacity="0.75"><title>{escape(tip)}</title></rect>'
+            )
             if _finite(e.get("se")) and e["se"] > 0:
                 y_lo, y_hi = f.y(e["mean"] - e["se"]), f.y(e["mean"] + e["se"])
                 cap = min(8.0, bar_w / 3)
-                out.append(f'<g class="err"><line x1="{cx:.1f}" y1="{y_hi:.2f}" x2="{cx:.1f}" y2="{y_lo:.2f}" '
-                           f'stroke="#222" stroke-width="1.5"/>'
-                           f'<line x1="{cx - cap:.1f}" y1="{y_hi:.2f}" x2="{cx + cap:.1f}" y2="{y_hi:.2f}" stroke="#222" stroke-width="1.5"/>'
-                           f'<line x1="{cx - cap:.1f}" y1="{y_lo:.2f}" x2="{cx + cap:.1f}" y2="{y_lo:.2f}" stroke="#222" stroke-width="1.5"/>'
-                           f"<title>{escape(tip)}</title></g>")
+                out.append(
+                    f'<g class="err"><line x1="{cx:.1f}" y1="{y_hi:.2f}" x2="{cx:.1f}" y2="{y_lo:.2f}" '
+                    f'stroke="#222" stroke-width="1.5"/>'
+                    f'<line x1="{cx - cap:.1f}" y1="{y_hi:.2f}" x2="{cx + cap:.1f}" y2="{y_hi:.2f}" stroke="#222" stroke-width="1.5"/>'
+                    f'<line x1="{cx - cap:.1f}" y1="{y_lo:.2f}" x2="{cx + cap:.1f}" y2="{y_lo:.2f}" stroke="#222" stroke-width="1.5"/>'
+                    f"<title>{escape(tip)}</title></g>"
+                )
             points = [p for p in e.get("points") or ()]
             point_tips = e.get("point_tips") or [None] * len(points)
             for j, (p, ptip) in enumerate(zip(points, point_tips)):
                 if not _finite(p):
                     continue
                 offset = 0.0 if len(points) == 1 else (j / (len(points) - 1) - 0.5) * bar_w * 0.5  # spread, never random
-                out.append(f'<circle class="dot" cx="{cx + offset:.1f}" cy="{f.y(p):.1f}" r="2.5" fill="#222" '
-                           f'fill-opacity="0.7"><title>{escape(ptip or fmt(p))}</title></circle>')
+                out.append(
+                    f'<circle class="dot" cx="{cx + offset:.1f}" cy="{f.y(p):.1f}" r="2.5" fill="#222" '
+                    f'fill-opacity="0.7"><title>{escape(ptip or fmt(p))}</title></circle>'
+                )
     return f.close(out)

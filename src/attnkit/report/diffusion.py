@@ -79,18 +79,21 @@ def _figures(tokens: list[str], maps, image_uri: str | None, label: str) -> str:
     for i, token in enumerate(tokens):
         m = np.asarray(maps[i], dtype=np.float64)
         lo, hi = (float(m.min()), float(m.max())) if m.size else (0.0, 0.0)
-        over = ' over' if image_uri else ''
+        over = " over" if image_uri else ""
         base = f'<img class="image" src="{image_uri}" alt="">' if image_uri else ""
         alt = escape(f"attention to token {i} ({token}), {label}")
-        out.append(f'<figure class="token-map" data-token="{i}"><div class="stack{over}">{base}'
-                   f'<img class="heat" src="{_data_uri(heat_pixels(m, lo, hi))}" alt="{alt}"></div>'
-                   f'<figcaption><span class="num">{i}</span> {escape(token)} <span class="num">{lo:.3g}–{hi:.3g}</span>'
-                   "</figcaption></figure>")
+        out.append(
+            f'<figure class="token-map" data-token="{i}"><div class="stack{over}">{base}'
+            f'<img class="heat" src="{_data_uri(heat_pixels(m, lo, hi))}" alt="{alt}"></div>'
+            f'<figcaption><span class="num">{i}</span> {escape(token)} <span class="num">{lo:.3g}–{hi:.3g}</span>'
+            "</figcaption></figure>"
+        )
     return '<div class="maps">' + "".join(out) + "</div>"
 
 
-def render_token_maps_html(tokens: list[str], sections: list[tuple[str, object]], *, image=None, meta: dict | None = None,
-                           title: str = "attnkit inspect") -> str:
+def render_token_maps_html(
+    tokens: list[str], sections: list[tuple[str, object]], *, image=None, meta: dict | None = None, title: str = "attnkit inspect"
+) -> str:
     """The page: ``sections`` is [(label, maps (T, h, w))], each drawn as one heatmap per
     token of ``tokens`` (each from its own minimum to maximum, given under it); ``image`` the
     generated image (H, W, 3) in [0, 1] to draw them over; ``meta`` shown as a table."""
@@ -103,8 +106,11 @@ def render_token_maps_html(tokens: list[str], sections: list[tuple[str, object]]
     layers = meta.get("layers") or []
     parts = [f'<section id="run"><h2>Run</h2><table class="meta">{rows}</table>']
     if layers:
-        parts.append(f"<details><summary>{len(layers)} attention layers measured</summary><p class=\"note\">"
-                     + ", ".join(escape(str(n)) for n in layers) + "</p></details>")
+        parts.append(
+            f'<details><summary>{len(layers)} attention layers measured</summary><p class="note">'
+            + ", ".join(escape(str(n)) for n in layers)
+            + "</p></details>"
+        )
     if image_uri:
         parts.append(f'<p><img src="{image_uri}" alt="generated image" style="width:256px;image-rendering:auto"></p>')
     parts.append("</section>")
@@ -112,16 +118,22 @@ def render_token_maps_html(tokens: list[str], sections: list[tuple[str, object]]
     for k, (label, maps) in enumerate(sections):
         anchor = f"maps-{k}"
         nav.append(f'<a href="#{anchor}">{escape(label)}</a>')
-        parts.append(f'<section id="{anchor}"><h2>Token maps — {escape(label)}</h2><p class="note">Per text token, its '
-                     "cross-attention weight at each image position, averaged over the measured layers and heads and the "
-                     "steps of this range (Prompt-to-Prompt, arXiv 2208.01626). Each map spans its own minimum (dark) to maximum "
-                     "(bright), given under it"
-                     + (" and drawn over the generated image (hover to see through it)" if image_uri else "") + ".</p>"
-                     + _figures(tokens, maps, image_uri, label) + "</section>")
-    return ("<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<meta name=\"viewport\" content=\"width=device-width,initial-scale=1\"><title>{escape(title)}</title>"
-            f"<style>{_asset('report.css')}{_CSS}</style></head><body><header><h1>{escape(title)}</h1></header>"
-            f"<nav>{''.join(nav)}</nav><main>{''.join(parts)}</main></body></html>")
+        parts.append(
+            f'<section id="{anchor}"><h2>Token maps — {escape(label)}</h2><p class="note">Per text token, its '
+            "cross-attention weight at each image position, averaged over the measured layers and heads and the "
+            "steps of this range (Prompt-to-Prompt, arXiv 2208.01626). Each map spans its own minimum (dark) to maximum "
+            "(bright), given under it"
+            + (" and drawn over the generated image (hover to see through it)" if image_uri else "")
+            + ".</p>"
+            + _figures(tokens, maps, image_uri, label)
+            + "</section>"
+        )
+    return (
+        '<!doctype html><html lang="en"><head><meta charset="utf-8">'
+        f'<meta name="viewport" content="width=device-width,initial-scale=1"><title>{escape(title)}</title>'
+        f"<style>{_asset('report.css')}{_CSS}</style></head><body><header><h1>{escape(title)}</h1></header>"
+        f"<nav>{''.join(nav)}</nav><main>{''.join(parts)}</main></body></html>"
+    )
 
 
 def _fmt(v) -> str:
@@ -132,8 +144,15 @@ def _fmt(v) -> str:
     return "–" if v is None else str(v)
 
 
-def write_token_maps_report(tokens: list[str], sections: list[tuple[str, object]], out_dir: str, *, image=None,
-                            meta: dict | None = None, title: str = "attnkit inspect") -> dict:
+def write_token_maps_report(
+    tokens: list[str],
+    sections: list[tuple[str, object]],
+    out_dir: str,
+    *,
+    image=None,
+    meta: dict | None = None,
+    title: str = "attnkit inspect",
+) -> dict:
     """Write ``report.html`` and ``maps.safetensors`` (one (T, h, w) float32 tensor per
     section, named ``maps.0``, ``maps.1``, ...; ``maps.json`` names them and the tokens)
     into ``out_dir``; returns their paths."""
@@ -152,8 +171,11 @@ def write_token_maps_report(tokens: list[str], sections: list[tuple[str, object]
     if save_file is not None:
         paths["maps"] = os.path.join(out_dir, "maps.safetensors")
         save_file(tensors, paths["maps"])
-    summary = {"tokens": list(tokens), "sections": {f"maps.{k}": label for k, (label, _) in enumerate(sections)},
-               "meta": meta or {}}
+    summary = {
+        "tokens": list(tokens),
+        "sections": {f"maps.{k}": label for k, (label, _) in enumerate(sections)},
+        "meta": meta or {},
+    }
     with open(paths["json"], "w", encoding="utf-8") as f:
         json.dump(summary, f, ensure_ascii=False, indent=1, default=str)
     return paths

@@ -47,19 +47,19 @@ def write_figures(profile: AttentionProfile, out_dir: str, dpi: int = 150) -> li
         fig.colorbar(im, ax=ax)
         save(fig, f"heatmap_{metric}")
 
-    bins = sorted((m for m in profile.metrics if is_distance_bin(m)), key=lambda m: parse_bin_label(m[len("distance."):])[0])
+    bins = sorted((m for m in profile.metrics if is_distance_bin(m)), key=lambda m: parse_bin_label(m[len("distance.") :])[0])
     if bins:
         cols = min(len(layers), 4)
         rows = -(-len(layers) // cols)
         fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 2.8 * rows), squeeze=False, sharey=True)
         for ax, layer in zip(axes.flat, layers):
-            for (lay, h) in profile.heads:
+            for lay, h in profile.heads:
                 if lay == layer and profile.has(lay, h, bins[0]):
                     ax.plot(range(len(bins)), [profile.value(lay, h, b) for b in bins], lw=1, alpha=0.8)
             ax.set_title(f"layer {layer}")
-            ax.set_xticks(range(len(bins)), [b[len("distance."):] for b in bins], rotation=60, fontsize=7)
+            ax.set_xticks(range(len(bins)), [b[len("distance.") :] for b in bins], rotation=60, fontsize=7)
             ax.set_ylim(0, 1)
-        for ax in list(axes.flat)[len(layers):]:
+        for ax in list(axes.flat)[len(layers) :]:
             ax.axis("off")
         axes[0][0].set_ylabel("mass")
         fig.suptitle("attention mass by distance |i - j|, one line per head")

@@ -18,10 +18,26 @@ from ..observe import LABELS, TOKEN_VIEW_LIMIT
 from ..observe.distance import parse_bin_label
 from .svg import bars, fmt, heatmap
 
-CLASS_COLOURS = {"sink": "#d1495b", "previous-token": "#edae49", "local": "#66a182", "span-focused": "#8d5a97",
-                 "broad": "#00798c", "mixed": "#bdbdbd"}
-TABLE_METRICS = ("sink.score", "sink.first4", "sink.pos-1", "entropy.norm", "entropy.mean", "distance.mean", "distance.1",
-                 "logit.max", "logit.std", "topkeys.top1")
+CLASS_COLOURS = {
+    "sink": "#d1495b",
+    "previous-token": "#edae49",
+    "local": "#66a182",
+    "span-focused": "#8d5a97",
+    "broad": "#00798c",
+    "mixed": "#bdbdbd",
+}
+TABLE_METRICS = (
+    "sink.score",
+    "sink.first4",
+    "sink.pos-1",
+    "entropy.norm",
+    "entropy.mean",
+    "distance.mean",
+    "distance.1",
+    "logit.max",
+    "logit.std",
+    "topkeys.top1",
+)
 
 
 def _asset(name: str) -> str:
@@ -75,17 +91,26 @@ def _sink_section(profile: AttentionProfile, classes: dict) -> str:
     if "sink.score" in profile.metrics:
         per_layer, labels = [], []
         for layer in profile.layers:
-            scores = [profile.value(layer, h, "sink.score") for (l2, h) in profile.heads if l2 == layer and profile.has(layer, h, "sink.score")]
+            scores = [
+                profile.value(layer, h, "sink.score")
+                for (l2, h) in profile.heads
+                if l2 == layer and profile.has(layer, h, "sink.score")
+            ]
             if scores:
                 per_layer.append(sum(s > eps for s in scores) / len(scores))
                 labels.append(f"layer {layer}")
         scores = profile.values("sink.score")
         rate = sum(s > eps for s in scores.values()) / len(scores)
         top = sorted(((v, lay, h) for (lay, h), v in scores.items()), reverse=True)[:5]
-        parts.append(f'<p class="note">Sink heads (sink score &gt; ε = {eps:g}, Gu et al. 2024, arXiv 2410.10781): '
-                     f"<b>{rate:.1%}</b> of {len(scores)} heads. Strongest: "
-                     + ", ".join(f"L{lay} H{h} ({v:.2f})" for v, lay, h in top) + ".</p>")
-        parts.append('<div class="grid"><div class="figure">' + bars(per_layer, labels, "fraction of sink heads per layer") + "</div>")
+        parts.append(
+            f'<p class="note">Sink heads (sink score &gt; ε = {eps:g}, Gu et al. 2024, arXiv 2410.10781): '
+            f"<b>{rate:.1%}</b> of {len(scores)} heads. Strongest: "
+            + ", ".join(f"L{lay} H{h} ({v:.2f})" for v, lay, h in top)
+            + ".</p>"
+        )
+        parts.append(
+            '<div class="grid"><div class="figure">' + bars(per_layer, labels, "fraction of sink heads per layer") + "</div>"
+        )
     else:
         parts.append('<p class="note">The sink meter did not run.</p><div class="grid">')
     counts = [sum(1 for c in classes.values() if c.label == label) for label in LABELS]
@@ -98,8 +123,10 @@ def _class_grid(profile: AttentionProfile, classes: dict) -> str:
     cw, ch, left, top = 26, 18, 60, 34
     layers = profile.layers
     width, height = left + cw * n_heads + 8, top + ch * len(layers) + 8
-    out = [f'<svg class="heatmap classes" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" aria-label="head classes">',
-           f'<text x="{left}" y="12" class="svg-title">head classes</text>']
+    out = [
+        f'<svg class="heatmap classes" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" aria-label="head classes">',
+        f'<text x="{left}" y="12" class="svg-title">head classes</text>',
+    ]
     for h in range(n_heads):
         out.append(f'<text x="{left + h * cw + cw / 2}" y="{top - 6}" text-anchor="middle" class="axis">{h}</text>')
     for r, layer in enumerate(layers):
@@ -108,7 +135,9 @@ def _class_grid(profile: AttentionProfile, classes: dict) -> str:
             c = classes.get((layer, h))
             fill = CLASS_COLOURS[c.label] if c else "#eeeeee"
             tip = f"layer {layer}, head {h}: " + (", ".join(c.labels) if c else "not measured")
-            out.append(f'<rect x="{left + h * cw}" y="{top + r * ch}" width="{cw - 1}" height="{ch - 1}" fill="{fill}"><title>{escape(tip)}</title></rect>')
+            out.append(
+                f'<rect x="{left + h * cw}" y="{top + r * ch}" width="{cw - 1}" height="{ch - 1}" fill="{fill}"><title>{escape(tip)}</title></rect>'
+            )
     out.append("</svg>")
     legend = "".join(f'<span><i style="background:{CLASS_COLOURS[label]}"></i>{escape(label)}</span>' for label in LABELS)
     return '<div class="figure">' + "".join(out) + f'<div class="legend">{legend}</div></div>'
@@ -118,29 +147,39 @@ def _distance_section(profile: AttentionProfile) -> str:
     bins = [m for m in profile.metrics if is_distance_bin(m)]
     if not bins:
         return '<p class="note">The distance meter did not run.</p>'
-    bins.sort(key=lambda m: parse_bin_label(m[len("distance."):])[0])
-    labels = [m[len("distance."):] for m in bins]
+    bins.sort(key=lambda m: parse_bin_label(m[len("distance.") :])[0])
+    labels = [m[len("distance.") :] for m in bins]
     figs = []
     for layer in profile.layers:
         heads = sorted(h for (lay, h) in profile.heads if lay == layer and profile.has(layer, h, bins[0]))
         if not heads:
             continue
         grid = [[profile.value(layer, h, b) for b in bins] for h in heads]
-        figs.append('<div class="figure">' + heatmap(grid, [f"head {h}" for h in heads], labels, f"layer {layer}: mass by |i − j|",
-                                                    lo=0.0, hi=1.0, cell=(30, 16)) + "</div>")
+        figs.append(
+            '<div class="figure">'
+            + heatmap(
+                grid, [f"head {h}" for h in heads], labels, f"layer {layer}: mass by |i − j|", lo=0.0, hi=1.0, cell=(30, 16)
+            )
+            + "</div>"
+        )
     return '<div class="grid">' + "".join(figs) + "</div>"
 
 
 def _heads_table(profile: AttentionProfile, classes: dict) -> str:
     spans = [m for m in profile.metrics if m.startswith("span.") and not m.endswith(".uniform")]
     cols = [m for m in TABLE_METRICS if m in profile.metrics] + spans
-    head = ('<th data-type="number">layer</th><th data-type="number">head</th><th data-type="text">class</th>'
-            + "".join(f'<th data-type="number">{escape(m)}</th>' for m in cols))
+    head = '<th data-type="number">layer</th><th data-type="number">head</th><th data-type="text">class</th>' + "".join(
+        f'<th data-type="number">{escape(m)}</th>' for m in cols
+    )
     body = []
     for layer, h in profile.heads:
         c = classes.get((layer, h))
         label = ", ".join(c.labels) if c else ""
-        cells = [f'<td data-v="{layer}">{layer}</td>', f'<td data-v="{h}">{h}</td>', f'<td class="label" data-v="{escape(label)}">{escape(label)}</td>']
+        cells = [
+            f'<td data-v="{layer}">{layer}</td>',
+            f'<td data-v="{h}">{h}</td>',
+            f'<td class="label" data-v="{escape(label)}">{escape(label)}</td>',
+        ]
         for m in cols:
             if profile.has(layer, h, m):
                 v = profile.value(layer, h, m)
@@ -148,8 +187,10 @@ def _heads_table(profile: AttentionProfile, classes: dict) -> str:
             else:
                 cells.append('<td data-v="">–</td>')
         body.append("<tr>" + "".join(cells) + "</tr>")
-    return (f'<div class="table-wrap"><table class="heads sortable"><thead><tr>{head}</tr></thead>'
-            f'<tbody>{"".join(body)}</tbody></table></div>')
+    return (
+        f'<div class="table-wrap"><table class="heads sortable"><thead><tr>{head}</tr></thead>'
+        f"<tbody>{''.join(body)}</tbody></table></div>"
+    )
 
 
 def _token_data(profile: AttentionProfile, heads: list[tuple[int, int]], classes: dict) -> dict:
@@ -160,9 +201,16 @@ def _token_data(profile: AttentionProfile, heads: list[tuple[int, int]], classes
         index, weight = d["index"], d["weight"]
         if index.dim() == 3:  # (B, R, k): the token view shows batch row 0
             index, weight = index[0], weight[0]
-        out.append({"layer": layer, "head": h, "label": classes[(layer, h)].label if (layer, h) in classes else "",
-                    "q_start": int(d["q_start"]), "index": index.tolist(),
-                    "weight": [[round(float(x), 4) for x in row] for row in weight.tolist()]})
+        out.append(
+            {
+                "layer": layer,
+                "head": h,
+                "label": classes[(layer, h)].label if (layer, h) in classes else "",
+                "q_start": int(d["q_start"]),
+                "index": index.tolist(),
+                "weight": [[round(float(x), 4) for x in row] for row in weight.tolist()],
+            }
+        )
     return {"tokens": profile.tokens, "heads": out}
 
 
@@ -174,25 +222,48 @@ def render_html(profile: AttentionProfile, *, token_heads=None, title: str | Non
     meta = profile.meta
     n_tokens = meta.get("tokens", len(profile.tokens or []))
     title = title or f"attnkit inspect — {meta.get('model', 'model')}"
-    meta_line = (f"{meta.get('model', '?')} ({meta.get('model_type', '?')}) · {n_tokens} tokens"
-                 + (f" (truncated from {meta['truncated_from']})" if meta.get("truncated_from") else "")
-                 + f" · {len(profile.layers)} layers × {_n_heads(profile)} heads · mechanism {meta.get('mechanism', 'softmax')}"
-                 + (f" · measured in {meta['seconds']:.2f} s" if isinstance(meta.get("seconds"), (int, float)) else ""))
+    meta_line = (
+        f"{meta.get('model', '?')} ({meta.get('model_type', '?')}) · {n_tokens} tokens"
+        + (f" (truncated from {meta['truncated_from']})" if meta.get("truncated_from") else "")
+        + f" · {len(profile.layers)} layers × {_n_heads(profile)} heads · mechanism {meta.get('mechanism', 'softmax')}"
+        + (f" · measured in {meta['seconds']:.2f} s" if isinstance(meta.get("seconds"), (int, float)) else "")
+    )
     n_heads = _n_heads(profile)
     heat = []
     for metric in heatmap_metrics(profile):
         grid = _grid(profile, metric)
         rows = [grid[layer] for layer in profile.layers]
-        heat.append('<div class="figure">' + heatmap(rows, [f"layer {lay}" for lay in profile.layers], [str(h) for h in range(n_heads)], metric,
-                                                    tooltip=lambda r, c, v, m=metric: f"layer {profile.layers[r]}, head {c}: {m} = {fmt(v)}") + "</div>")
+        heat.append(
+            '<div class="figure">'
+            + heatmap(
+                rows,
+                [f"layer {lay}" for lay in profile.layers],
+                [str(h) for h in range(n_heads)],
+                metric,
+                tooltip=lambda r, c, v, m=metric: f"layer {profile.layers[r]}, head {c}: {m} = {fmt(v)}",
+            )
+            + "</div>"
+        )
     sections = [
-        ("summary", "Sinks and head classes", _sink_section(profile, classes)
-         + '<div class="grid">' + _class_grid(profile, classes) + "</div>"),
-        ("heatmaps", "Metrics by layer and head",
-         '<p class="note">Hover a cell for its value. Means over every query row measured; see docs/inspect.md for each metric.</p>'
-         + '<div class="grid">' + "".join(heat) + "</div>"),
-        ("distance", "Distance profiles", '<p class="note">Mean attention mass a query puts on keys at each distance |i − j| (log-spaced bins).</p>'
-         + _distance_section(profile)),
+        (
+            "summary",
+            "Sinks and head classes",
+            _sink_section(profile, classes) + '<div class="grid">' + _class_grid(profile, classes) + "</div>",
+        ),
+        (
+            "heatmaps",
+            "Metrics by layer and head",
+            '<p class="note">Hover a cell for its value. Means over every query row measured; see docs/inspect.md for each metric.</p>'
+            + '<div class="grid">'
+            + "".join(heat)
+            + "</div>",
+        ),
+        (
+            "distance",
+            "Distance profiles",
+            '<p class="note">Mean attention mass a query puts on keys at each distance |i − j| (log-spaced bins).</p>'
+            + _distance_section(profile),
+        ),
         ("heads", "All heads", '<p class="note">Click a column to sort.</p>' + _heads_table(profile, classes)),
     ]
     data_script = ""
@@ -201,13 +272,29 @@ def render_html(profile: AttentionProfile, *, token_heads=None, title: str | Non
         heads = choose_token_heads(profile, classes) if token_heads is None else [tuple(x) for x in token_heads]
         missing = [x for x in heads if x not in profile.arrays["top_keys"]]
         if missing:
-            raise ValueError(f"token_heads: {missing} have no top keys in this profile (measured: {sorted(profile.arrays['top_keys'])[:8]}...)")
-        data_script = f'<script type="application/json" id="attnkit-data">{_json_for_script(_token_data(profile, heads, classes))}</script>'
-        sections.append(("tokens", "Token view", '<p class="note">Pick a head, then hover (or tab to) a token: its top keys light up.</p>'
-                         '<div id="token-view"><div class="controls"><label>head <select></select></label></div>'
-                         '<div class="tokens"></div><div class="info"></div></div>'))
+            raise ValueError(
+                f"token_heads: {missing} have no top keys in this profile (measured: {sorted(profile.arrays['top_keys'])[:8]}...)"
+            )
+        data_script = (
+            f'<script type="application/json" id="attnkit-data">{_json_for_script(_token_data(profile, heads, classes))}</script>'
+        )
+        sections.append(
+            (
+                "tokens",
+                "Token view",
+                '<p class="note">Pick a head, then hover (or tab to) a token: its top keys light up.</p>'
+                '<div id="token-view"><div class="controls"><label>head <select></select></label></div>'
+                '<div class="tokens"></div><div class="info"></div></div>',
+            )
+        )
     elif tokens and len(tokens) > TOKEN_VIEW_LIMIT:
-        sections.append(("tokens", "Token view", f'<p class="note">The token view is drawn for inputs up to {TOKEN_VIEW_LIMIT} tokens; this one has {len(tokens)}.</p>'))
+        sections.append(
+            (
+                "tokens",
+                "Token view",
+                f'<p class="note">The token view is drawn for inputs up to {TOKEN_VIEW_LIMIT} tokens; this one has {len(tokens)}.</p>',
+            )
+        )
     nav = "".join(f'<a href="#{sid}">{escape(name)}</a>' for sid, name, _ in sections)
     body = "".join(f'<section id="{sid}"><h2>{escape(name)}</h2>{content}</section>' for sid, name, content in sections)
     return (
@@ -217,4 +304,3 @@ def render_html(profile: AttentionProfile, *, token_heads=None, title: str | Non
         f'<header><h1>{escape(title)}</h1><p class="meta">{escape(meta_line)}</p></header>'
         f"<nav>{nav}</nav><main>{body}</main>{data_script}<script>{_asset('report.js')}</script></body></html>"
     )
-

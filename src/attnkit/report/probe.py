@@ -123,8 +123,11 @@ def _split_values(result, metrics=None, where=None) -> list:
     """The values of the ``steered`` column among the rows of ``metrics`` (all when None)
     at ``where``, when there are several (None for rows without the column); else [None]:
     one panel of every row."""
-    rows = [r for r in result.rows if (metrics is None or r["metric"] in metrics)
-            and all(r.get(k) == v for k, v in (where or {}).items())]
+    rows = [
+        r
+        for r in result.rows
+        if (metrics is None or r["metric"] in metrics) and all(r.get(k) == v for k, v in (where or {}).items())
+    ]
     values = sorted(dict.fromkeys(r.get(SPLIT) for r in rows), key=_sort_key)
     return values if len(values) > 1 else [ALL]
 
@@ -149,8 +152,12 @@ def _range(values: list[float], spec: dict) -> tuple[float, float]:
     of a few percent) still show."""
     fixed = spec.get("range")
     if fixed is not None:
-        if (not isinstance(fixed, (list, tuple)) or len(fixed) != 2 or not all(_is_number(v) for v in fixed)
-                or not fixed[0] < fixed[1]):
+        if (
+            not isinstance(fixed, (list, tuple))
+            or len(fixed) != 2
+            or not all(_is_number(v) for v in fixed)
+            or not fixed[0] < fixed[1]
+        ):
             raise ValueError(f"'range' must be [lo, hi] with lo < hi, got {fixed!r}")
         return float(fixed[0]), float(fixed[1])
     finite = [v for v in values if v is not None and not math.isnan(v)]
@@ -224,16 +231,32 @@ def _heatmap_figure(result, spec: dict, splits: list) -> list[str]:
     out = []
     for split, t in tables:
         labels_r, labels_c = [_label(v) for v in t.row_labels], [_label(v) for v in t.col_labels]
-        tip = (lambda r, c, v, lr=labels_r, lc=labels_c: f"{rows} {lr[r]}, {cols} {lc[c]}: {metric} = {fmt(v)}")
+        tip = lambda r, c, v, lr=labels_r, lc=labels_c: f"{rows} {lr[r]}, {cols} {lc[c]}: {metric} = {fmt(v)}"
         cw = max(CELL[0], min(64, 7 * max(len(s) for s in labels_c) + 8))
         if cw * len(labels_c) > GRID_WIDTH:  # a very wide grid (a layer × head map of many heads): narrower cells
             cw = max(14, GRID_WIDTH // len(labels_c))
         values = spec.get("values")
         values = len(labels_c) <= VALUES_MAX_COLS and cw >= 30 if values is None else bool(values)
         name = _panel_title(title, split)
-        out.append(_panel(name, heatmap(t.values, labels_r, labels_c, name, lo=lo, hi=hi, cell=(cw, CELL[1]),
-                                        tooltip=tip, x_title=x_title, y_title=y_title, values=values,
-                                        scale_title=f"colour: {metric}")))
+        out.append(
+            _panel(
+                name,
+                heatmap(
+                    t.values,
+                    labels_r,
+                    labels_c,
+                    name,
+                    lo=lo,
+                    hi=hi,
+                    cell=(cw, CELL[1]),
+                    tooltip=tip,
+                    x_title=x_title,
+                    y_title=y_title,
+                    values=values,
+                    scale_title=f"colour: {metric}",
+                ),
+            )
+        )
     return out
 
 
@@ -258,8 +281,7 @@ def _curve_figure(result, spec: dict, splits: list) -> list[str]:
     ref_name = _where_text(reference) if reference else ""
 
     def name_of(m, g):
-        return " · ".join(part for part in ((m if len(metrics) > 1 else ""), (f"{series}={_label(g)}" if series else ""))
-                          if part)
+        return " · ".join(part for part in ((m if len(metrics) > 1 else ""), (f"{series}={_label(g)}" if series else "")) if part)
 
     panels = []  # (title, xs, lines, bands, tips, references)
     for steered in splits:
@@ -294,8 +316,9 @@ def _curve_figure(result, spec: dict, splits: list) -> list[str]:
                     lines[name] = [s.mean if s else None for s in stats]
                     if spread:
                         bands[name] = [(s.mean - s.se, s.mean + s.se) if s and s.se is not None else None for s in stats]
-                        tips[name] = [f"{name + ': ' if name else ''}{_label(v)} → {s.text()}" if s else None
-                                      for v, s in zip(xs, stats)]
+                        tips[name] = [
+                            f"{name + ': ' if name else ''}{_label(v)} → {s.text()}" if s else None for v, s in zip(xs, stats)
+                        ]
             refs = []
             for m in metrics:
                 mrows = [r for r in prefs if r["metric"] == m]
@@ -308,8 +331,13 @@ def _curve_figure(result, spec: dict, splits: list) -> list[str]:
                     refs.append({"name": name, "value": s.mean, "tip": f"{name}, {x}={_label(at[0])}: {s.text()}"})
                 else:
                     stats = [Stats([r for r in mrows if r[x] == v], spread) if v in at else None for v in xs]
-                    refs.append({"name": name, "ys": [s.mean if s else None for s in stats],
-                                 "tips": [f"{name}: {_label(v)} → {s.text()}" if s else None for v, s in zip(xs, stats)]})
+                    refs.append(
+                        {
+                            "name": name,
+                            "ys": [s.mean if s else None for s in stats],
+                            "tips": [f"{name}: {_label(v)} → {s.text()}" if s else None for v, s in zip(xs, stats)],
+                        }
+                    )
             panels.append((_panel_title(_panel_title(title, steered), value, split_by or SPLIT), xs, lines, bands, tips, refs))
     if not panels:
         raise ValueError(f"curve: no numeric rows of {', '.join(map(repr, metrics))} with {x!r}")
@@ -322,9 +350,13 @@ def _curve_figure(result, spec: dict, splits: list) -> list[str]:
         lo, hi = _range(means + ends, spec)
     x_title = _title_of(spec, "x_title", x)
     y_title = _title_of(spec, "y_title", metrics[0] if len(metrics) == 1 else "value")
-    return [_panel(name, line_chart(xs, lines, name, x_label=x_title, y_label=y_title, lo=lo, hi=hi, bands=bands,
-                                    tips=tips, references=refs))
-            for name, xs, lines, bands, tips, refs in panels]
+    return [
+        _panel(
+            name,
+            line_chart(xs, lines, name, x_label=x_title, y_label=y_title, lo=lo, hi=hi, bands=bands, tips=tips, references=refs),
+        )
+        for name, xs, lines, bands, tips, refs in panels
+    ]
 
 
 def _bars_figure(result, spec: dict, splits: list) -> list[str]:
@@ -353,9 +385,15 @@ def _bars_figure(result, spec: dict, splits: list) -> list[str]:
                     continue
                 s = Stats(cell, spread)
                 where = f"{x}={_label(c)}" + (f", {name}" if name else "")
-                per.append({"mean": s.mean, "se": s.se, "points": s.points,
-                            "tip": f"{where}: mean {s.text()}" if spread else f"{where}: mean {fmt(s.mean)} ({len(cell)} rows)",
-                            "point_tips": [f"{where}, {spread}={_label(k)}: {fmt(v)}" for k, v in zip(s.labels, s.points)]})
+                per.append(
+                    {
+                        "mean": s.mean,
+                        "se": s.se,
+                        "points": s.points,
+                        "tip": f"{where}: mean {s.text()}" if spread else f"{where}: mean {fmt(s.mean)} ({len(cell)} rows)",
+                        "point_tips": [f"{where}, {spread}={_label(k)}: {fmt(v)}" for k, v in zip(s.labels, s.points)],
+                    }
+                )
             entries[name] = per
         panels.append((_panel_title(title, steered), categories, entries))
     if not panels:
@@ -363,14 +401,22 @@ def _bars_figure(result, spec: dict, splits: list) -> list[str]:
     values = [e["mean"] for _, _, entries in panels for per in entries.values() for e in per if e]
     lo, hi = _range(values, spec)
     if spec.get("range") is None:
-        extra = [v for _, _, entries in panels for per in entries.values() for e in per if e
-                 for v in ([e["mean"] - e["se"], e["mean"] + e["se"]] if e["se"] is not None else []) + e["points"]]
+        extra = [
+            v
+            for _, _, entries in panels
+            for per in entries.values()
+            for e in per
+            if e
+            for v in ([e["mean"] - e["se"], e["mean"] + e["se"]] if e["se"] is not None else []) + e["points"]
+        ]
         if (lo, hi) != (0.0, 1.0) or any(v < 0 or v > 1 for v in extra):
             lo, hi = _range(values + extra, spec)
         lo = min(lo, 0.0) if hi > 0 else lo  # bars rise from 0
     x_title, y_title = _title_of(spec, "x_title", x), _title_of(spec, "y_title", metric)
-    return [_panel(name, bar_chart(categories, entries, name, x_label=x_title, y_label=y_title, lo=lo, hi=hi))
-            for name, categories, entries in panels]
+    return [
+        _panel(name, bar_chart(categories, entries, name, x_label=x_title, y_label=y_title, lo=lo, hi=hi))
+        for name, categories, entries in panels
+    ]
 
 
 _KINDS = {"heatmap": _heatmap_figure, "curve": _curve_figure, "bars": _bars_figure}
@@ -419,10 +465,15 @@ def results_table(result, max_rows: int = MAX_ROWS) -> str:
     head = "".join(f'<th data-type="{"number" if numeric[c] else "text"}">{escape(c)}</th>' for c in columns)
     shown = result.rows[:max_rows]
     body = "".join("<tr>" + "".join(_cell(r.get(c)) for c in columns) + "</tr>" for r in shown)
-    note = ("Click a column to sort." if len(result.rows) <= max_rows else
-            f"Showing the first {max_rows} of {len(result.rows)} rows (click a column to sort them); results.csv holds every row.")
-    return (f'<p class="note">{escape(note)}</p><div class="table-wrap"><table class="heads sortable results">'
-            f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>")
+    note = (
+        "Click a column to sort."
+        if len(result.rows) <= max_rows
+        else f"Showing the first {max_rows} of {len(result.rows)} rows (click a column to sort them); results.csv holds every row."
+    )
+    return (
+        f'<p class="note">{escape(note)}</p><div class="table-wrap"><table class="heads sortable results">'
+        f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
+    )
 
 
 # -- examples --------------------------------------------------------------------------------------
@@ -462,8 +513,13 @@ def _excerpt(prompt: str, anchors: list, width: int = 70) -> str:
         if i < 0:
             continue
         lo, hi = max(0, i - width), min(len(prompt), i + len(a) + width)
-        return ("…" if lo > 0 else "") + escape(prompt[lo:i]) + f"<mark>{escape(prompt[i:i + len(a)])}</mark>" \
-            + escape(prompt[i + len(a):hi]) + ("…" if hi < len(prompt) else "")
+        return (
+            ("…" if lo > 0 else "")
+            + escape(prompt[lo:i])
+            + f"<mark>{escape(prompt[i : i + len(a)])}</mark>"
+            + escape(prompt[i + len(a) : hi])
+            + ("…" if hi < len(prompt) else "")
+        )
     tail = 2 * width
     return ("…" if len(prompt) > tail else "") + escape(prompt[-tail:])
 
@@ -500,14 +556,18 @@ def examples_table(examples: list[dict], limit: int = MAX_EXAMPLES) -> str:
             text = "" if v is None else _short_text(v)
             cells.append(f'<td class="text" data-v="{escape(text)}">{escape(text)}</td>')
         mark = "✓" if score >= 1 else "✗" + (f" ({fmt(score)})" if partial and score > 0 else "")
-        cells.append(f'<td class="{"ok" if score >= 1 else "bad"}" data-v="{score!r}" '
-                     f'title="score {escape(fmt(score))}">{escape(mark)}</td>')
+        cells.append(
+            f'<td class="{"ok" if score >= 1 else "bad"}" data-v="{score!r}" '
+            f'title="score {escape(fmt(score))}">{escape(mark)}</td>'
+        )
         body.append(f'<tr class="{"pass" if score >= 1 else "fail"}">' + "".join(cells) + "</tr>")
     note = f"{failures} of {len(examples)} answers wrong (score < 1); failures first. Click a column to sort."
     if len(examples) > limit:
         note += f" Showing {limit} of {len(examples)} examples (every failure first); results.json holds them all."
-    return (f'<p class="note">{escape(note)}</p><div class="table-wrap"><table class="heads sortable examples">'
-            f'<thead><tr>{"".join(head)}</tr></thead><tbody>{"".join(body)}</tbody></table></div>')
+    return (
+        f'<p class="note">{escape(note)}</p><div class="table-wrap"><table class="heads sortable examples">'
+        f"<thead><tr>{''.join(head)}</tr></thead><tbody>{''.join(body)}</tbody></table></div>"
+    )
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -552,13 +612,18 @@ def render_probe_html(result, *, title: str | None = None, max_rows: int = MAX_R
     if not isinstance(specs, list):
         specs = [specs]
     if specs:
-        figures = ('<p class="note">Hover a cell, point or bar for its value.</p><div class="grid">'
-                   + "".join(figure_html(result, spec) for spec in specs) + "</div>")
+        figures = (
+            '<p class="note">Hover a cell, point or bar for its value.</p><div class="grid">'
+            + "".join(figure_html(result, spec) for spec in specs)
+            + "</div>"
+        )
         splits = [s for s in _split_values(result) if s is not ALL and s is not None]
         if splits:
-            figures = (f'<p class="note">A figure whose rows differ in {escape(SPLIT)} '
-                       f"({escape(', '.join(_label(s) for s in splits))}) is drawn once per value, side by side on one scale.</p>"
-                       + figures)
+            figures = (
+                f'<p class="note">A figure whose rows differ in {escape(SPLIT)} '
+                f"({escape(', '.join(_label(s) for s in splits))}) is drawn once per value, side by side on one scale.</p>"
+                + figures
+            )
     else:
         figures = '<p class="note">This probe declared no figures; its rows are below.</p>'
     sections = [("figures", "Figures", figures)]
@@ -568,11 +633,13 @@ def render_probe_html(result, *, title: str | None = None, max_rows: int = MAX_R
     sections += [("results", "Results", results_table(result, max_rows)), ("run", "Run", meta_table(result))]
     nav = "".join(f'<a href="#{sid}">{escape(name)}</a>' for sid, name, _ in sections)
     body = "".join(f'<section id="{sid}"><h2>{escape(name)}</h2>{content}</section>' for sid, name, content in sections)
-    return ('<!doctype html><html lang="en"><head><meta charset="utf-8">'
-            '<meta name="viewport" content="width=device-width, initial-scale=1">'
-            f"<title>{escape(title)}</title><style>{_asset('report.css')}{_CSS}</style></head><body>"
-            f'<header><h1>{escape(title)}</h1><p class="meta">{escape(line)}</p></header>'
-            f"<nav>{nav}</nav><main>{body}</main><script>{_asset('report.js')}</script></body></html>")
+    return (
+        '<!doctype html><html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{escape(title)}</title><style>{_asset('report.css')}{_CSS}</style></head><body>"
+        f'<header><h1>{escape(title)}</h1><p class="meta">{escape(line)}</p></header>'
+        f"<nav>{nav}</nav><main>{body}</main><script>{_asset('report.js')}</script></body></html>"
+    )
 
 
 def write_probe_report(result, out_dir: str, *, title: str | None = None, max_rows: int = MAX_ROWS) -> str:

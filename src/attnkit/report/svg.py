@@ -57,10 +57,21 @@ def _ink(fill: str) -> str:
     return "#000" if 0.299 * r + 0.587 * g + 0.114 * b > 140 else "#fff"
 
 
-def heatmap(grid: list[list[float | None]], row_labels: list[str], col_labels: list[str], title: str,
-            lo: float | None = None, hi: float | None = None, cell: tuple[int, int] = (26, 18), tooltip=None, *,
-            x_title: str | None = None, y_title: str | None = None, values: bool = False,
-            scale_title: str | None = None) -> str:
+def heatmap(
+    grid: list[list[float | None]],
+    row_labels: list[str],
+    col_labels: list[str],
+    title: str,
+    lo: float | None = None,
+    hi: float | None = None,
+    cell: tuple[int, int] = (26, 18),
+    tooltip=None,
+    *,
+    x_title: str | None = None,
+    y_title: str | None = None,
+    values: bool = False,
+    scale_title: str | None = None,
+) -> str:
     """An SVG heatmap of ``grid`` (rows x cols; None/NaN = not measured) with axis labels
     and a legend; ``tooltip(r, c, value)`` gives each cell's hover text. ``x_title`` and
     ``y_title`` name the axes (the columns' above them, the rows' beside them);
@@ -85,16 +96,22 @@ def heatmap(grid: list[list[float | None]], row_labels: list[str], col_labels: l
         width = max(width, int(left + 6.2 * len(scale_title)) + 8)
     if y_title:
         height = max(height, top + 7 * len(y_title) + 8)
-    out = [f'<svg class="heatmap" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" role="img" aria-label="{escape(title)}">']
+    out = [
+        f'<svg class="heatmap" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" role="img" aria-label="{escape(title)}">'
+    ]
     out.append(f'<text x="{left}" y="12" class="svg-title">{escape(title)}</text>')
     if x_title:
-        out.append(f'<text class="axis-title x-title" x="{left + max(grid_w, 7 * len(x_title)) / 2:.1f}" y="34" '
-                   f'text-anchor="middle">{escape(x_title)}</text>')
+        out.append(
+            f'<text class="axis-title x-title" x="{left + max(grid_w, 7 * len(x_title)) / 2:.1f}" y="34" '
+            f'text-anchor="middle">{escape(x_title)}</text>'
+        )
     if y_title:
         cy = top + max(ch * len(row_labels), 7 * len(y_title)) / 2
-        out.append(f'<text class="axis-title y-title" x="12" y="{cy:.1f}" transform="rotate(-90 12 {cy:.1f})" '
-                   f'text-anchor="middle">{escape(y_title)}</text>')
+        out.append(
+            f'<text class="axis-title y-title" x="12" y="{cy:.1f}" transform="rotate(-90 12 {cy:.1f})" '
+            f'text-anchor="middle">{escape(y_title)}</text>'
+        )
     for c, label in enumerate(col_labels):
         x, y = left + c * cw + cw / 2, top - 6
         if slant:
@@ -107,22 +124,27 @@ def heatmap(grid: list[list[float | None]], row_labels: list[str], col_labels: l
             missing = v is None or math.isnan(v)
             fill = MISSING if missing else colour((v - lo) / span)
             tip = tooltip(r, c, v) if tooltip else f"{row_labels[r]}, {col_labels[c]}: {fmt(v)}"
-            out.append(f'<rect x="{left + c * cw}" y="{top + r * ch}" width="{cw - 1}" height="{ch - 1}" fill="{fill}">'
-                       f"<title>{escape(tip)}</title></rect>")
+            out.append(
+                f'<rect x="{left + c * cw}" y="{top + r * ch}" width="{cw - 1}" height="{ch - 1}" fill="{fill}">'
+                f"<title>{escape(tip)}</title></rect>"
+            )
             if values and not missing:
-                out.append(f'<text class="cell-value" x="{left + c * cw + (cw - 1) / 2:.1f}" y="{top + r * ch + ch / 2 + 3.5:.1f}" '
-                           f'text-anchor="middle" fill="{_ink(fill)}" pointer-events="none">{escape(short(v))}</text>')
+                out.append(
+                    f'<text class="cell-value" x="{left + c * cw + (cw - 1) / 2:.1f}" y="{top + r * ch + ch / 2 + 3.5:.1f}" '
+                    f'text-anchor="middle" fill="{_ink(fill)}" pointer-events="none">{escape(short(v))}</text>'
+                )
     # legend: a gradient bar from lo to hi
     ly = top + ch * len(row_labels) + 12
     lw = max(grid_w, 120)
     steps = 24
     for i in range(steps):
-        out.append(f'<rect x="{left + i * lw / steps}" y="{ly}" width="{lw / steps + 0.5}" height="8" fill="{colour(i / (steps - 1))}"/>')
+        out.append(
+            f'<rect x="{left + i * lw / steps}" y="{ly}" width="{lw / steps + 0.5}" height="8" fill="{colour(i / (steps - 1))}"/>'
+        )
     out.append(f'<text x="{left}" y="{ly + 22}" class="axis">{escape(fmt(lo))}</text>')
     out.append(f'<text x="{left + lw}" y="{ly + 22}" text-anchor="end" class="axis">{escape(fmt(hi))}</text>')
     if scale_title:
-        out.append(f'<text x="{left}" y="{ly + 36}" class="axis scale-title">'
-                   f"{escape(scale_title)}</text>")
+        out.append(f'<text x="{left}" y="{ly + 36}" class="axis scale-title">{escape(scale_title)}</text>')
     out.append("</svg>")
     return "".join(out)
 
@@ -131,13 +153,17 @@ def bars(values: list[float], labels: list[str], title: str, hi: float = 1.0, wi
     """A horizontal bar chart (values in [0, hi])."""
     bh, left = 18, 8 + 7 * max((len(s) for s in labels), default=1)
     height = 24 + bh * len(values) + 8
-    out = [f'<svg class="bars" xmlns="http://www.w3.org/2000/svg" width="{left + width + 60}" height="{height}" role="img" '
-           f'aria-label="{escape(title)}"><text x="{left}" y="12" class="svg-title">{escape(title)}</text>']
+    out = [
+        f'<svg class="bars" xmlns="http://www.w3.org/2000/svg" width="{left + width + 60}" height="{height}" role="img" '
+        f'aria-label="{escape(title)}"><text x="{left}" y="12" class="svg-title">{escape(title)}</text>'
+    ]
     for i, (v, label) in enumerate(zip(values, labels)):
         y = 20 + i * bh
         w = 0 if hi <= 0 else width * min(max(v / hi, 0.0), 1.0)
         out.append(f'<text x="{left - 4}" y="{y + bh * 0.7}" text-anchor="end" class="axis">{escape(label)}</text>')
-        out.append(f'<rect x="{left}" y="{y + 2}" width="{w:.1f}" height="{bh - 4}" fill="{colour(0.35)}"><title>{escape(label)}: {fmt(v)}</title></rect>')
+        out.append(
+            f'<rect x="{left}" y="{y + 2}" width="{w:.1f}" height="{bh - 4}" fill="{colour(0.35)}"><title>{escape(label)}: {fmt(v)}</title></rect>'
+        )
         out.append(f'<text x="{left + w + 4}" y="{y + bh * 0.7}" class="axis">{escape(fmt(v))}</text>')
     out.append("</svg>")
     return "".join(out)

@@ -56,7 +56,9 @@ class Intervention:
         if not heads:
             return None
         if num_heads != self.num_heads:
-            raise ValueError(f"heads: checked against {self.num_heads} query heads per layer, but layer {layer}'s call has {num_heads}")
+            raise ValueError(
+                f"heads: checked against {self.num_heads} query heads per layer, but layer {layer}'s call has {num_heads}"
+            )
         flags = torch.zeros(num_heads, dtype=torch.bool, device=device)
         flags[list(heads)] = True
         return flags
@@ -80,7 +82,7 @@ def query_keep(keep: Tensor | None, out: Tensor) -> Tensor | None:
     """(B, Nq) real query rows of a self-attention call, from the (B, Nk) kept keys."""
     if keep is None:
         return None
-    return keep[:, keep.shape[1] - out.shape[2]:]
+    return keep[:, keep.shape[1] - out.shape[2] :]
 
 
 def softmax_rows(logits: Tensor) -> Tensor:

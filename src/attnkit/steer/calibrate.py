@@ -57,8 +57,7 @@ class PositionCalibration(Intervention):
 
     name = "calibrate_positions"
 
-    def __init__(self, ratio: Tensor, heads="all", strength: float = 1.0, kind: str = "encoder",
-                 edges: tuple[int, int] = (0, 0)):
+    def __init__(self, ratio: Tensor, heads="all", strength: float = 1.0, kind: str = "encoder", edges: tuple[int, int] = (0, 0)):
         super().__init__(heads)
         if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength) or strength < 0:
             raise ValueError(f"strength: expected a finite number >= 0, got {strength!r}")
@@ -68,8 +67,10 @@ class PositionCalibration(Intervention):
 
     def check(self, model):
         if self.ratio.shape[:2] != (self.num_layers, self.num_heads):
-            raise ValueError(f"ratio: measured for {tuple(self.ratio.shape[:2])} (layers, heads), the model has "
-                             f"({self.num_layers}, {self.num_heads})")
+            raise ValueError(
+                f"ratio: measured for {tuple(self.ratio.shape[:2])} (layers, heads), the model has "
+                f"({self.num_layers}, {self.num_heads})"
+            )
 
     def table(self, layer, batch: int, heads: int, keep: Tensor, device) -> Tensor | None:
         flags = self.selected(layer, heads, device)
@@ -115,7 +116,7 @@ def special_edges(tokenizer) -> tuple[int, int]:
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
     full = tokenizer("a")["input_ids"]
     for lead in range(len(full) - len(plain) + 1):
-        if full[lead:lead + len(plain)] == plain:
+        if full[lead : lead + len(plain)] == plain:
             return (lead, len(full) - len(plain) - lead)
     return (0, 0)
 
@@ -158,8 +159,9 @@ def measure_position_ratio(model, tokenizer, texts, bins: int, kind: str, edges:
     return (mass / share).clamp(min=1e-6)
 
 
-def calibrate_positions(model, tokenizer=None, texts=None, *, bins: int = 8, strength: float = 1.0, heads="all",
-                        special: str = "include") -> PositionCalibration:
+def calibrate_positions(
+    model, tokenizer=None, texts=None, *, bins: int = 8, strength: float = 1.0, heads="all", special: str = "include"
+) -> PositionCalibration:
     """Measure the positional attention bias on ``texts`` and return the intervention that
     divides it out (see the module docstring). Causal LMs: ``texts`` are content-free
     prompts laid out like the real ones (Found in the Middle's dummy documents); encoders:

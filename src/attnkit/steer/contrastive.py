@@ -53,8 +53,18 @@ def _encode(tokenizer, prompt) -> Tensor:
     return ids.long()
 
 
-def contrastive_generate(model, tokenizer, prompt, heads, lam: float = 1.0, *, strength: float = 1.0,
-                         max_new_tokens: int = 16, plausibility: float = 0.1, eos_token_id: int | None = None) -> Generation:
+def contrastive_generate(
+    model,
+    tokenizer,
+    prompt,
+    heads,
+    lam: float = 1.0,
+    *,
+    strength: float = 1.0,
+    max_new_tokens: int = 16,
+    plausibility: float = 0.1,
+    eos_token_id: int | None = None,
+) -> Generation:
     """Greedy HICD decoding of ``prompt`` (text, or token ids) with ``heads`` dispersed at
     ``strength`` in the contrast model (see the module docstring)."""
     from ..hf.switch import check_model, use
@@ -71,9 +81,9 @@ def contrastive_generate(model, tokenizer, prompt, heads, lam: float = 1.0, *, s
     ids = _encode(tokenizer, prompt)
     if eos_token_id is None and tokenizer is not None:
         eos_token_id = getattr(tokenizer, "eos_token_id", None)
-    from transformers import DynamicCache
-
     import inspect
+
+    from transformers import DynamicCache
 
     # transformers >= 5.2x renames past_key_values to cache
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

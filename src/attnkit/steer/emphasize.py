@@ -66,8 +66,11 @@ class Emphasize(Intervention):
         B, H, Nk = query.shape[0], query.shape[1], key.shape[2]
         outside = ~self.inside(B, Nk, query.device)
         on = flags.view(1, H, 1) & outside.view(B, 1, Nk)
-        table = torch.where(on, torch.tensor(math.log(self.alpha), dtype=torch.float64, device=query.device),
-                            torch.zeros((), dtype=torch.float64, device=query.device))
+        table = torch.where(
+            on,
+            torch.tensor(math.log(self.alpha), dtype=torch.float64, device=query.device),
+            torch.zeros((), dtype=torch.float64, device=query.device),
+        )
         return [KeyBias(table)]
 
     def reference(self, logits, values, layer):
@@ -114,8 +117,12 @@ def _token_spans(spans, text, tokenizer, encoding):
 
 
 def _range(span) -> tuple[int, int]:
-    if (isinstance(span, (tuple, list)) and len(span) == 2
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in span) and 0 <= span[0] < span[1]):
+    if (
+        isinstance(span, (tuple, list))
+        and len(span) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in span)
+        and 0 <= span[0] < span[1]
+    ):
         return int(span[0]), int(span[1])
     raise ValueError(f"spans: expected token ranges (start, end) with 0 <= start < end, or substrings, got {span!r}")
 
@@ -130,9 +137,13 @@ def _substring_spans(rows, per_row: bool, text, tokenizer, encoding) -> list[lis
         raise ValueError(f"spans: {len(rows)} per-row lists for {len(texts)} prompts in text")
     if encoding is None:
         if tokenizer is None:
-            raise ValueError("tokenizer: substrings in spans need the tokenizer (or encoding=, the BatchEncoding with offset_mapping)")
+            raise ValueError(
+                "tokenizer: substrings in spans need the tokenizer (or encoding=, the BatchEncoding with offset_mapping)"
+            )
         if not getattr(tokenizer, "is_fast", False):
-            raise ValueError("tokenizer: mapping substrings to tokens needs a fast tokenizer (one that returns character offsets)")
+            raise ValueError(
+                "tokenizer: mapping substrings to tokens needs a fast tokenizer (one that returns character offsets)"
+            )
         encoding = tokenizer(texts, return_offsets_mapping=True, padding=True)
     offsets = encoding.get("offset_mapping") if hasattr(encoding, "get") else None
     if offsets is None:

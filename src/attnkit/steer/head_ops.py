@@ -35,7 +35,9 @@ class Ablate(Intervention):
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
         if mode == "mean" and reference is None:
-            raise ValueError("reference: mode='mean' needs a reference batch (input_ids, or a dict of model inputs) to average over")
+            raise ValueError(
+                "reference: mode='mean' needs a reference batch (input_ids, or a dict of model inputs) to average over"
+            )
         if mode == "zero" and reference is not None:
             raise ValueError("reference: only mode='mean' takes a reference batch")
         self.mode, self.reference_inputs = mode, reference

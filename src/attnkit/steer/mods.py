@@ -54,7 +54,9 @@ class KeyBias(Bias):
 
     def check(self, batch, heads, q_len, k_len):
         if tuple(self.table.shape) != (batch, heads, k_len):
-            raise ValueError(f"key bias: table of shape {tuple(self.table.shape)} but the call needs (B={batch}, Hq={heads}, Nk={k_len})")
+            raise ValueError(
+                f"key bias: table of shape {tuple(self.table.shape)} but the call needs (B={batch}, Hq={heads}, Nk={k_len})"
+            )
 
     def __repr__(self):
         return f"key_bias({'x'.join(map(str, self.table.shape))})"

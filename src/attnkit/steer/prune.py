@@ -39,15 +39,21 @@ def _attention_modules(model) -> list[tuple[nn.Module, Tensor, Tensor, Tensor | 
                 hq = cfg.num_attention_heads
                 hkv = getattr(cfg, "num_key_value_heads", None) or hq
                 out.append((child, child.q_proj.weight.detach(), child.k_proj.weight.detach(), norm, hq, hkv))
-            elif type(child).__name__ == "GPT2Attention" and not getattr(child, "is_cross_attention", False) and hasattr(parent, "ln_1"):
+            elif (
+                type(child).__name__ == "GPT2Attention"
+                and not getattr(child, "is_cross_attention", False)
+                and hasattr(parent, "ln_1")
+            ):
                 d = child.embed_dim
                 w = child.c_attn.weight.detach()  # Conv1D: (d, 3d), x @ w
-                out.append((child, w[:, :d].T, w[:, d:2 * d].T, parent.ln_1.weight.detach(), child.num_heads, child.num_heads))
+                out.append((child, w[:, :d].T, w[:, d : 2 * d].T, parent.ln_1.weight.detach(), child.num_heads, child.num_heads))
     if not out:
         name = type(model).__name__ if isinstance(model, PreTrainedModel) else type(model).__name__
-        raise ValueError(f"model: prune_layers reads W_Q and W_K of pre-norm decoder attention (Llama-style q_proj/k_proj "
-                         f"after input_layernorm, or GPT-2); {name} has none (a post-norm encoder such as BERT has no "
-                         "sublayer that can be skipped without changing its norm)")
+        raise ValueError(
+            f"model: prune_layers reads W_Q and W_K of pre-norm decoder attention (Llama-style q_proj/k_proj "
+            f"after input_layernorm, or GPT-2); {name} has none (a post-norm encoder such as BERT has no "
+            "sublayer that can be skipped without changing its norm)"
+        )
     return out
 
 
@@ -61,9 +67,9 @@ def coupling_scores(model) -> list[float]:
         dh = wq.shape[0] // hq
         per_head = []
         for h in range(hq):
-            a = wq[h * dh:(h + 1) * dh]
+            a = wq[h * dh : (h + 1) * dh]
             g = h // (hq // hkv)
-            b = wk[g * dh:(g + 1) * dh]
+            b = wk[g * dh : (g + 1) * dh]
             per_head.append(torch.sqrt(((a @ a.T) * (b @ b.T)).sum().clamp(min=0)))
         scores.append(float(torch.stack(per_head).mean()))
     return scores

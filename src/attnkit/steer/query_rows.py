@@ -50,7 +50,7 @@ class QueryKeyMass(Meter):
 
     def update_view(self, call: CallInfo, view: TileView) -> None:
         span = view.w.shape[3]
-        self._mass[call.layer][view.batch, view.k0:view.k0 + span] += view.w.double().sum((1, 2))
+        self._mass[call.layer][view.batch, view.k0 : view.k0 + span] += view.w.double().sum((1, 2))
 
     def per_key(self) -> Tensor:
         """(B, Nk): sum over layers and heads of the mean weight of the query rows on each key."""
@@ -86,8 +86,17 @@ def prefill(model, ids: list[int]):
     return cache
 
 
-def query_key_mass(model, cache, context_len: int, query_ids: list[int], *, layers=None, heads=None,
-                   last_only: bool = False, keep_cache: bool = False) -> Tensor:
+def query_key_mass(
+    model,
+    cache,
+    context_len: int,
+    query_ids: list[int],
+    *,
+    layers=None,
+    heads=None,
+    last_only: bool = False,
+    keep_cache: bool = False,
+) -> Tensor:
     """(Nk,) float64: ICR's per-key score of ``query_ids`` read against ``cache`` (the
     cache of ``context_len`` context tokens): the query rows' weights, averaged over rows
     (only the last one with ``last_only``: attention sorting's decoding step) and summed
@@ -102,15 +111,20 @@ def query_key_mass(model, cache, context_len: int, query_ids: list[int], *, laye
     past = cache if keep_cache else copy.deepcopy(cache)
     q_lo = context_len + len(query_ids) - 1 if last_only else context_len
     meter = QueryKeyMass(q_lo, layers=layers, heads=heads)
-    kwargs = {"input_ids": torch.tensor([query_ids]), "use_cache": True,
-              ("cache" if "cache" in accepted else "past_key_values"): past}
+    kwargs = {
+        "input_ids": torch.tensor([query_ids]),
+        "use_cache": True,
+        ("cache" if "cache" in accepted else "past_key_values"): past,
+    }
     if "logits_to_keep" in accepted:
         kwargs["logits_to_keep"] = 1
     with torch.no_grad(), hf.use(model, observers=[meter]):
         model(**kwargs)
     mass = meter.per_key()[0]
     if mass.shape[0] != context_len + len(query_ids):
-        raise ValueError(f"layers: the observed calls read {mass.shape[0]} cached keys, not the {context_len + len(query_ids)} "
-                         "tokens of the context and query (sliding-window layers keep only their window); restrict "
-                         "layers= to full-attention layers")
+        raise ValueError(
+            f"layers: the observed calls read {mass.shape[0]} cached keys, not the {context_len + len(query_ids)} "
+            "tokens of the context and query (sliding-window layers keep only their window); restrict "
+            "layers= to full-attention layers"
+        )
     return mass

@@ -55,9 +55,15 @@ class InterventionEntry:
 INTERVENTIONS: dict[str, InterventionEntry] = {}
 
 
-def register_intervention(name: str, build: Callable, *, params: Mapping[str, Callable[[str], object]] | None = None,
-                          required: tuple[str, ...] = (), defaults: Mapping[str, str] | None = None,
-                          example: str = "") -> InterventionEntry:
+def register_intervention(
+    name: str,
+    build: Callable,
+    *,
+    params: Mapping[str, Callable[[str], object]] | None = None,
+    required: tuple[str, ...] = (),
+    defaults: Mapping[str, str] | None = None,
+    example: str = "",
+) -> InterventionEntry:
     """Register ``build(heads, **params)`` as intervention ``name``; a second registration
     of a name replaces the first (the last one imported wins, as for mechanisms)."""
     if not isinstance(name, str) or not name or ":" in name or "=" in name:

@@ -66,8 +66,9 @@ def leading_special_tokens(tokenizer) -> list[int]:
     return [bos] if list(tokenizer("")["input_ids"])[:1] == [bos] else []
 
 
-def build_context(tokenizer, documents: Sequence[str], prefix: str = "",
-                  separator: str = "\n\n") -> tuple[list[int], list[tuple[int, int]]]:
+def build_context(
+    tokenizer, documents: Sequence[str], prefix: str = "", separator: str = "\n\n"
+) -> tuple[list[int], list[tuple[int, int]]]:
     """(token ids of the context, (start, end) token span of each document). The context
     is ``[BOS] prefix doc_1 separator doc_2 ... doc_n separator``."""
     ids = leading_special_tokens(tokenizer) + (encode(tokenizer, prefix, "prefix") if prefix else [])
@@ -105,8 +106,10 @@ def _check(query, documents, method, rounds, calibration, query_template, positi
         raise ValueError(f"query_template: expected a string containing {{query}}, got {query_template!r}")
     if positions is not None:
         if sorted(positions) != list(range(len(documents))) or any(isinstance(p, bool) for p in positions):
-            raise ValueError(f"positions: expected a permutation of 0..{len(documents) - 1} (slots from most to least "
-                             f"attended), got {positions!r}")
+            raise ValueError(
+                f"positions: expected a permutation of 0..{len(documents) - 1} (slots from most to least "
+                f"attended), got {positions!r}"
+            )
 
 
 def _causal(model, tokenizer):
@@ -116,8 +119,10 @@ def _causal(model, tokenizer):
     pm = as_probe_model(model, tokenizer)
     check_model(pm.model)  # a model attnkit cannot switch fails here, before any pass
     if pm.kind != "causal":
-        raise ValueError(f"model: re-ranking reads a causal language model's attention over a KV cache; "
-                         f"{pm.name or 'the model'} is an {pm.kind}")
+        raise ValueError(
+            f"model: re-ranking reads a causal language model's attention over a KV cache; "
+            f"{pm.name or 'the model'} is an {pm.kind}"
+        )
     return pm
 
 
@@ -167,8 +172,17 @@ def basin_order(ranked: Sequence[int], positions: Sequence[int] | None = None) -
     return out
 
 
-def slot_attention(model, tokenizer, examples: Sequence[tuple[str, Sequence[str]]], *, prefix: str = "",
-                   separator: str = "\n\n", query_template: str = "{query}", layers=None, heads=None) -> list[float]:
+def slot_attention(
+    model,
+    tokenizer,
+    examples: Sequence[tuple[str, Sequence[str]]],
+    *,
+    prefix: str = "",
+    separator: str = "\n\n",
+    query_template: str = "{query}",
+    layers=None,
+    heads=None,
+) -> list[float]:
     """A model's positional attention preference, AttnRank's calibration step: over
     ``examples`` (``(query, documents)`` pairs, every one with the same number of
     documents), the mean attention the document in each slot receives from the query
@@ -186,10 +200,22 @@ def slot_attention(model, tokenizer, examples: Sequence[tuple[str, Sequence[str]
         query, documents = example
         _check(query, documents, "icr", 1, "N/A", query_template, None)
         if totals is not None and len(documents) != len(totals):
-            raise ValueError(f"examples: example {i} has {len(documents)} documents, the first has {len(totals)}; "
-                             "slots are compared across examples with the same number of documents")
-        _, scores = _icr(pm, query, documents, prefix=prefix, separator=separator, query_template=query_template,
-                         calibration="N/A", calibrate=False, layers=layers, heads=heads)
+            raise ValueError(
+                f"examples: example {i} has {len(documents)} documents, the first has {len(totals)}; "
+                "slots are compared across examples with the same number of documents"
+            )
+        _, scores = _icr(
+            pm,
+            query,
+            documents,
+            prefix=prefix,
+            separator=separator,
+            query_template=query_template,
+            calibration="N/A",
+            calibrate=False,
+            layers=layers,
+            heads=heads,
+        )
         totals = scores if totals is None else [a + b for a, b in zip(totals, scores)]
     return [t / len(examples) for t in totals]
 
@@ -210,8 +236,12 @@ def _check_indices(pm, layers, heads) -> None:
         if values is None:
             continue
         items = [values] if isinstance(values, int) else values
-        if (isinstance(items, (str, bytes)) or not isinstance(items, Sequence) or not items
-                or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < limit for v in items)):
+        if (
+            isinstance(items, (str, bytes))
+            or not isinstance(items, Sequence)
+            or not items
+            or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < limit for v in items)
+        ):
             raise ValueError(f"{name}: expected None or a non-empty list of indices below {limit}, got {values!r}")
 
 
@@ -224,8 +254,10 @@ def _tokens(tokenizer, text: str, argument: str) -> list[int]:
 
 def _check_length(pm, n: int) -> None:
     if pm.max_positions is not None and n > pm.max_positions:
-        raise ValueError(f"documents: the prompt (documents and query) has {n} tokens, more than the {pm.max_positions} "
-                         f"positions {pm.name or 'the model'} reads; re-rank fewer or shorter documents")
+        raise ValueError(
+            f"documents: the prompt (documents and query) has {n} tokens, more than the {pm.max_positions} "
+            f"positions {pm.name or 'the model'} reads; re-rank fewer or shorter documents"
+        )
 
 
 def _icr(pm, query, documents, *, prefix, separator, query_template, calibration, calibrate, layers, heads):
@@ -251,8 +283,9 @@ def _sorting(pm, query, documents, *, prefix, separator, query_template, rounds,
     for _ in range(rounds):
         ids, spans = build_context(tokenizer, [documents[i] for i in arrangement], prefix, separator)
         _check_length(pm, len(ids) + len(q_ids))
-        mass = query_key_mass(model, prefill(model, ids), len(ids), q_ids, layers=layers, heads=heads, last_only=True,
-                              keep_cache=True)
+        mass = query_key_mass(
+            model, prefill(model, ids), len(ids), q_ids, layers=layers, heads=heads, last_only=True, keep_cache=True
+        )
         for doc, (a, b) in zip(arrangement, spans):
             received[doc] = float(mass[a:b].sum())
         # ascending and stable: the most attended document goes last, nearest the question
@@ -263,9 +296,23 @@ def _sorting(pm, query, documents, *, prefix, separator, query_template, rounds,
     return arrangement, received
 
 
-def rerank(model, tokenizer, query: str, documents: Sequence[str], method: str = "icr", *, prefix: str = "",
-           separator: str = "\n\n", query_template: str = "{query}", calibration: str = "N/A", calibrate: bool = True,
-           rounds: int = 2, positions: Sequence[int] | None = None, layers=None, heads=None) -> tuple[list[int], list[float]]:
+def rerank(
+    model,
+    tokenizer,
+    query: str,
+    documents: Sequence[str],
+    method: str = "icr",
+    *,
+    prefix: str = "",
+    separator: str = "\n\n",
+    query_template: str = "{query}",
+    calibration: str = "N/A",
+    calibrate: bool = True,
+    rounds: int = 2,
+    positions: Sequence[int] | None = None,
+    layers=None,
+    heads=None,
+) -> tuple[list[int], list[float]]:
     """Re-rank ``documents`` for ``query`` by a causal LM's attention; see the module
     docstring for the three methods.
 

@@ -59,8 +59,10 @@ class HeadRanking:
 
     def rows(self) -> list[dict]:
         """Tidy rows ``{"layer", "head", "metric", "value"}`` of the measured heads."""
-        return [{"layer": layer, "head": head, "metric": self.metric, "value": float(self.scores[layer, head])}
-                for layer, head in self.order()]
+        return [
+            {"layer": layer, "head": head, "metric": self.metric, "value": float(self.scores[layer, head])}
+            for layer, head in self.order()
+        ]
 
 
 # -- rank_heads -------------------------------------------------------------------------------
@@ -93,8 +95,9 @@ def _prompt_and_spans(tokenizer, prompt, spans, i: int) -> tuple[list[int], list
     return ids, ranges
 
 
-def rank_heads(model, tokenizer, prompts: Sequence, spans: Sequence, *, queries: str = "after",
-               progress: Callable[[str], None] | None = None) -> HeadRanking:
+def rank_heads(
+    model, tokenizer, prompts: Sequence, spans: Sequence, *, queries: str = "after", progress: Callable[[str], None] | None = None
+) -> HeadRanking:
     """Rank every head by the mean attention mass it puts on ``spans``, one forward pass
     per prompt through attnkit's kernels (a meter, never the attention matrix).
 
@@ -116,8 +119,10 @@ def rank_heads(model, tokenizer, prompts: Sequence, spans: Sequence, *, queries:
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
         raise ValueError("prompts: expected a non-empty list of prompts")
     if isinstance(spans, (str, bytes)) or not isinstance(spans, Sequence) or len(spans) != len(prompts):
-        raise ValueError(f"spans: expected one entry per prompt ({len(prompts)}), got "
-                         f"{len(spans) if isinstance(spans, Sequence) and not isinstance(spans, str) else type(spans).__name__}")
+        raise ValueError(
+            f"spans: expected one entry per prompt ({len(prompts)}), got "
+            f"{len(spans) if isinstance(spans, Sequence) and not isinstance(spans, str) else type(spans).__name__}"
+        )
     if queries not in QUERIES:
         raise ValueError(f"queries: expected one of {', '.join(QUERIES)}, got {queries!r}")
     layers, heads = model_shape(model)
@@ -129,8 +134,10 @@ def rank_heads(model, tokenizer, prompts: Sequence, spans: Sequence, *, queries:
         ids, ranges = _prompt_and_spans(tokenizer, prompt, span, i)
         q_lo = max(b for _, b in ranges) if queries == "after" else len(ids) - 1
         if q_lo >= len(ids):
-            raise ValueError(f"spans: the span of prompt {i} ends at its last token, so no query row after it reads "
-                             "the whole span; use queries='last' or end the prompt after the span")
+            raise ValueError(
+                f"spans: the span of prompt {i} ends at its last token, so no query row after it reads "
+                "the whole span; use queries='last' or end the prompt after the span"
+            )
         meter = RowSpanMass({f"s{j}": [r] for j, r in enumerate(ranges)}, q_lo)
         with torch.no_grad(), hf.use(model, observers=[meter]):
             model(input_ids=torch.tensor([ids]), **extra)
@@ -150,9 +157,12 @@ def _default_make(alpha: float):
 
     def make(head, example, tokenizer):
         if not isinstance(example, Mapping) or "prompt" not in example or "span" not in example:
-            raise ValueError("examples: the default intervention (PASTA's emphasize) needs each example as a dict with "
-                             "'prompt' (text) and 'span' (a substring or (start, end) token range); pass make= otherwise")
+            raise ValueError(
+                "examples: the default intervention (PASTA's emphasize) needs each example as a dict with "
+                "'prompt' (text) and 'span' (a substring or (start, end) token range); pass make= otherwise"
+            )
         return emphasize(example["span"], [head], alpha, text=example["prompt"], tokenizer=tokenizer)
+
     return make
 
 
@@ -171,9 +181,16 @@ def _fingerprint(model, examples, score_fn, make, alpha) -> str:
     params = list(model.parameters())
     # a cheap look at the weights: another checkpoint of the same config must not resume this one
     weights = [repr(float(p.detach().double().sum())) for p in params[:2] + params[-2:]]
-    parts = [type(model).__name__, getattr(model.config, "_name_or_path", ""), config, *weights, repr(list(examples)),
-             getattr(score_fn, "__qualname__", repr(score_fn)),
-             "default" if make is None else getattr(make, "__qualname__", repr(make)), repr(alpha)]
+    parts = [
+        type(model).__name__,
+        getattr(model.config, "_name_or_path", ""),
+        config,
+        *weights,
+        repr(list(examples)),
+        getattr(score_fn, "__qualname__", repr(score_fn)),
+        "default" if make is None else getattr(make, "__qualname__", repr(make)),
+        repr(alpha),
+    ]
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()[:16]
 
 
@@ -186,16 +203,26 @@ def _read_cache(path: str, key: str) -> dict:
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"cache: cannot read {path}: {e}") from None
     if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT:
-        raise ValueError(f"cache: {path} is not a head-profile cache (no \"format\": \"{CACHE_FORMAT}\")")
+        raise ValueError(f'cache: {path} is not a head-profile cache (no "format": "{CACHE_FORMAT}")')
     if data.get("key") != key:
-        raise ValueError(f"cache: {path} holds a profile of another model, examples, score_fn or intervention; "
-                         "remove it or give another path")
+        raise ValueError(
+            f"cache: {path} holds a profile of another model, examples, score_fn or intervention; remove it or give another path"
+        )
     return data
 
 
-def profile_heads(model, tokenizer, examples: Sequence, score_fn: Callable, *, heads="all", make: Callable | None = None,
-                  alpha: float = 0.01, cache: str | os.PathLike | None = None,
-                  progress: Callable[[str], None] | None = None) -> HeadRanking:
+def profile_heads(
+    model,
+    tokenizer,
+    examples: Sequence,
+    score_fn: Callable,
+    *,
+    heads="all",
+    make: Callable | None = None,
+    alpha: float = 0.01,
+    cache: str | os.PathLike | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> HeadRanking:
     """PASTA's model profiling: steer each head alone and score.
 
     Args:
@@ -242,7 +269,11 @@ def profile_heads(model, tokenizer, examples: Sequence, score_fn: Callable, *, h
             if head is None:
                 value = score_fn(model, tokenizer, example)
             else:
-                iv = factory(head, example, tokenizer) if make is None else (factory(head, example) if with_example else factory(head))
+                iv = (
+                    factory(head, example, tokenizer)
+                    if make is None
+                    else (factory(head, example) if with_example else factory(head))
+                )
                 with apply(model, iv):
                     value = score_fn(model, tokenizer, example)
             if isinstance(value, bool) or not isinstance(value, (int, float, Tensor)) or not math.isfinite(float(value)):
@@ -267,8 +298,10 @@ def profile_heads(model, tokenizer, examples: Sequence, score_fn: Callable, *, h
         if path:
             write_json_atomic(path, state)
         if progress:
-            progress(f"head {done}/{len(chosen)}: layer {layer} head {h} score {state['scores'][name]:.4g} "
-                     f"(baseline {state['baseline']:.4g})")
+            progress(
+                f"head {done}/{len(chosen)}: layer {layer} head {h} score {state['scores'][name]:.4g} "
+                f"(baseline {state['baseline']:.4g})"
+            )
     scores = torch.full((layers, n_heads), math.nan, dtype=torch.float64)
     for layer, h in chosen:
         scores[layer, h] = state["scores"][f"{layer},{h}"]

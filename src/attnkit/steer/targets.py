@@ -23,8 +23,10 @@ def model_shape(model) -> tuple[int, int]:
     layers = getattr(config, "num_hidden_layers", None)
     heads = getattr(config, "num_attention_heads", None)
     if not isinstance(layers, int) or not isinstance(heads, int):
-        raise ValueError(f"model: its config ({type(config).__name__}) declares no num_hidden_layers / num_attention_heads, "
-                         "so heads cannot be checked")
+        raise ValueError(
+            f"model: its config ({type(config).__name__}) declares no num_hidden_layers / num_attention_heads, "
+            "so heads cannot be checked"
+        )
     return layers, heads
 
 
@@ -55,8 +57,10 @@ def resolve_heads(spec, num_layers: int, num_heads: int, name: str = "heads") ->
             layer = index(item[0], name, "a layer index", num_layers)
             pairs.append((layer, index(item[1], name, "a head index", num_heads, f" (layer {layer})")))
     else:
-        raise ValueError(f"{name}: expected (layer, head) pairs, a {{layer: [heads]}} dict, 'all' or a head set saved by "
-                         f"`attnkit probe heads`, got {type(spec).__name__}")
+        raise ValueError(
+            f"{name}: expected (layer, head) pairs, a {{layer: [heads]}} dict, 'all' or a head set saved by "
+            f"`attnkit probe heads`, got {type(spec).__name__}"
+        )
     if not pairs:
         raise ValueError(f"{name}: the selection names no head")
     out: dict[int, set[int]] = {}
@@ -72,6 +76,7 @@ def _read_head_set(path, name: str):
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"{name}: cannot read a head set from {os.fspath(path)!r}: {err}") from None
     if not isinstance(data, Mapping) or data.get("format") != HEAD_SET_FORMAT:
-        raise ValueError(f"{name}: {os.fspath(path)!r} is not a head set saved by `attnkit probe heads` "
-                         f"(no \"format\": \"{HEAD_SET_FORMAT}\")")
+        raise ValueError(
+            f'{name}: {os.fspath(path)!r} is not a head set saved by `attnkit probe heads` (no "format": "{HEAD_SET_FORMAT}")'
+        )
     return data

@@ -48,7 +48,9 @@ Tensor = torch.Tensor
 def _keys(keys, name: str = "keys") -> Tensor:
     mask = getattr(keys, "mask", keys)
     if not isinstance(mask, Tensor) or mask.dtype != torch.bool or mask.dim() != 2 or mask.shape[1] == 0:
-        raise ValueError(f"{name}: expected a (batch, tokens) bool mask of image keys or attnkit.vision.image_spans(...), got {type(keys).__name__}")
+        raise ValueError(
+            f"{name}: expected a (batch, tokens) bool mask of image keys or attnkit.vision.image_spans(...), got {type(keys).__name__}"
+        )
     if not bool(mask.any()):
         raise ValueError(f"{name}: marks no image key")
     return mask.detach().cpu()
@@ -84,8 +86,10 @@ class _Visual(Intervention):
     def check(self, model) -> None:
         config = model.config
         if not any(isinstance(getattr(config, n, None), int) for n in ("image_token_id", "image_token_index")):
-            raise ValueError(f"model: {type(config).__name__} has no image placeholder (config.image_token_id); "
-                             f"{self.name} needs a vision-language model")
+            raise ValueError(
+                f"model: {type(config).__name__} has no image placeholder (config.image_token_id); "
+                f"{self.name} needs a vision-language model"
+            )
 
     def bias_table(self, layer, query: Tensor, key: Tensor, on_image: Tensor, off_image: Tensor | None = None) -> Tensor | None:
         """(B, Hq, Nk) additive table: ``on_image`` (per key (B, Nk) or scalar) on image keys
@@ -96,8 +100,11 @@ class _Visual(Intervention):
         B, H, Nk = query.shape[0], query.shape[1], key.shape[2]
         img = image_keys_for(self.keys, B, Nk, query.device)
         zero = torch.zeros((), dtype=torch.float64, device=query.device)
-        per_key = torch.where(img, torch.as_tensor(on_image, dtype=torch.float64, device=query.device),
-                              zero if off_image is None else torch.as_tensor(off_image, dtype=torch.float64, device=query.device))
+        per_key = torch.where(
+            img,
+            torch.as_tensor(on_image, dtype=torch.float64, device=query.device),
+            zero if off_image is None else torch.as_tensor(off_image, dtype=torch.float64, device=query.device),
+        )
         return torch.where(flags.view(1, H, 1), per_key.view(B, 1, Nk), zero)
 
     def weight_factors(self, B: int, Nk: int) -> Tensor:
@@ -169,7 +176,9 @@ class AbsBoost(ScoreMod):
 
     def check(self, batch, heads, q_len, k_len):
         if tuple(self.table.shape) != (batch, heads, k_len):
-            raise ValueError(f"abs boost: table of shape {tuple(self.table.shape)} but the call needs ({batch}, {heads}, {k_len})")
+            raise ValueError(
+                f"abs boost: table of shape {tuple(self.table.shape)} but the call needs ({batch}, {heads}, {k_len})"
+            )
 
     def __repr__(self):
         return f"abs_boost({'x'.join(map(str, self.table.shape))})"
@@ -181,7 +190,9 @@ class CalibrateVisual(_Visual):
     def __init__(self, keys, blind, heads, beta: float = 0.5, boost: float = 1.0):
         super().__init__(keys, heads)
         self.blind = _keys(blind, "blind")
-        if self.blind.shape[1] > self.keys.shape[1] or bool((self.blind & ~self.keys[:, : self.blind.shape[1]].expand_as(self.blind)).any()):
+        if self.blind.shape[1] > self.keys.shape[1] or bool(
+            (self.blind & ~self.keys[:, : self.blind.shape[1]].expand_as(self.blind)).any()
+        ):
             raise ValueError("blind: marks keys that are not image keys")
         self.beta = _positive(beta, "beta")
         self.boost = _positive(boost, "boost")
@@ -204,8 +215,11 @@ class CalibrateVisual(_Visual):
     def weight_factors(self, B, Nk):
         img, blind = self._factors(B, Nk)
         one = torch.tensor(1.0, dtype=torch.float64)
-        return torch.where(blind, torch.tensor(self.beta, dtype=torch.float64),
-                           torch.where(img, torch.tensor(self.boost, dtype=torch.float64), one))
+        return torch.where(
+            blind,
+            torch.tensor(self.beta, dtype=torch.float64),
+            torch.where(img, torch.tensor(self.boost, dtype=torch.float64), one),
+        )
 
     def __repr__(self):
         return f"calibrate_visual({self.heads_spec!r}, beta={self.beta:g}, boost={self.boost:g})"
@@ -227,7 +241,9 @@ class HoldVisual(_Visual):
     def check(self, model):
         super().check(model)
         if self.curve.shape[:2] != (self.num_layers, self.num_heads):
-            raise ValueError(f"curve: measured for {tuple(self.curve.shape[:2])} (layers, heads); the model has ({self.num_layers}, {self.num_heads})")
+            raise ValueError(
+                f"curve: measured for {tuple(self.curve.shape[:2])} (layers, heads); the model has ({self.num_layers}, {self.num_heads})"
+            )
 
     def step_bias(self, layer) -> Tensor:
         """(Hq, T) logit offset at each step: strength · (logit c[0] − logit c[t])."""
@@ -280,7 +296,9 @@ class StepBias(Bias):
 
     def check(self, batch, heads, q_len, k_len):
         if self.per_q.shape != (heads, q_len) or self.img.shape != (batch, k_len):
-            raise ValueError(f"step bias: tables {tuple(self.per_q.shape)}, {tuple(self.img.shape)} do not fit a call of ({batch}, {heads}, {q_len}, {k_len})")
+            raise ValueError(
+                f"step bias: tables {tuple(self.per_q.shape)}, {tuple(self.img.shape)} do not fit a call of ({batch}, {heads}, {q_len}, {k_len})"
+            )
 
     def __repr__(self):
         return f"step_bias({'x'.join(map(str, self.per_q.shape))})"

@@ -46,5 +46,21 @@ from .on_ray import RayEngine
 from .results import cells, load, load_frame
 from .run import SweepResult, SweepStatus, run_sweep
 
-__all__ = ["Cell", "LocalEngine", "RayEngine", "SweepResult", "SweepStatus", "cell_function", "cell_hash", "cell_kinds",
-           "cell_seed", "cells", "grid_hash", "load", "load_frame", "register_cell_kind", "report_line", "run_sweep"]
+__all__ = [
+    "Cell",
+    "LocalEngine",
+    "RayEngine",
+    "SweepResult",
+    "SweepStatus",
+    "cell_function",
+    "cell_hash",
+    "cell_kinds",
+    "cell_seed",
+    "cells",
+    "grid_hash",
+    "load",
+    "load_frame",
+    "register_cell_kind",
+    "report_line",
+    "run_sweep",
+]

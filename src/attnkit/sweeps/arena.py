@@ -30,40 +30,70 @@ FIGURE = {
     "mechanisms": "softmax,linear_elu,deltanet,sigmoid,neighborhood:kernel=4:causal=true",
     "widths": [16, 32, 64],
     "seeds": 2,
-    "overrides": {"steps": 1000, "batch_size": 64, "lr": 3e-3, "eval_every": 100, "eval_examples": 128,
-                  "target_accuracy": 0.99},
+    "overrides": {"steps": 1000, "batch_size": 64, "lr": 3e-3, "eval_every": 100, "eval_examples": 128, "target_accuracy": 0.99},
 }
 
 
 def figure_cells() -> list[Cell]:
     """The cells of ``FIGURE`` (what ``attnkit arena sweep`` runs with no grid options)."""
     task = make_task(FIGURE["task"], **FIGURE["task_params"])
-    return arena_cells(task, FIGURE["mechanisms"], FIGURE["widths"], seeds=list(range(FIGURE["seeds"])),
-                       overrides=FIGURE["overrides"])
+    return arena_cells(
+        task, FIGURE["mechanisms"], FIGURE["widths"], seeds=list(range(FIGURE["seeds"])), overrides=FIGURE["overrides"]
+    )
 
 
-def arena_cells(task, mechanisms, widths=(64,), layers: int | None = None, heads: int | None = None, seeds=(0,),
-                seq_lens=None, overrides: dict | None = None, max_len: int | None = None, init: str | None = None) -> list[Cell]:
+def arena_cells(
+    task,
+    mechanisms,
+    widths=(64,),
+    layers: int | None = None,
+    heads: int | None = None,
+    seeds=(0,),
+    seq_lens=None,
+    overrides: dict | None = None,
+    max_len: int | None = None,
+    init: str | None = None,
+) -> list[Cell]:
     """The cells of an arena grid, in ``plan``'s order (same arguments as ``run_grid``)."""
     runs = plan(task, mechanisms, widths, layers, heads, seeds, seq_lens, max_len, init)
-    settings = {k: (schedule_text(v) if k == "schedule" and v is not None and not isinstance(v, str) else v)
-                for k, v in (overrides or {}).items() if v is not None}
+    settings = {
+        k: (schedule_text(v) if k == "schedule" and v is not None and not isinstance(v, str) else v)
+        for k, v in (overrides or {}).items()
+        if v is not None
+    }
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()}
     return [run_cell_of(run, settings) for run in runs]
 
 
 def run_cell_of(run: Run, overrides: dict) -> Cell:
     task_params = {k: list(v) if isinstance(v, tuple) else v for k, v in run.task.params().items()}
-    config = {"task": run.task.name, "task_params": task_params, "mechanism": run.mechanism.label,
-              "d_model": run.d_model, "layers": run.layers, "heads": run.heads, "seed": run.seed,
-              "max_len": run.max_len, "init": run.init, "overrides": overrides}
+    config = {
+        "task": run.task.name,
+        "task_params": task_params,
+        "mechanism": run.mechanism.label,
+        "d_model": run.d_model,
+        "layers": run.layers,
+        "heads": run.heads,
+        "seed": run.seed,
+        "max_len": run.max_len,
+        "init": run.init,
+        "overrides": overrides,
+    }
     return Cell("arena", config, run.label)
 
 
 def run_of(config: dict) -> Run:
     task = make_task(config["task"], **config["task_params"])
-    return Run(task, MechanismSpec.parse(config["mechanism"]), config["d_model"], config["layers"], config["heads"],
-               config["seed"], config.get("max_len"), config.get("init"))
+    return Run(
+        task,
+        MechanismSpec.parse(config["mechanism"]),
+        config["d_model"],
+        config["layers"],
+        config["heads"],
+        config["seed"],
+        config.get("max_len"),
+        config.get("init"),
+    )
 
 
 def run_cell(config: dict) -> list[dict]:

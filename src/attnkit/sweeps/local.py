@@ -34,8 +34,12 @@ class _Slot:
         mine, theirs = socket.socketpair()
         # The worker imports what this process can: cell kinds defined on this sys.path.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self.process = subprocess.Popen([sys.executable, "-m", "attnkit.sweeps.worker", str(theirs.fileno()), str(threads)],
-                                        pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "attnkit.sweeps.worker", str(theirs.fileno()), str(threads)],
+            pass_fds=[theirs.fileno()],
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
         theirs.close()
         self.conn = Connection(mine.detach())
         self.job = None  # (cell, attempt) while busy
@@ -115,8 +119,14 @@ class LocalEngine:
                             events.again(cell, f"worker died (exit code {code}); running the cell again")
                             pending.append((cell, events.function(cell), attempt + 1))
                         else:
-                            events.failed(cell, f"worker died (exit code {code}) on each of {attempt} attempts", None,
-                                          seconds, attempt, "local")
+                            events.failed(
+                                cell,
+                                f"worker died (exit code {code}) on each of {attempt} attempts",
+                                None,
+                                seconds,
+                                attempt,
+                                "local",
+                            )
                         continue
                     if message[0] == "line":
                         events.line(cell, message[1])

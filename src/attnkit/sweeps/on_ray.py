@@ -73,8 +73,7 @@ def connect(address: str | None, timeout: float, num_cpus: int | None = None) ->
     if ray.is_initialized():  # a caller (a test, a notebook) connected already: use that
         return False
     if address is None:
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
         return True
     failure: list[BaseException] = []
 
@@ -100,8 +99,15 @@ class RayEngine:
 
     name = "ray"
 
-    def __init__(self, address: str | None = None, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
-                 num_cpus: int | None = None, cpus_per_cell: int = 1, retries: int = 2, in_flight: int | None = None):
+    def __init__(
+        self,
+        address: str | None = None,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
+        num_cpus: int | None = None,
+        cpus_per_cell: int = 1,
+        retries: int = 2,
+        in_flight: int | None = None,
+    ):
         if address is not None:
             split_address(address)  # a malformed address is refused before Ray starts
         if not connect_timeout > 0:
@@ -119,8 +125,7 @@ class RayEngine:
         try:
             slots = max(1, int(ray.cluster_resources().get("CPU", 1)) // self.cpus_per_cell)
             self.parallelism = slots
-            task = ray.remote(_run_cell).options(num_cpus=self.cpus_per_cell, max_retries=self.retries,
-                                                 retry_exceptions=False)
+            task = ray.remote(_run_cell).options(num_cpus=self.cpus_per_cell, max_retries=self.retries, retry_exceptions=False)
             limit = self.in_flight or 2 * slots
             pending = list(reversed(cells))
             while pending or running:
@@ -137,8 +142,14 @@ class RayEngine:
                     try:
                         result = ray.get(ref)
                     except ray.exceptions.RayError as e:  # the worker died on every try, or the node was lost
-                        events.failed(cell, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", str(e),
-                                      None, self.retries + 1, "ray")
+                        events.failed(
+                            cell,
+                            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                            str(e),
+                            None,
+                            self.retries + 1,
+                            "ray",
+                        )
                         continue
                     if result[0] == "done":
                         events.done(cell, result[1], result[2], 1, result[3])

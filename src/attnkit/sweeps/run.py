@@ -54,13 +54,19 @@ class SweepStatus:
     def line(self) -> str:
         eta = "" if self.eta_s is None else f" eta {_clock(self.eta_s)}"
         skipped = f" ({self.skipped} from the store)" if self.skipped else ""
-        return (f"{self.done + self.skipped}/{self.total} done{skipped}, {self.running} running, {self.failed} failed, "
-                f"{_clock(self.elapsed_s)}{eta}" + (f" | {self.last}" if self.last else ""))
+        return (
+            f"{self.done + self.skipped}/{self.total} done{skipped}, {self.running} running, {self.failed} failed, "
+            f"{_clock(self.elapsed_s)}{eta}" + (f" | {self.last}" if self.last else "")
+        )
 
 
 def _clock(seconds: float) -> str:
     seconds = int(round(seconds))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else f"{seconds // 60}:{seconds % 60:02d}"
+    return (
+        f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+        if seconds >= 3600
+        else f"{seconds // 60}:{seconds % 60:02d}"
+    )
 
 
 @dataclass
@@ -145,8 +151,7 @@ class _Events:
         self.on_status(self.status)
 
 
-def run_sweep(cells, out: str, engine=None, rerun: bool = False, max_failures: int | None = None,
-              on_status=None) -> SweepResult:
+def run_sweep(cells, out: str, engine=None, rerun: bool = False, max_failures: int | None = None, on_status=None) -> SweepResult:
     """Run ``cells`` (a list of ``Cell``) with ``engine`` (default ``LocalEngine()``),
     storing into ``out`` (a directory; see store.py). See the module docstring."""
     from .local import LocalEngine
@@ -167,6 +172,12 @@ def run_sweep(cells, out: str, engine=None, rerun: bool = False, max_failures: i
         events = _Events(store, status, engine, rerun, max_failures, on_status)
         if todo:
             engine.run(todo, events)
-        return SweepResult(out, grid, events.computed, skipped + events.taken_by_other, events.failed_hashes,
-                           events.stopping(), time.perf_counter() - start)
-
+        return SweepResult(
+            out,
+            grid,
+            events.computed,
+            skipped + events.taken_by_other,
+            events.failed_hashes,
+            events.stopping(),
+            time.perf_counter() - start,
+        )

@@ -91,16 +91,21 @@ class Store:
             raise ValueError(f"{option}: {path} is not a sweep store ({e})") from None
         if meta.get("schema") != str(SCHEMA):
             db.close()
-            raise ValueError(f"{option}: {path} has store schema {meta.get('schema')}, this attnkit writes {SCHEMA}; "
-                             f"use another directory")
+            raise ValueError(
+                f"{option}: {path} has store schema {meta.get('schema')}, this attnkit writes {SCHEMA}; use another directory"
+            )
         if meta["attnkit_version"] != version:
             db.close()
-            raise ValueError(f"{option}: {path} was written by attnkit {meta['attnkit_version']}, this is {version}: "
-                             f"results of two versions are not comparable; use another directory (or --rerun into a new one)")
+            raise ValueError(
+                f"{option}: {path} was written by attnkit {meta['attnkit_version']}, this is {version}: "
+                f"results of two versions are not comparable; use another directory (or --rerun into a new one)"
+            )
         if meta["grid_hash"] != grid:
             db.close()
-            raise ValueError(f"{option}: {path} holds another grid (grid hash {meta['grid_hash']}, this grid {grid}): "
-                             f"a store keeps one grid's table; use another directory for this grid")
+            raise ValueError(
+                f"{option}: {path} holds another grid (grid hash {meta['grid_hash']}, this grid {grid}): "
+                f"a store keeps one grid's table; use another directory for this grid"
+            )
         return cls(path, db)
 
     @classmethod
@@ -142,14 +147,17 @@ class Store:
     def rows(self, with_cell: bool = True) -> list[dict]:
         """Every finished cell's rows, in the order cells finished; with ``with_cell``
         each row also names its ``cell`` (hash)."""
-        cursor = self.db.execute("SELECT r.hash, r.data FROM rows r JOIN cells c ON c.hash = r.hash "
-                                 "WHERE c.status = 'done' ORDER BY c.finished_at, r.hash, r.idx")
+        cursor = self.db.execute(
+            "SELECT r.hash, r.data FROM rows r JOIN cells c ON c.hash = r.hash "
+            "WHERE c.status = 'done' ORDER BY c.finished_at, r.hash, r.idx"
+        )
         return [({"cell": h, **json.loads(d)} if with_cell else json.loads(d)) for h, d in cursor]
 
     # -- writing -------------------------------------------------------------------------------
 
-    def record_done(self, cell: Cell, rows: list[dict], seconds: float, attempts: int = 1, node: str | None = None,
-                    replace: bool = False) -> bool:
+    def record_done(
+        self, cell: Cell, rows: list[dict], seconds: float, attempts: int = 1, node: str | None = None, replace: bool = False
+    ) -> bool:
         """Write a finished cell and its rows in one transaction; False (nothing written)
         when the cell is done already and not ``replace``."""
         data = [json.dumps(_plain_row(row, i)) for i, row in enumerate(rows)]
@@ -162,8 +170,9 @@ class Store:
             self._put_cell(cell, "done", None, None, seconds, attempts, node, meta)
         return True
 
-    def record_failed(self, cell: Cell, error: str, traceback: str | None, seconds: float | None, attempts: int = 1,
-                      node: str | None = None) -> bool:
+    def record_failed(
+        self, cell: Cell, error: str, traceback: str | None, seconds: float | None, attempts: int = 1, node: str | None = None
+    ) -> bool:
         """Record a failed cell (its error and traceback); a cell done already stays done."""
         meta = self.meta()
         with _transaction(self.db):
@@ -178,10 +187,24 @@ class Store:
         return found is not None and found[0] == "done"
 
     def _put_cell(self, cell, status, error, traceback, seconds, attempts, node, meta) -> None:
-        self.db.execute("INSERT OR REPLACE INTO cells VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                        (cell.hash, cell.kind, json.dumps(cell.config, sort_keys=True), cell.label, status, error, traceback,
-                         seconds, attempts, meta["attnkit_version"], meta["grid_hash"], node or socket.gethostname(),
-                         time.time()))
+        self.db.execute(
+            "INSERT OR REPLACE INTO cells VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                cell.hash,
+                cell.kind,
+                json.dumps(cell.config, sort_keys=True),
+                cell.label,
+                status,
+                error,
+                traceback,
+                seconds,
+                attempts,
+                meta["attnkit_version"],
+                meta["grid_hash"],
+                node or socket.gethostname(),
+                time.time(),
+            ),
+        )
 
 
 @contextmanager

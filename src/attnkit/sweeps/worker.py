@@ -46,8 +46,10 @@ def serve(conn: Connection, threads: int) -> None:
         try:
             rows = fn(config)
             if not isinstance(rows, list):
-                raise ValueError(f"rows: the cell kind {fn.__module__}.{fn.__qualname__} returned {type(rows).__name__}, "
-                                 f"expected a list of dicts")
+                raise ValueError(
+                    f"rows: the cell kind {fn.__module__}.{fn.__qualname__} returned {type(rows).__name__}, "
+                    f"expected a list of dicts"
+                )
             message = ("done", rows, time.perf_counter() - start)
         except Exception as e:
             message = ("error", f"{type(e).__name__}: {e}", traceback.format_exc(), time.perf_counter() - start)
@@ -56,8 +58,14 @@ def serve(conn: Connection, threads: int) -> None:
         except (EOFError, OSError):
             return
         except Exception as e:  # rows that cannot be pickled: the cell failed, the worker lives
-            conn.send(("error", f"rows: cannot be sent to the parent ({type(e).__name__}: {e})", traceback.format_exc(),
-                       time.perf_counter() - start))
+            conn.send(
+                (
+                    "error",
+                    f"rows: cannot be sent to the parent ({type(e).__name__}: {e})",
+                    traceback.format_exc(),
+                    time.perf_counter() - start,
+                )
+            )
 
 
 if __name__ == "__main__":

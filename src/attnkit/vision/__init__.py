@@ -50,8 +50,21 @@ from .measure import blind_tokens, share_curve
 from .registers import test_time_registers
 from .spans import ImageSpan, ImageSpans, family, image_spans, image_token_id
 
-__all__ = ["HighNorm", "ImageSpan", "ImageSpans", "blind_tokens", "contrastive_generate", "family", "high_norm", "image_spans",
-           "image_token_id", "register_neurons", "share_curve", "test_time_registers", "vit_parts"]
+__all__ = [
+    "HighNorm",
+    "ImageSpan",
+    "ImageSpans",
+    "blind_tokens",
+    "contrastive_generate",
+    "family",
+    "high_norm",
+    "image_spans",
+    "image_token_id",
+    "register_neurons",
+    "share_curve",
+    "test_time_registers",
+    "vit_parts",
+]
 
 
 def __getattr__(name):

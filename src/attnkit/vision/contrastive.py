@@ -27,8 +27,9 @@ from .spans import image_spans
 Tensor = torch.Tensor
 
 
-def contrastive_generate(model, inputs, spans=None, lam: float = 1.0, *, heads="all", plausibility: float = 0.1,
-                         max_new_tokens: int = 16) -> Tensor:
+def contrastive_generate(
+    model, inputs, spans=None, lam: float = 1.0, *, heads="all", plausibility: float = 0.1, max_new_tokens: int = 16
+) -> Tensor:
     """Greedy decoding of ``inputs`` (the processor's output) contrasted with the run whose
     ``heads`` cannot see the image (see the module docstring). Returns the sequences
     (B, N0 + new tokens), as ``generate`` does."""
@@ -65,5 +66,6 @@ def contrastive_generate(model, inputs, spans=None, lam: float = 1.0, *, heads="
             return out
 
     with torch.no_grad():
-        return model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                              logits_processor=LogitsProcessorList([Contrast()]))
+        return model.generate(
+            **inputs, max_new_tokens=max_new_tokens, do_sample=False, logits_processor=LogitsProcessorList([Contrast()])
+        )

@@ -40,13 +40,17 @@ def vit_parts(model) -> tuple[nn.Module, list[nn.Module], list[nn.Linear]]:
     emb = getattr(model, "embeddings", None) or getattr(getattr(model, "vision_model", None), "embeddings", None)
     layers = next((m for m in model.modules() if isinstance(m, nn.ModuleList) and isinstance(n, int) and len(m) == n), None)
     if emb is None or layers is None or not isinstance(hidden, int) or getattr(config, "image_token_id", None) is not None:
-        raise ValueError(f"model: {type(model).__name__} is not a vision transformer tower (embeddings and {n} encoder layers); "
-                         "pass a CLIPVisionModel, SiglipVisionModel, ViTModel, Dinov2Model or a VLM's vision_tower")
+        raise ValueError(
+            f"model: {type(model).__name__} is not a vision transformer tower (embeddings and {n} encoder layers); "
+            "pass a CLIPVisionModel, SiglipVisionModel, ViTModel, Dinov2Model or a VLM's vision_tower"
+        )
     outs = []
     for layer in layers:
         lin = [m for m in layer.modules() if isinstance(m, nn.Linear) and m.out_features == hidden and m.in_features != hidden]
         if not lin:
-            raise ValueError(f"model: a {type(layer).__name__} has no MLP output projection (Linear from the MLP width to {hidden})")
+            raise ValueError(
+                f"model: a {type(layer).__name__} has no MLP output projection (Linear from the MLP width to {hidden})"
+            )
         outs.append(lin[-1])
     return emb, list(layers), outs
 
@@ -76,8 +80,12 @@ def high_norm(model, pixel_values: Tensor, factor: float = 3.0) -> HighNorm:
         raise ValueError(f"factor: expected a number > 1 (times the median norm), got {factor!r}")
     _, layers, _ = vit_parts(model)
     norms: list = [None] * len(layers)
-    handles = [layer.register_forward_pre_hook(lambda mod, args, kwargs, i=i: norms.__setitem__(i, _hidden(args, kwargs).detach().norm(dim=-1)),
-                                               with_kwargs=True) for i, layer in enumerate(layers)]
+    handles = [
+        layer.register_forward_pre_hook(
+            lambda mod, args, kwargs, i=i: norms.__setitem__(i, _hidden(args, kwargs).detach().norm(dim=-1)), with_kwargs=True
+        )
+        for i, layer in enumerate(layers)
+    ]
     meter = None
     try:
         with torch.no_grad():
@@ -105,7 +113,9 @@ def high_norm(model, pixel_values: Tensor, factor: float = 3.0) -> HighNorm:
 def _sequence_length(model, pixel_values: Tensor) -> int:
     emb, _, _ = vit_parts(model)
     seen = {}
-    handle = emb.register_forward_hook(lambda mod, args, out: seen.__setitem__("n", (out[0] if isinstance(out, tuple) else out).shape[1]))
+    handle = emb.register_forward_hook(
+        lambda mod, args, out: seen.__setitem__("n", (out[0] if isinstance(out, tuple) else out).shape[1])
+    )
     try:
         with torch.no_grad():
             emb(pixel_values)
@@ -123,7 +133,9 @@ def register_neurons(model, pixel_values: Tensor, top: int = 2, factor: float = 
     measured = high_norm(model, pixel_values, factor)
     _, enc, outs = vit_parts(model)
     acts: list = [None] * len(enc)
-    handles = [o.register_forward_pre_hook(lambda mod, args, i=i: acts.__setitem__(i, args[0].detach())) for i, o in enumerate(outs)]
+    handles = [
+        o.register_forward_pre_hook(lambda mod, args, i=i: acts.__setitem__(i, args[0].detach())) for i, o in enumerate(outs)
+    ]
     try:
         with torch.no_grad():
             model(pixel_values=pixel_values)

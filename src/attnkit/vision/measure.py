@@ -14,7 +14,9 @@ def _check(meter) -> None:
     if not isinstance(meter, VisualAttention):
         raise ValueError(f"meter: expected an attnkit.observe.VisualAttention that has run, got {type(meter).__name__}")
     if not meter.arrays()["visual_received"]:
-        raise ValueError("meter: has observed no attention call yet (run the model inside attnkit.hf.use(model, observers=[meter]))")
+        raise ValueError(
+            "meter: has observed no attention call yet (run the model inside attnkit.hf.use(model, observers=[meter]))"
+        )
 
 
 def blind_tokens(meter: VisualAttention, factor: float = 3.0, layers=None) -> Tensor:

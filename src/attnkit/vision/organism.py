@@ -25,10 +25,14 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from . import shapes
+
+if TYPE_CHECKING:
+    import torch
 
 NAME = "shapes-vlm"
 PAD, IMAGE = "<pad>", "<image>"
@@ -73,14 +77,36 @@ def model_config(settings: Settings = Settings()):
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
     w, h = settings.width, settings.heads
-    vision = CLIPVisionConfig(hidden_size=w, intermediate_size=2 * w, num_hidden_layers=settings.vision_layers,
-                              num_attention_heads=h, image_size=shapes.IMAGE_SIZE, patch_size=PATCH, projection_dim=w)
-    text = LlamaConfig(vocab_size=len(VOCAB), hidden_size=w, intermediate_size=2 * w, num_hidden_layers=settings.text_layers,
-                       num_attention_heads=h, num_key_value_heads=h, max_position_embeddings=64,
-                       pad_token_id=VOCAB.index(PAD), bos_token_id=None, eos_token_id=None)
-    return LlavaConfig(vision_config=vision, text_config=text, image_token_index=VOCAB.index(IMAGE),
-                       image_seq_length=IMAGE_TOKENS, vision_feature_layer=-1, vision_feature_select_strategy="default",
-                       projector_hidden_act="gelu")
+    vision = CLIPVisionConfig(
+        hidden_size=w,
+        intermediate_size=2 * w,
+        num_hidden_layers=settings.vision_layers,
+        num_attention_heads=h,
+        image_size=shapes.IMAGE_SIZE,
+        patch_size=PATCH,
+        projection_dim=w,
+    )
+    text = LlamaConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=w,
+        intermediate_size=2 * w,
+        num_hidden_layers=settings.text_layers,
+        num_attention_heads=h,
+        num_key_value_heads=h,
+        max_position_embeddings=64,
+        pad_token_id=VOCAB.index(PAD),
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    return LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=VOCAB.index(IMAGE),
+        image_seq_length=IMAGE_TOKENS,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        projector_hidden_act="gelu",
+    )
 
 
 def build_processor():
@@ -96,28 +122,61 @@ def build_processor():
     core = Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token=None))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     core.add_special_tokens([AddedToken(PAD, special=True, normalized=False), AddedToken(IMAGE, special=True, normalized=False)])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, padding_side="left",
-                                        clean_up_tokenization_spaces=False, model_input_names=["input_ids", "attention_mask"])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        model_input_names=["input_ids", "attention_mask"],
+    )
     size = {"height": shapes.IMAGE_SIZE, "width": shapes.IMAGE_SIZE}
-    images = CLIPImageProcessorPil(size=size, crop_size=size, do_resize=False, do_center_crop=False, do_rescale=True,
-                                   rescale_factor=1 / 255, do_normalize=True, image_mean=[0.5] * 3, image_std=[0.5] * 3,
-                                   do_convert_rgb=True)
-    return LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=PATCH,
-                          vision_feature_select_strategy="default", num_additional_image_tokens=1, image_token=IMAGE)
+    images = CLIPImageProcessorPil(
+        size=size,
+        crop_size=size,
+        do_resize=False,
+        do_center_crop=False,
+        do_rescale=True,
+        rescale_factor=1 / 255,
+        do_normalize=True,
+        image_mean=[0.5] * 3,
+        image_std=[0.5] * 3,
+        do_convert_rgb=True,
+    )
+    return LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=PATCH,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        image_token=IMAGE,
+    )
 
 
 def task_description() -> dict:
     """task.json: how prompts are written and scored (the visual probe reads it)."""
-    return {"format": TASK_FORMAT, "version": 1, "task": "shapes", "grid": shapes.GRID, "cell": shapes.CELL,
-            "image_size": shapes.IMAGE_SIZE, "colours": list(shapes.COLOURS), "shapes": list(shapes.SHAPES),
-            "positions": list(shapes.POSITIONS), "kinds": list(shapes.KINDS), "vocabulary": list(VOCAB),
-            "prompt": f"{IMAGE} QUESTION (the processor expands {IMAGE} to {IMAGE_TOKENS} placeholders); "
-                      "the answer is the next token",
-            "examples": {"presence": "is there a red circle", "colour": "what color is the circle",
-                         "position": "where is the red circle"}}
+    return {
+        "format": TASK_FORMAT,
+        "version": 1,
+        "task": "shapes",
+        "grid": shapes.GRID,
+        "cell": shapes.CELL,
+        "image_size": shapes.IMAGE_SIZE,
+        "colours": list(shapes.COLOURS),
+        "shapes": list(shapes.SHAPES),
+        "positions": list(shapes.POSITIONS),
+        "kinds": list(shapes.KINDS),
+        "vocabulary": list(VOCAB),
+        "prompt": f"{IMAGE} QUESTION (the processor expands {IMAGE} to {IMAGE_TOKENS} placeholders); "
+        "the answer is the next token",
+        "examples": {
+            "presence": "is there a red circle",
+            "colour": "what color is the circle",
+            "position": "where is the red circle",
+        },
+    }
 
 
-def pixels(images) -> "torch.Tensor":
+def pixels(images) -> torch.Tensor:
     """uint8 (N, H, W, 3) images -> the model's float pixel values, as the processor makes them."""
     import torch
 
@@ -125,7 +184,7 @@ def pixels(images) -> "torch.Tensor":
     return (x * (1 / 255) - 0.5) / 0.5
 
 
-def token_ids(questions) -> "torch.Tensor":
+def token_ids(questions) -> torch.Tensor:
     import torch
 
     index = {t: i for i, t in enumerate(VOCAB)}
@@ -135,7 +194,7 @@ def token_ids(questions) -> "torch.Tensor":
     return torch.tensor(rows)
 
 
-def answer_ids(answers) -> "torch.Tensor":
+def answer_ids(answers) -> torch.Tensor:
     import torch
 
     return torch.tensor([VOCAB.index(a) for a in answers])
@@ -145,7 +204,7 @@ def answer_ids(answers) -> "torch.Tensor":
 CELL_CLASSES = 1 + len(shapes.COLOURS) * len(shapes.SHAPES)
 
 
-def cell_labels(examples) -> "torch.Tensor":
+def cell_labels(examples) -> torch.Tensor:
     """(N, cells) long: per grid cell, 0 when empty, else 1 + colour * len(SHAPES) + shape."""
     import torch
 
@@ -161,8 +220,12 @@ def _train_batch(step: int, settings: Settings):
     # one seed sequence per step: the batch of step s is the same whatever ran before it
     rng_seed = [shapes.STREAMS["train"], settings.seed, step]
     batch = shapes.examples(settings.batch_size, rng_seed)
-    return (pixels([e.image for e in batch]), token_ids([e.question for e in batch]), answer_ids([e.answer for e in batch]),
-            cell_labels(batch))
+    return (
+        pixels([e.image for e in batch]),
+        token_ids([e.question for e in batch]),
+        answer_ids([e.answer for e in batch]),
+        cell_labels(batch),
+    )
 
 
 def accuracy_by_kind(model, examples, batch_size: int = 150) -> dict:
@@ -173,8 +236,10 @@ def accuracy_by_kind(model, examples, batch_size: int = 150) -> dict:
     right: dict[str, list[int]] = {k: [0, 0] for k in shapes.KINDS}
     with torch.inference_mode():
         for i in range(0, len(examples), batch_size):
-            chunk = examples[i:i + batch_size]
-            logits = model(input_ids=token_ids([e.question for e in chunk]), pixel_values=pixels([e.image for e in chunk])).logits[:, -1]
+            chunk = examples[i : i + batch_size]
+            logits = model(
+                input_ids=token_ids([e.question for e in chunk]), pixel_values=pixels([e.image for e in chunk])
+            ).logits[:, -1]
             guess = logits.argmax(-1).tolist()
             for e, g in zip(chunk, guess):
                 right[e.kind][0] += VOCAB[g] == e.answer
@@ -210,15 +275,22 @@ def _train(settings: Settings, on_eval):
     # answers alone, the tower learned no shapes and no positions (4x4 patches: position 0.06-0.17 over 1500 steps;
     # 8x8 patches: 0.06-0.21 over 1250; colour 0.67-0.74, the scene's colours not bound to the asked shape). With
     # them every kind passed 0.95 by step 1250. They are not exported.
-    aux = torch.nn.ModuleDict({"content": torch.nn.Linear(settings.width, CELL_CLASSES),
-                               "cell": torch.nn.Linear(settings.width, shapes.GRID * shapes.GRID)})
+    aux = torch.nn.ModuleDict(
+        {
+            "content": torch.nn.Linear(settings.width, CELL_CLASSES),
+            "cell": torch.nn.Linear(settings.width, shapes.GRID * shapes.GRID),
+        }
+    )
     captured = {}
     hook = model.model.multi_modal_projector.register_forward_hook(lambda mod, inp, out: captured.__setitem__("features", out))
     cells = torch.arange(IMAGE_TOKENS)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2] + [p for p in aux.parameters() if p.dim() >= 2]
     other = [p for n, p in model.named_parameters() if p.dim() < 2] + [p for p in aux.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": settings.weight_decay}, {"params": other, "weight_decay": 0.0}],
-                            lr=settings.lr, betas=(0.9, 0.98))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": settings.weight_decay}, {"params": other, "weight_decay": 0.0}],
+        lr=settings.lr,
+        betas=(0.9, 0.98),
+    )
 
     def lr_at(step):
         if step < settings.warmup:
@@ -235,8 +307,9 @@ def _train(settings: Settings, on_eval):
         logits = model(input_ids=ids, pixel_values=x).logits[:, -1]
         features = captured.pop("features")  # (B, cells, width)
         loss = torch.nn.functional.cross_entropy(logits, y)
-        aux_loss = (torch.nn.functional.cross_entropy(aux["content"](features).flatten(0, 1), labels.flatten())
-                    + torch.nn.functional.cross_entropy(aux["cell"](features).flatten(0, 1), cells.repeat(len(labels))))
+        aux_loss = torch.nn.functional.cross_entropy(
+            aux["content"](features).flatten(0, 1), labels.flatten()
+        ) + torch.nn.functional.cross_entropy(aux["cell"](features).flatten(0, 1), cells.repeat(len(labels)))
         loss = loss + settings.aux_weight * aux_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -247,8 +320,12 @@ def _train(settings: Settings, on_eval):
         losses.append(loss.item())
         if (step + 1) % settings.eval_every == 0 or step + 1 == settings.steps:
             model.eval()
-            record = {"step": step + 1, "loss": float(np.mean(losses)), "seconds": round(seconds, 1),
-                      "accuracy": accuracy_by_kind(model, held_out)}
+            record = {
+                "step": step + 1,
+                "loss": float(np.mean(losses)),
+                "seconds": round(seconds, 1),
+                "accuracy": accuracy_by_kind(model, held_out),
+            }
             model.train()
             losses = []
             history.append(record)
@@ -317,9 +394,10 @@ def answers(model, processor, examples, batch_size: int = 100) -> list[str]:
     vocab = processor.tokenizer.convert_ids_to_tokens(list(range(len(processor.tokenizer))))
     with torch.inference_mode():
         for i in range(0, len(examples), batch_size):
-            chunk = examples[i:i + batch_size]
-            inputs = processor(images=[e.image for e in chunk], text=[prompt(e.question) for e in chunk], return_tensors="pt",
-                               padding=True)
+            chunk = examples[i : i + batch_size]
+            inputs = processor(
+                images=[e.image for e in chunk], text=[prompt(e.question) for e in chunk], return_tensors="pt", padding=True
+            )
             logits = model(**inputs).logits[:, -1]
             out += [vocab[j] for j in logits.argmax(-1).tolist()]
     return out
@@ -341,19 +419,27 @@ def score(examples, said) -> dict:
         if not groups:
             continue
         right, n = sum(c[0] for c in groups.values()), sum(c[1] for c in groups.values())
-        accuracy[kind] = {"accuracy": round(right / n, 4), "counted": n,
-                          "groups": {g: round(c[0] / c[1], 4) for g, c in sorted(groups.items())},
-                          "group_counts": {g: c[1] for g, c in sorted(groups.items())}}
+        accuracy[kind] = {
+            "accuracy": round(right / n, 4),
+            "counted": n,
+            "groups": {g: round(c[0] / c[1], 4) for g, c in sorted(groups.items())},
+            "group_counts": {g: c[1] for g, c in sorted(groups.items())},
+        }
 
     def yes_rate(select):
         picked = [a == "yes" for e, a in zip(examples, said) if e.kind == "presence" and select(e)]
         return round(sum(picked) / len(picked), 4) if picked else float("nan")
 
-    presence = {"yes_present": yes_rate(lambda e: not e.absent), "yes_absent": yes_rate(lambda e: e.absent),
-                "yes_absent_near": yes_rate(lambda e: e.absent and e.near_miss),
-                "yes_absent_far": yes_rate(lambda e: e.absent and not e.near_miss),
-                "counts": {"present": sum(e.kind == "presence" and not e.absent for e in examples),
-                           "absent": sum(e.absent for e in examples)}}
+    presence = {
+        "yes_present": yes_rate(lambda e: not e.absent),
+        "yes_absent": yes_rate(lambda e: e.absent),
+        "yes_absent_near": yes_rate(lambda e: e.absent and e.near_miss),
+        "yes_absent_far": yes_rate(lambda e: e.absent and not e.near_miss),
+        "counts": {
+            "present": sum(e.kind == "presence" and not e.absent for e in examples),
+            "absent": sum(e.absent for e in examples),
+        },
+    }
     return {"accuracy": accuracy, "presence": presence}
 
 
@@ -371,32 +457,47 @@ def measure(directory: str, n: int, stream: str = "card") -> dict:
     finally:
         torch.set_num_threads(threads)
     worst = min(((g_acc, kind, g) for kind, e in scored["accuracy"].items() for g, g_acc in e["groups"].items()))
-    return {"evaluation": {"examples": n, "per_kind": n // len(shapes.KINDS), "stream": stream,
-                           "images": "fresh scenes of 1-3 objects (distinct shapes, distinct cells), shape offsets and "
-                                     "pixel noise drawn per image; presence questions half about present objects, "
-                                     "the absent ones drawn 3 times in 4 from the near misses (colour or "
-                                     "shape in the scene, not the pair), else from every absent pair",
-                           "loaded_as": "transformers AutoProcessor + AutoModelForImageTextToText, float32"},
-            **scored, "worst": {"kind": worst[1], "group": worst[2], "accuracy": worst[0]}}
+    return {
+        "evaluation": {
+            "examples": n,
+            "per_kind": n // len(shapes.KINDS),
+            "stream": stream,
+            "images": "fresh scenes of 1-3 objects (distinct shapes, distinct cells), shape offsets and "
+            "pixel noise drawn per image; presence questions half about present objects, "
+            "the absent ones drawn 3 times in 4 from the near misses (colour or "
+            "shape in the scene, not the pair), else from every absent pair",
+            "loaded_as": "transformers AutoProcessor + AutoModelForImageTextToText, float32",
+        },
+        **scored,
+        "worst": {"kind": worst[1], "group": worst[2], "accuracy": worst[0]},
+    }
 
 
 def model_info(model, settings: Settings) -> dict:
-    return {"architecture": "LlavaForConditionalGeneration",
-            "vision": f"CLIP vision tower, {settings.vision_layers} layers, width {settings.width}, {settings.heads} heads, "
-                      f"{PATCH}x{PATCH} patches of a {shapes.IMAGE_SIZE}x{shapes.IMAGE_SIZE} image",
-            "projector": "2-layer MLP (GELU)",
-            "text": f"Llama, {settings.text_layers} layers, width {settings.width}, {settings.heads} heads, "
-                    f"{len(VOCAB)}-token vocabulary",
-            "d_model": settings.width, "layers": settings.text_layers, "vision_layers": settings.vision_layers,
-            "heads": settings.heads, "image_tokens": IMAGE_TOKENS, "max_len": IMAGE_TOKENS + 5,
-            "vocab_size": len(VOCAB), "parameters": sum(p.numel() for p in model.parameters())}
+    return {
+        "architecture": "LlavaForConditionalGeneration",
+        "vision": f"CLIP vision tower, {settings.vision_layers} layers, width {settings.width}, {settings.heads} heads, "
+        f"{PATCH}x{PATCH} patches of a {shapes.IMAGE_SIZE}x{shapes.IMAGE_SIZE} image",
+        "projector": "2-layer MLP (GELU)",
+        "text": f"Llama, {settings.text_layers} layers, width {settings.width}, {settings.heads} heads, "
+        f"{len(VOCAB)}-token vocabulary",
+        "d_model": settings.width,
+        "layers": settings.text_layers,
+        "vision_layers": settings.vision_layers,
+        "heads": settings.heads,
+        "image_tokens": IMAGE_TOKENS,
+        "max_len": IMAGE_TOKENS + 5,
+        "vocab_size": len(VOCAB),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def _main(argv=None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(description="train the visual organism (the weights and training.json; "
-                                            "attnkit organisms build exports and cards it)")
+    p = argparse.ArgumentParser(
+        description="train the visual organism (the weights and training.json; attnkit organisms build exports and cards it)"
+    )
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=Settings.steps)
     args = p.parse_args(argv)

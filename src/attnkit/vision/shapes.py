@@ -96,10 +96,10 @@ def render(objects, rng: np.random.Generator | None = None) -> np.ndarray:
             raise ValueError(f"objects: colour {obj.colour!r} is not one of {', '.join(COLOURS)}")
         if not 0 <= obj.cell < GRID * GRID:
             raise ValueError(f"objects: cell {obj.cell} outside 0..{GRID * GRID - 1}")
-        dy, dx = (rng.integers(0, 3, size=2) if rng is not None else (1, 1))
+        dy, dx = rng.integers(0, 3, size=2) if rng is not None else (1, 1)
         top, left = (obj.cell // GRID) * CELL + int(dy), (obj.cell % GRID) * CELL + int(dx)
         mask = _MASKS[obj.shape]
-        region = image[top:top + 6, left:left + 6]
+        region = image[top : top + 6, left : left + 6]
         colour = np.array(COLOURS[obj.colour], dtype=np.int16)
         if rng is not None:
             colour = colour + rng.integers(-15, 16, size=3, dtype=np.int16)
@@ -167,5 +167,22 @@ def stream(name: str) -> int:
     return STREAMS[name]
 
 
-__all__ = ["CELL", "COLOURS", "Example", "GRID", "IMAGE_SIZE", "KINDS", "MAX_OBJECTS", "Obj", "POSITIONS", "SHAPES", "STREAMS",
-           "WORDS", "examples", "question", "render", "scene", "stream"]
+__all__ = [
+    "CELL",
+    "COLOURS",
+    "Example",
+    "GRID",
+    "IMAGE_SIZE",
+    "KINDS",
+    "MAX_OBJECTS",
+    "Obj",
+    "POSITIONS",
+    "SHAPES",
+    "STREAMS",
+    "WORDS",
+    "examples",
+    "question",
+    "render",
+    "scene",
+    "stream",
+]

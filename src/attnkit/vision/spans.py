@@ -151,7 +151,9 @@ def _count(inputs: Mapping, kind: str) -> int | None:
     px = torch.as_tensor(px)
     if kind == "idefics3":
         if px.dim() != 5:
-            raise ValueError(f"inputs: Idefics3 pixel_values must be (batch, images, channels, height, width), got {tuple(px.shape)}")
+            raise ValueError(
+                f"inputs: Idefics3 pixel_values must be (batch, images, channels, height, width), got {tuple(px.shape)}"
+            )
         flat = px.reshape(px.shape[0] * px.shape[1], -1)
         return int((flat != 0).any(-1).sum())  # all-zero images are padding, as the model drops them
     if px.dim() != 4:
@@ -163,7 +165,9 @@ def _fixed(placeholder: Tensor, per_image: int, grid, count: int | None) -> list
     total = int(placeholder.sum())
     if count is None:
         if total % per_image:
-            raise ValueError(f"inputs: input_ids hold {total} image placeholders, not a multiple of the {per_image} each image takes")
+            raise ValueError(
+                f"inputs: input_ids hold {total} image placeholders, not a multiple of the {per_image} each image takes"
+            )
         count = total // per_image
     if count * per_image != total:
         raise ValueError(
@@ -188,7 +192,9 @@ def _qwen(config, inputs: Mapping) -> list[tuple[int, tuple | None]]:
         out.append((t * h * w // (merge * merge), (h // merge, w // merge) if t == 1 else None))
     total, need = int((torch.as_tensor(inputs["input_ids"]) == config.image_token_id).sum()), sum(n for n, _ in out)
     if total != need:
-        raise ValueError(f"inputs: {len(out)} image(s) in image_grid_thw need {need} placeholder tokens, but input_ids hold {total}")
+        raise ValueError(
+            f"inputs: {len(out)} image(s) in image_grid_thw need {need} placeholder tokens, but input_ids hold {total}"
+        )
     return out
 
 
@@ -217,4 +223,3 @@ def _assign(placeholder: Tensor, sizes: list[tuple[int, tuple | None]]) -> tuple
     if i != len(sizes):
         raise ValueError(f"inputs: {len(sizes)} image(s) given, but input_ids hold placeholders for {i}")
     return tuple(images)
-

@@ -3,13 +3,13 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close
 from linear_cases import qkv
 
 import attnkit as ak
 from attnkit.mechanisms import get_mechanism
 from attnkit.mechanisms.linear import LinearAttention
 from attnkit.mechanisms.linear.conv import ShortConv
+from helpers import assert_close
 
 
 def literal_conv(x, w):

@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close
 
 from attnkit.mechanisms.linear import (
     DPFP,
@@ -22,6 +21,7 @@ from attnkit.mechanisms.linear import (
     feature_map,
 )
 from attnkit.mechanisms.linear.feature_maps import orthogonal_gaussian
+from helpers import assert_close
 
 
 def x(*shape, seed=0):

@@ -3,13 +3,13 @@ values, gradients, float64 gradcheck, chunk sizes that do not divide N, span bou
 
 import pytest
 import torch
-from helpers import TOL, assert_close
 from linear_cases import CONFIGS, betas, build, feature_dim, gates, qkv
 
 import attnkit as ak
 from attnkit.mechanisms.linear import chunked as chunked_module
 from attnkit.mechanisms.linear import core
 from attnkit.mechanisms.linear.state import LinearState
+from helpers import TOL, assert_close
 
 FORMS = ["parallel", "chunked", "recurrent"]
 
@@ -214,7 +214,15 @@ def test_strong_gates_in_float32(gate, rule, chunk, strength, path):
     assert chunk_path(g, chunk) == path
     ref = mech(q, k, v, mask=ak.causal(), backend="reference", g=g, beta=beta)
     for form in FORMS:
-        out = mech(q.float(), k.float(), v.float(), mask=ak.causal(), backend=form, g=g.float(), beta=None if beta is None else beta.float())
+        out = mech(
+            q.float(),
+            k.float(),
+            v.float(),
+            mask=ak.causal(),
+            backend=form,
+            g=g.float(),
+            beta=None if beta is None else beta.float(),
+        )
         assert torch.isfinite(out).all()
         assert_close(out, ref, dtype=torch.float32, msg=form)
 
@@ -258,7 +266,15 @@ def test_float32_chunked_matches_float64_reference(label, kwargs, gate, chunk):
     g = gates(gate, B, H, N, feature_dim(mech, D))
     beta = betas(mech.rule, B, H, N)
     ref = mech(q, k, v, mask=ak.causal(), backend="reference", g=g, beta=beta)
-    out = mech(q.float(), k.float(), v.float(), mask=ak.causal(), backend="chunked", g=None if g is None else g.float(), beta=None if beta is None else beta.float())
+    out = mech(
+        q.float(),
+        k.float(),
+        v.float(),
+        mask=ak.causal(),
+        backend="chunked",
+        g=None if g is None else g.float(),
+        beta=None if beta is None else beta.float(),
+    )
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref, **TOL[torch.float32])
 

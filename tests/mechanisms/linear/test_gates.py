@@ -6,7 +6,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close
 from linear_cases import qkv
 
 import attnkit as ak
@@ -14,6 +13,7 @@ from attnkit.mechanisms import get_mechanism
 from attnkit.mechanisms.linear import LinearAttention, LinearState
 from attnkit.mechanisms.linear.gates import lightning_log_decays, retnet_log_decays
 from attnkit.mods import alibi_slopes
+from helpers import assert_close
 
 FORMS = ["reference", "parallel", "chunked", "recurrent"]
 
@@ -53,8 +53,16 @@ def test_beta_zero_leaves_the_state_unchanged(form):
     B, H, N, D = 1, 2, 10, 4
     q, k, v = qkv(B, H, H, N, N, D, 3)
     memory = torch.randn(B, H, D, 3, dtype=torch.float64)
-    out, state = mech(q, k, v, mask=ak.causal(), backend=form, beta=torch.zeros(B, H, N, dtype=torch.float64),
-                      initial_state=LinearState(memory), return_state=True)
+    out, state = mech(
+        q,
+        k,
+        v,
+        mask=ak.causal(),
+        backend=form,
+        beta=torch.zeros(B, H, N, dtype=torch.float64),
+        initial_state=LinearState(memory),
+        return_state=True,
+    )
     phi_q = F.silu(q) * torch.rsqrt(F.silu(q).square().sum(-1, keepdim=True) + 1e-6)  # L2Norm(SiLU), eps 1e-6
     assert_close(out, phi_q @ memory / math.sqrt(D))
     assert_close(state.memory, memory)
@@ -119,7 +127,9 @@ def test_gated_deltanet_gates_and_beta_formulas():
     with torch.no_grad():
         gate.weight.normal_()
         beta_gate.weight.normal_()
-    expected = -torch.exp(gate.A_log)[:, None] * F.softplus(torch.einsum("bhnd,hd->bhn", k, gate.weight[..., 0]) + gate.dt_bias[:, None])
+    expected = -torch.exp(gate.A_log)[:, None] * F.softplus(
+        torch.einsum("bhnd,hd->bhn", k, gate.weight[..., 0]) + gate.dt_bias[:, None]
+    )
     assert_close(gate(k, 4, 8), expected)
     assert_close(beta_gate(k, 4, 8), torch.sigmoid(torch.einsum("bhnd,hd->bhn", k, beta_gate.weight[..., 0])))
 

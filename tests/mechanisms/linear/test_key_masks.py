@@ -3,12 +3,12 @@ the same outputs and state as the same row without its padding."""
 
 import pytest
 import torch
-from helpers import assert_close
 from linear_cases import Recorder, dense_weights, qkv
 
 import attnkit as ak
 from attnkit.mechanisms import get_mechanism
 from attnkit.mods import Mask
+from helpers import assert_close
 
 FORMS = ["reference", "parallel", "chunked", "recurrent"]
 NAMES = ["linear_elu", "retnet", "gla", "gated_deltanet"]
@@ -39,8 +39,14 @@ def test_right_padding_is_the_shorter_row(name, form, causal):
     out, state = mech(q, k, v, mask=mask, backend=form, return_state=True)
     for b, n in enumerate(lengths):
         row = slice(b, b + 1)
-        want, want_state = mech(q[row, :, :n] if causal else q[row], k[row, :, :n], v[row, :, :n],
-                                mask=ak.causal() if causal else None, backend="reference", return_state=True)
+        want, want_state = mech(
+            q[row, :, :n] if causal else q[row],
+            k[row, :, :n],
+            v[row, :, :n],
+            mask=ak.causal() if causal else None,
+            backend="reference",
+            return_state=True,
+        )
         assert_close(out[row, :, :n] if causal else out[row], want)
         assert_close(state.memory[row], want_state.memory)
 

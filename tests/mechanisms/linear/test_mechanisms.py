@@ -6,12 +6,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close
 from linear_cases import Recorder, dense_weights, qkv
 
 import attnkit as ak
 from attnkit.mechanisms import available, get_mechanism
 from attnkit.mechanisms.linear import NAMED, LinearAttention, LinearState
+from helpers import assert_close
 
 
 def causal_matrix(n, m=None):
@@ -115,7 +115,9 @@ def test_fast_weight_is_the_delta_rule_on_sum_normalised_dpfp():
     assert_close(mech(q, k, v, mask=ak.causal(), beta=beta), torch.stack(outs, 2))
 
 
-@pytest.mark.parametrize("mask", [ak.window(4), ak.causal() & ak.window(4), ak.document(torch.zeros(8, dtype=torch.long)), lambda b, h, q, k: k <= q])
+@pytest.mark.parametrize(
+    "mask", [ak.window(4), ak.causal() & ak.window(4), ak.document(torch.zeros(8, dtype=torch.long)), lambda b, h, q, k: k <= q]
+)
 def test_other_masks_are_refused(mask):
     q, k, v = qkv(1, 2, 2, 8, 8, 4, 3)
     with pytest.raises(ValueError, match="mask"):

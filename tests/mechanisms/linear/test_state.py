@@ -3,12 +3,12 @@ token == one call, gradients flow through a state, and bad states are refused.""
 
 import pytest
 import torch
-from helpers import assert_close
 from linear_cases import qkv
 
 import attnkit as ak
 from attnkit.mechanisms import get_mechanism
 from attnkit.mechanisms.linear import NAMED, CosReweight, LinearAttention, LinearState
+from helpers import assert_close
 
 
 def stateful(name, **kw):
@@ -27,7 +27,9 @@ def test_halves_with_state_equal_one_call(name, form):
     full, full_state = mech(q, k, v, mask=ak.causal(), backend=form, return_state=True)
     h = N // 2
     first, state = mech(q[:, :, :h], k[:, :, :h], v[:, :, :h], mask=ak.causal(), backend=form, return_state=True)
-    second, end = mech(q[:, :, h:], k[:, :, h:], v[:, :, h:], mask=ak.causal(), backend=form, initial_state=state, return_state=True)
+    second, end = mech(
+        q[:, :, h:], k[:, :, h:], v[:, :, h:], mask=ak.causal(), backend=form, initial_state=state, return_state=True
+    )
     assert state.position == h and end.position == N
     assert_close(torch.cat([first, second], dim=2), full)
     assert_close(end.memory, full_state.memory)
@@ -43,7 +45,9 @@ def test_decoding_token_by_token_equals_one_call(name):
     full = mech(q, k, v, mask=ak.causal(), backend="chunked")
     state, outs = None, []
     for t in range(N):
-        o, state = mech(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], mask=ak.causal(), initial_state=state, return_state=True)
+        o, state = mech(
+            q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], mask=ak.causal(), initial_state=state, return_state=True
+        )
         outs.append(o)
     assert_close(torch.cat(outs, dim=2), full)
 

@@ -1,7 +1,7 @@
 """The arena's synthetic tasks, one file per family, each citing its source.
 
-    task = make_task("mqar", seq_len=64, num_kv_pairs=(4, 8))
-    batch = task.sample(32, torch.Generator().manual_seed(0))
+task = make_task("mqar", seq_len=64, num_kv_pairs=(4, 8))
+batch = task.sample(32, torch.Generator().manual_seed(0))
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from .selective_copy import SelectiveCopy
 from .variable_tracking import VariableTracking
 
 TASKS: dict[str, type[Task]] = {
-    cls.name: cls
-    for cls in (MQAR, AssociativeRetrieval, SelectiveCopy, Induction, LinearRegression, VariableTracking, Needle)
+    cls.name: cls for cls in (MQAR, AssociativeRetrieval, SelectiveCopy, Induction, LinearRegression, VariableTracking, Needle)
 }
 
 
@@ -35,5 +34,17 @@ def make_task(name: str, **params) -> Task:
     return cls(**params)
 
 
-__all__ = ["IGNORE", "TASKS", "AssociativeRetrieval", "Batch", "Induction", "LinearRegression", "MQAR", "Needle",
-           "SelectiveCopy", "Task", "VariableTracking", "make_task"]
+__all__ = [
+    "IGNORE",
+    "TASKS",
+    "AssociativeRetrieval",
+    "Batch",
+    "Induction",
+    "LinearRegression",
+    "MQAR",
+    "Needle",
+    "SelectiveCopy",
+    "Task",
+    "VariableTracking",
+    "make_task",
+]

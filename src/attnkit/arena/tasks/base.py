@@ -47,8 +47,12 @@ class Batch:
         return self.inputs.shape[0]
 
     def slice(self, start: int, stop: int) -> Batch:
-        return Batch(self.inputs[start:stop], self.targets[start:stop], self.mask[start:stop],
-                     None if self.group is None else self.group[start:stop])
+        return Batch(
+            self.inputs[start:stop],
+            self.targets[start:stop],
+            self.mask[start:stop],
+            None if self.group is None else self.group[start:stop],
+        )
 
 
 class Task(ABC):

@@ -73,9 +73,11 @@ class Induction(Task):
         # varied tasks also need at least one token left for the filler
         need = self.longest + (self.min_segment is not None)
         if self.vocab_size < need:
-            raise ValueError(f"vocab_size: a segment of {self.longest} distinct tokens"
-                             f"{' and a filler token' if self.min_segment is not None else ''} needs vocab_size >= {need}, "
-                             f"got {self.vocab_size}")
+            raise ValueError(
+                f"vocab_size: a segment of {self.longest} distinct tokens"
+                f"{' and a filler token' if self.min_segment is not None else ''} needs vocab_size >= {need}, "
+                f"got {self.vocab_size}"
+            )
         if not isinstance(self.spread, bool):
             raise ValueError(f"spread: expected True or False, got {self.spread!r}")
         if self.spread and self.min_segment is None:
@@ -84,8 +86,10 @@ class Induction(Task):
             # Two tokens at least: the second copy must ask something.
             check_int(self.min_segment, "min_segment", 2)
             if self.min_segment > self.longest:
-                raise ValueError(f"min_segment: expected at most max_segment (default seq_len / repeats) = {self.longest}, "
-                                 f"got {self.min_segment}")
+                raise ValueError(
+                    f"min_segment: expected at most max_segment (default seq_len / repeats) = {self.longest}, "
+                    f"got {self.min_segment}"
+                )
 
     @property
     def segment(self) -> int:
@@ -111,7 +115,7 @@ class Induction(Task):
         inputs = segment.repeat(1, self.repeats)
         targets = torch.full_like(inputs, IGNORE)
         start = self.segment
-        targets[:, start:-1] = inputs[:, start + 1:]
+        targets[:, start:-1] = inputs[:, start + 1 :]
         return Batch(inputs, targets, targets != IGNORE)
 
     def _sample_varied(self, n: int, generator: torch.Generator) -> Batch:

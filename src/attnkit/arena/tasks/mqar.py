@@ -48,9 +48,13 @@ class MQAR(Task):
         if isinstance(self.power_a, bool) or not isinstance(self.power_a, (int, float)) or not 0 < self.power_a <= 1:
             raise ValueError(f"power_a: expected 0 < a <= 1, got {self.power_a!r}")
         if self.vocab_size // 2 - 1 < high:
-            raise ValueError(f"vocab_size: {high} keys need vocab_size >= {2 * high + 2} (keys from [1, V/2)), got {self.vocab_size}")
+            raise ValueError(
+                f"vocab_size: {high} keys need vocab_size >= {2 * high + 2} (keys from [1, V/2)), got {self.vocab_size}"
+            )
         if 4 * high > self.seq_len:
-            raise ValueError(f"seq_len: {high} pairs need seq_len >= {4 * high} (context and as many query slots), got {self.seq_len}")
+            raise ValueError(
+                f"seq_len: {high} pairs need seq_len >= {4 * high} (context and as many query slots), got {self.seq_len}"
+            )
 
     @property
     def pair_range(self) -> tuple[int, int]:

@@ -61,8 +61,10 @@ class Needle(Task):
         cell = 1 + self.value_len
         check_int(self.seq_len, "seq_len", cell * (self.distractors + 2))
         if self.value_len == 1 and self.seq_len % cell:
-            raise ValueError(f"seq_len: the context is cut into {cell}-token cells (key and value_len={self.value_len} "
-                             f"values), so it must be {'even' if cell == 2 else f'a multiple of {cell}'}, got {self.seq_len}")
+            raise ValueError(
+                f"seq_len: the context is cut into {cell}-token cells (key and value_len={self.value_len} "
+                f"values), so it must be {'even' if cell == 2 else f'a multiple of {cell}'}, got {self.seq_len}"
+            )
         factors = tuple(self.test_factors)
         if not factors or any(isinstance(f, bool) or not isinstance(f, int) or f < 1 for f in factors):
             raise ValueError(f"test_factors: expected positive ints, got {self.test_factors!r}")
@@ -148,7 +150,7 @@ class Needle(Task):
         tail = N - cell
         inputs[:, tail] = self.query_token
         inputs[:, tail + 1] = keys[:, 0]
-        inputs[:, tail + 2:] = values[:, 0, : L - 1]
+        inputs[:, tail + 2 :] = values[:, 0, : L - 1]
         targets = torch.full((n, N), IGNORE, dtype=torch.long)
-        targets[:, tail + 1:] = values[:, 0]
+        targets[:, tail + 1 :] = values[:, 0]
         return Batch(inputs, targets, targets != IGNORE, group)

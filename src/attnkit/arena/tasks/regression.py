@@ -40,7 +40,9 @@ class LinearRegression(Task):
         if self.seq_len % 2:
             raise ValueError(f"seq_len: x and y alternate, so it must be even, got {self.seq_len}")
         if self.num_points <= self.dim:
-            raise ValueError(f"seq_len: accuracy is counted after dim={self.dim} examples, so seq_len must exceed {2 * self.dim}, got {self.seq_len}")
+            raise ValueError(
+                f"seq_len: accuracy is counted after dim={self.dim} examples, so seq_len must exceed {2 * self.dim}, got {self.seq_len}"
+            )
         if isinstance(self.tolerance, bool) or not isinstance(self.tolerance, (int, float)) or not self.tolerance > 0:
             raise ValueError(f"tolerance: expected > 0, got {self.tolerance!r}")
 

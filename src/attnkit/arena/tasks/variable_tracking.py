@@ -88,6 +88,6 @@ class VariableTracking(Task):
         targets = torch.full((n, self.seq_len), IGNORE, dtype=torch.long)
         inputs[:, context] = QUERY
         inputs[:, context + 1] = values[:, 0]
-        inputs[:, context + 2:] = names[:, 0, :H]
-        targets[:, context + 1:] = names[:, 0]
+        inputs[:, context + 2 :] = names[:, 0, :H]
+        targets[:, context + 1 :] = names[:, 0]
         return Batch(inputs, targets, targets != IGNORE)

@@ -38,17 +38,46 @@ import torch
 from .build import Status, available, disabled, status, warn_fallback
 from .fused import sigmoid_attention, sigmoid_attention_backward, softmax_attention, topk_attention
 from .mixed import mixed_softmax_attention, mixed_softmax_attention_backward
-from .pointwise import (MAX_MIX_HEADS, depthwise_conv2d, depthwise_conv2d_weight_grad, mix_heads, online_softmax_step_,
-                        sigmoid_, softcap_, stick_breaking_, stick_breaking_backward_, topk_rows)
+from .pointwise import (
+    MAX_MIX_HEADS,
+    depthwise_conv2d,
+    depthwise_conv2d_weight_grad,
+    mix_heads,
+    online_softmax_step_,
+    sigmoid_,
+    softcap_,
+    stick_breaking_,
+    stick_breaking_backward_,
+    topk_rows,
+)
 from .sparse import nsa_forward
 
 Tensor = torch.Tensor
 
 __all__ = [
-    "MAX_MIX_HEADS", "Status", "available", "depthwise_conv2d", "depthwise_conv2d_weight_grad", "disabled", "engine",
-    "fused_usable", "mix_heads", "mixed_softmax_attention", "mixed_softmax_attention_backward", "nsa_forward",
-    "online_softmax_step_", "sigmoid_", "sigmoid_attention", "sigmoid_attention_backward", "softcap_",
-    "softmax_attention", "status", "stick_breaking_", "stick_breaking_backward_", "topk_attention", "topk_rows",
+    "MAX_MIX_HEADS",
+    "Status",
+    "available",
+    "depthwise_conv2d",
+    "depthwise_conv2d_weight_grad",
+    "disabled",
+    "engine",
+    "fused_usable",
+    "mix_heads",
+    "mixed_softmax_attention",
+    "mixed_softmax_attention_backward",
+    "nsa_forward",
+    "online_softmax_step_",
+    "sigmoid_",
+    "sigmoid_attention",
+    "sigmoid_attention_backward",
+    "softcap_",
+    "softmax_attention",
+    "status",
+    "stick_breaking_",
+    "stick_breaking_backward_",
+    "topk_attention",
+    "topk_rows",
     "usable",
 ]
 

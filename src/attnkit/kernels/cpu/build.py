@@ -37,8 +37,19 @@ import torch
 HERE = Path(__file__).parent
 #: the translation units: the loops (no torch headers, quick to compile), the matrix
 #: products, and one binding file per family of operators
-SOURCES = ["loops_pointwise.cpp", "loops_fused.cpp", "loops_mixed.cpp", "loops_sparse.cpp", "gemm.cpp", "pointwise.cpp",
-           "fused.cpp", "mixed.cpp", "sparse.cpp", "kv.cpp", "kv_attention.cpp"]
+SOURCES = [
+    "loops_pointwise.cpp",
+    "loops_fused.cpp",
+    "loops_mixed.cpp",
+    "loops_sparse.cpp",
+    "gemm.cpp",
+    "pointwise.cpp",
+    "fused.cpp",
+    "mixed.cpp",
+    "sparse.cpp",
+    "kv.cpp",
+    "kv_attention.cpp",
+]
 HEADERS = ["common.h", "parallel.h", "binding.h"]
 # -fopenmp: at::parallel_for is an OpenMP pragma in torch's headers, compiled into this
 # library; without the flag it runs every part on one thread. Linked with -fopenmp, the
@@ -137,8 +148,15 @@ def _load(verbose: bool = False) -> Status:
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(name=extension_name(), sources=[str(HERE / s) for s in SOURCES], extra_cflags=flags(), extra_ldflags=ldflags(),
-                           extra_include_paths=[str(HERE)], is_python_module=False, verbose=verbose)
+        cpp_extension.load(
+            name=extension_name(),
+            sources=[str(HERE / s) for s in SOURCES],
+            extra_cflags=flags(),
+            extra_ldflags=ldflags(),
+            extra_include_paths=[str(HERE)],
+            is_python_module=False,
+            verbose=verbose,
+        )
         torch.ops.attnkit._gemm_mode  # the library registered its operators  # noqa: B018
         from . import fused, kv, mixed, pointwise, sparse
 
@@ -194,9 +212,12 @@ def warn_fallback() -> None:
     if _warned or st.available or disabled():
         return
     _warned = True
-    warnings.warn(f"attnkit: the C++ CPU operators are unavailable ({st.reason}); running the PyTorch tiles, "
-                  "which compute the same values 1.3-3.4x slower. `attnkit doctor` shows the build status.",
-                  RuntimeWarning, stacklevel=3)
+    warnings.warn(
+        f"attnkit: the C++ CPU operators are unavailable ({st.reason}); running the PyTorch tiles, "
+        "which compute the same values 1.3-3.4x slower. `attnkit doctor` shows the build status.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 @functools.cache

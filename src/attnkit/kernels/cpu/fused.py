@@ -19,14 +19,24 @@ def sigmoid_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, bias: float
     return torch.ops.attnkit.sigmoid_attention(q, k, v, scale, bias, q_start, *band)
 
 
-def sigmoid_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, bias: float, q_start: int,
-                               band: Band) -> tuple[Tensor, Tensor, Tensor]:
+def sigmoid_attention_backward(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float, bias: float, q_start: int, band: Band
+) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of ``sigmoid_attention`` for ``grad_out``."""
     return torch.ops.attnkit.sigmoid_attention_backward(grad_out, q, k, v, scale, bias, q_start, *band)
 
 
-def softmax_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, q_start: int, band: Band, softcap: float = 0.0,
-                      k_heads: Tensor | None = None, v_heads: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def softmax_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    q_start: int,
+    band: Band,
+    softcap: float = 0.0,
+    k_heads: Tensor | None = None,
+    v_heads: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """(out, lse) of softmax(softcap(scale Q K^T)) V over the keys of ``band``, forward only.
     q (B, H, Nq, D), k (B, Hk, Nk, D), v (B, Hv, Nk, Dv), D and Dv free; query head j reads
     key head ``k_heads[j]`` and value head ``v_heads[j]`` (default: grouped-query
@@ -59,8 +69,14 @@ def register() -> None:
     @torch.library.register_fake("attnkit::topk_attention")
     def _(q, k, v, q_start, lo, hi, width):
         rows = q.shape[:3]
-        return (q.new_empty(*rows, v.shape[-1]), q.new_empty(rows), q.new_empty(*rows, width, dtype=torch.int64),
-                q.new_empty(*rows, width), q.new_empty(rows), q.new_empty(rows))
+        return (
+            q.new_empty(*rows, v.shape[-1]),
+            q.new_empty(rows),
+            q.new_empty(*rows, width, dtype=torch.int64),
+            q.new_empty(*rows, width),
+            q.new_empty(rows),
+            q.new_empty(rows),
+        )
 
     def setup(ctx, inputs, output):
         q, k, v, ctx.scale, ctx.bias, ctx.q_start, ctx.lo, ctx.hi = inputs
@@ -68,8 +84,9 @@ def register() -> None:
 
     def backward(ctx, grad_out):
         q, k, v = ctx.saved_tensors
-        dq, dk, dv = torch.ops.attnkit.sigmoid_attention_backward(grad_out, q, k, v, ctx.scale, ctx.bias, ctx.q_start,
-                                                                  ctx.lo, ctx.hi)
+        dq, dk, dv = torch.ops.attnkit.sigmoid_attention_backward(
+            grad_out, q, k, v, ctx.scale, ctx.bias, ctx.q_start, ctx.lo, ctx.hi
+        )
         return dq, dk, dv, None, None, None, None, None
 
     torch.library.register_autograd("attnkit::sigmoid_attention", backward, setup_context=setup)

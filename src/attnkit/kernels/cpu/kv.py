@@ -13,8 +13,17 @@ from torch.autograd.graph import increment_version
 
 from .build import available
 
-__all__ = ["H2O", "TOVA", "available", "evict_lowest", "fill_hole", "packed_attention", "prefill_attention", "quest_attention",
-           "step_attention"]
+__all__ = [
+    "H2O",
+    "TOVA",
+    "available",
+    "evict_lowest",
+    "fill_hole",
+    "packed_attention",
+    "prefill_attention",
+    "quest_attention",
+    "step_attention",
+]
 
 Tensor = torch.Tensor
 
@@ -22,8 +31,9 @@ Tensor = torch.Tensor
 TOVA, H2O = 0, 1
 
 
-def evict_lowest(mass: Tensor, valid: Tensor, pos: Tensor, capacity: Tensor, score: Tensor | None, mode: int,
-                 recent: float = 0.0) -> tuple[Tensor | None, int, int]:
+def evict_lowest(
+    mass: Tensor, valid: Tensor, pos: Tensor, capacity: Tensor, score: Tensor | None, mode: int, recent: float = 0.0
+) -> tuple[Tensor | None, int, int]:
     """Per (row, KV head) holding one entry more than ``capacity`` (B, H): drop the entry
     with the lowest score, the latest position among equal lowest, by clearing it in
     ``valid`` (B, H, L) in place. TOVA scores by ``mass`` (B, Hq, L) averaged over all
@@ -37,8 +47,18 @@ def evict_lowest(mass: Tensor, valid: Tensor, pos: Tensor, capacity: Tensor, sco
     return slot, fewest, most  # an undefined tensor arrives as None
 
 
-def fill_hole(keys: Tensor, values: Tensor, valid: Tensor, pos: Tensor, rope: Tensor | None, score: Tensor | None,
-              key_new: Tensor, value_new: Tensor, rope_new: Tensor, seen: int) -> None:
+def fill_hole(
+    keys: Tensor,
+    values: Tensor,
+    valid: Tensor,
+    pos: Tensor,
+    rope: Tensor | None,
+    score: Tensor | None,
+    key_new: Tensor,
+    value_new: Tensor,
+    rope_new: Tensor,
+    seen: int,
+) -> None:
     """Write one new token per (row, KV head) into its first empty slot, in place: key and
     value (B, H, 1, D), ``valid`` set, position ``seen``, RoPE position ``rope_new`` (B,),
     score 0."""
@@ -69,8 +89,20 @@ def packed_attention(q: Tensor, k_rows: Tensor, v_rows: Tensor, source: Tensor, 
     return torch.ops.attnkit.kv_packed_attention(q, k_rows, v_rows, source, empty_row, scale)
 
 
-def quest_attention(q: Tensor, keys: Tensor, values: Tensor, kmin: Tensor, kmax: Tensor, has: Tensor, budget: Tensor,
-                    page_size: int, cached: int, per_group: bool, scale: float, fold: bool) -> tuple[Tensor, Tensor]:
+def quest_attention(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    kmin: Tensor,
+    kmax: Tensor,
+    has: Tensor,
+    budget: Tensor,
+    page_size: int,
+    cached: int,
+    per_group: bool,
+    scale: float,
+    fold: bool,
+) -> tuple[Tensor, Tensor]:
     """Quest's step for one query per head, q (B, Hq, 1, D): pages of the ``cached`` slots
     ranked by their key bound (``kmin``/``kmax`` (B, Hkv, >= P, D) float64, ``has``
     (B, Hkv, >= P)), ceil(budget[b] / page_size) chosen per query head (per KV head with
@@ -83,8 +115,9 @@ def quest_attention(q: Tensor, keys: Tensor, values: Tensor, kmin: Tensor, kmax:
     pages are cut over each row's entries (``attnkit.kv.policies.quest.entry_pages``), and
     only in such a layer are those runs of slots; a layer with empty slots (a left-padded
     batch's) takes the PyTorch path."""
-    out = torch.ops.attnkit.kv_quest_attention(q, keys, values, kmin, kmax, has, budget, page_size, cached, per_group,
-                                               scale, fold)
+    out = torch.ops.attnkit.kv_quest_attention(
+        q, keys, values, kmin, kmax, has, budget, page_size, cached, per_group, scale, fold
+    )
     if fold:
         increment_version((kmin, kmax, has))
     return out

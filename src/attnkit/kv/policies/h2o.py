@@ -55,7 +55,7 @@ class H2O(Policy):
                 idx = held[b, h].nonzero().flatten().tolist()
                 c = int(capacity[b, h])
                 r = int(self._recent(capacity[b, h]))
-                recent = idx[len(idx) - r:] if r else []
+                recent = idx[len(idx) - r :] if r else []
                 older = [j for j in idx if j not in recent]
                 older.sort(key=lambda j: (-float(acc[b, h, j]), j))
                 keep[b, h, recent + older[: max(c - r, 0)]] = True

@@ -29,7 +29,9 @@ class PyramidKV(SnapKV):
     def check(self) -> None:
         super().check()
         if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)) or self.beta < 1:
-            raise ValueError(f"beta: expected a number >= 1 (the first layer's budget over the last's is about 2*beta - 1), got {self.beta!r}")
+            raise ValueError(
+                f"beta: expected a number >= 1 (the first layer's budget over the last's is about 2*beta - 1), got {self.beta!r}"
+            )
 
     def capacity(self, tokens, layer, num_layers, held=None):
         kept = pyramid(tokens, layer, num_layers, float(self.beta), held)
@@ -37,9 +39,12 @@ class PyramidKV(SnapKV):
         starved = (kept <= self.window) & (tokens > self.window)
         if bool(starved.any()) and not getattr(self, "_warned", False):
             self._warned = True  # once per cache: a warning per layer and batch would drown the message
-            warnings.warn(f"pyramid: with {num_layers} layers and beta={self.beta}, layer {layer} keeps "
-                          f"{int(kept[starved].min())} entries per head, no more than its observation window "
-                          f"({self.window}), so it keeps recent tokens only; PyramidKV's beta was set for 32-layer "
-                          f"models: pass a smaller beta (beta=1 is SnapKV's even split)", UserWarning, stacklevel=2)
+            warnings.warn(
+                f"pyramid: with {num_layers} layers and beta={self.beta}, layer {layer} keeps "
+                f"{int(kept[starved].min())} entries per head, no more than its observation window "
+                f"({self.window}), so it keeps recent tokens only; PyramidKV's beta was set for 32-layer "
+                f"models: pass a smaller beta (beta=1 is SnapKV's even split)",
+                UserWarning,
+                stacklevel=2,
+            )
         return kept
-

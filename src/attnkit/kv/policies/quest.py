@@ -142,8 +142,9 @@ def _pages_from(layer, p0: int, P: int, page_size: int) -> tuple[Tensor, Tensor,
     return extremes_of_pages(layer.keys[:, :, s0:], page[:, :, s0:] - p0, P - p0)
 
 
-def page_choice(q: Tensor, valid: Tensor, tokens: Tensor, page_size: int,
-                extremes: tuple[Tensor, Tensor, Tensor], per_group: bool = False) -> Tensor:
+def page_choice(
+    q: Tensor, valid: Tensor, tokens: Tensor, page_size: int, extremes: tuple[Tensor, Tensor, Tensor], per_group: bool = False
+) -> Tensor:
     """Pages each query head attends to, (B, Hq, Nq, P): the incomplete last page of its
     KV head's entries, then the pages with the highest bounds up to
     ``ceil(tokens / page_size)`` pages (tokens (B,)); ties to the earlier page.
@@ -166,8 +167,15 @@ def page_choice(q: Tensor, valid: Tensor, tokens: Tensor, page_size: int,
     return recent | top(bound, candidates & ~recent, pages - recent.sum(-1))
 
 
-def page_mask(q: Tensor, keys: Tensor, valid: Tensor, tokens: Tensor, page_size: int,
-              extremes: tuple[Tensor, Tensor, Tensor] | None = None, per_group: bool = False) -> Tensor:
+def page_mask(
+    q: Tensor,
+    keys: Tensor,
+    valid: Tensor,
+    tokens: Tensor,
+    page_size: int,
+    extremes: tuple[Tensor, Tensor, Tensor] | None = None,
+    per_group: bool = False,
+) -> Tensor:
     """Cached entries each query head attends to, (B, Hq, Nq, L): the entries of its
     ``page_choice``. ``extremes``: the pages' ``page_extremes``, when already known."""
     extremes = page_extremes(keys, valid, page_size) if extremes is None else extremes
@@ -195,7 +203,9 @@ class Quest(Policy):
         check_int(self.page_size, "page_size", 1)
         check_int(self.dense_layers, "dense_layers", 0)
         if self.heads not in ("query", "group"):
-            raise ValueError(f"heads: expected 'query' (a choice per query head, the paper's) or 'group' (one per KV head), got {self.heads!r}")
+            raise ValueError(
+                f"heads: expected 'query' (a choice per query head, the paper's) or 'group' (one per KV head), got {self.heads!r}"
+            )
 
     @property
     def per_group(self) -> bool:
@@ -227,8 +237,7 @@ class Quest(Policy):
     def read_mask(self, module, layer, hidden, kwargs, budget):
         q = recompute_queries(module, hidden, kwargs["position_embeddings"])
         pages = layer_extremes(layer, self.page_size)
-        return page_mask(q, layer.keys, layer.valid, self._tokens_now(layer, budget), self.page_size, pages,
-                         self.per_group)
+        return page_mask(q, layer.keys, layer.valid, self._tokens_now(layer, budget), self.page_size, pages, self.per_group)
 
     def read_slots(self, module, layer, hidden, kwargs, budget):
         """The slots of each query head's pages (B, Hq, n) (B, Hkv, n with
@@ -239,8 +248,9 @@ class Quest(Policy):
             return None
         size = self.page_size
         q = recompute_queries(module, hidden, kwargs["position_embeddings"])
-        chosen = page_choice(q, layer.valid, self._tokens_now(layer, budget), size, layer_extremes(layer, size),
-                             self.per_group)[:, :, 0]
+        chosen = page_choice(q, layer.valid, self._tokens_now(layer, budget), size, layer_extremes(layer, size), self.per_group)[
+            :, :, 0
+        ]
         counts = chosen.sum(-1)
         if not bool((counts == counts.view(-1)[:1]).all()):
             return None  # rows with different budgets
@@ -263,8 +273,9 @@ class Quest(Policy):
 
         def attend(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
             tokens = self.step_tokens(budget, torch.full((q.shape[0],), cached, device=q.device))
-            out, _ = native_kv.quest_attention(q, layer.keys, layer.values, *pages, tokens, size, cached,
-                                               self.per_group, scale, True)
+            out, _ = native_kv.quest_attention(
+                q, layer.keys, layer.values, *pages, tokens, size, cached, self.per_group, scale, True
+            )
             layer.memo["quest_pages"] = (*pages, size, cached + 1)
             return out
 
@@ -288,8 +299,10 @@ class Quest(Policy):
             u = 0.0
             for d in range(D):
                 qd = float(q[b, h, i, d])
-                u += max(qd * max(float(keys[b, h // g, j, d]) for j in members),
-                         qd * min(float(keys[b, h // g, j, d]) for j in members))
+                u += max(
+                    qd * max(float(keys[b, h // g, j, d]) for j in members),
+                    qd * min(float(keys[b, h // g, j, d]) for j in members),
+                )
             return u
 
         for b in range(B):

@@ -35,21 +35,21 @@ def snap_reference(policy, weights, held, capacity):
     """The same scores from dense eager weights (B, Hq, Nq, N), literally."""
     B, H, N = held.shape
     g = weights.shape[1] // H
-    rows = weights[:, :, -policy.window:].to(torch.float64)  # the observation window's queries
+    rows = weights[:, :, -policy.window :].to(torch.float64)  # the observation window's queries
     vote = rows.sum(2).view(B, H, g, N).mean(2)
     window = torch.zeros_like(held)
     earlier = torch.zeros_like(held)
     for b in range(B):
         for h in range(H):
             idx = held[b, h].nonzero().flatten().tolist()
-            window[b, h, idx[max(len(idx) - min(policy.window, int(capacity[b, h])), 0):]] = True
+            window[b, h, idx[max(len(idx) - min(policy.window, int(capacity[b, h])), 0) :]] = True
             earlier[b, h, idx[: max(len(idx) - policy.window, 0)]] = True
     vote = torch.where(earlier, vote, 0.0)
     half = policy.kernel // 2
     pooled = torch.zeros_like(vote)
     for j in range(N):
         lo, hi = j - half, j - half + policy.kernel  # the pooling window centred on j
-        inside = vote[..., max(lo, 0): min(hi, N)]
+        inside = vote[..., max(lo, 0) : min(hi, N)]
         if policy.pooling == "max":
             pooled[..., j] = inside.max(-1).values
         else:

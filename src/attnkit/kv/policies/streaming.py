@@ -48,6 +48,6 @@ class Streaming(Policy):
                 idx = held[b, h].nonzero().flatten().tolist()
                 c = int(capacity[b, h])
                 s = min(self.sinks, c)
-                chosen = idx[:s] + (idx[max(len(idx) - (c - s), s):] if c > s else [])
+                chosen = idx[:s] + (idx[max(len(idx) - (c - s), s) :] if c > s else [])
                 keep[b, h, chosen] = True
         return keep

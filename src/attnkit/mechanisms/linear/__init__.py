@@ -30,7 +30,25 @@ from .mechanism import FORMS, LinearAttention
 from .state import LinearState
 
 __all__ = [
-    "DPFP", "FEATURE_MAPS", "FORMS", "NAMED", "BetaGate", "CosReweight", "EluPlusOne", "FAVORPlus", "FeatureMap",
-    "FixedDecay", "GLAGate", "Identity", "L2Norm", "LinearAttention", "LinearState", "MambaGate", "ReLU", "SiLU",
-    "SumNorm", "Taylor2", "feature_map",
+    "DPFP",
+    "FEATURE_MAPS",
+    "FORMS",
+    "NAMED",
+    "BetaGate",
+    "CosReweight",
+    "EluPlusOne",
+    "FAVORPlus",
+    "FeatureMap",
+    "FixedDecay",
+    "GLAGate",
+    "Identity",
+    "L2Norm",
+    "LinearAttention",
+    "LinearState",
+    "MambaGate",
+    "ReLU",
+    "SiLU",
+    "SumNorm",
+    "Taylor2",
+    "feature_map",
 ]

@@ -94,7 +94,9 @@ def make_plan(call: LinearCall, chunk: int, grad: bool = True) -> Plan:
     return Plan(tuple(zip(cuts, cuts[1:] + [Nk])), q_offset, chunk, call.start, call.keep)
 
 
-def span_forward(rec: Recurrence, plan: Plan, fns: GateFns, lo: int, q, k, v, g, beta, memory, weights) -> tuple[Tensor | None, Tensor]:
+def span_forward(
+    rec: Recurrence, plan: Plan, fns: GateFns, lo: int, q, k, v, g, beta, memory, weights
+) -> tuple[Tensor | None, Tensor]:
     """Outputs (None when the span has no queries) and end state of keys lo:lo+len(k)."""
     cd = memory.dtype
     if fns.g is not None:
@@ -196,7 +198,9 @@ def traced_scan(rec, plan, fns, q, k, v, g, beta, memory, *weights):
             pieces.append(piece)
     if q is None:
         return memory
-    return torch.cat(pieces, dim=2) if pieces else memory.new_zeros(*q.shape[:3], memory.shape[-1] - int(rec.normalize and rec.divide)), memory
+    return torch.cat(pieces, dim=2) if pieces else memory.new_zeros(
+        *q.shape[:3], memory.shape[-1] - int(rec.normalize and rec.divide)
+    ), memory
 
 
 def chunked_form(call: LinearCall, chunk: int | None = None) -> tuple[Tensor, Tensor]:

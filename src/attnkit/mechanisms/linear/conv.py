@@ -47,7 +47,9 @@ class ShortConv(LazyModuleMixin, nn.Module):
         outs, new_cache = [], []
         for i, (x, w) in enumerate(((q, self.weight_q), (k, self.weight_k), (v, self.weight_v))):
             if w.shape[0] != x.shape[1] or w.shape[1] != x.shape[-1]:
-                raise ValueError(f"{'qkv'[i]}: the short convolution was built for {w.shape[0]} heads of dim {w.shape[1]}, got shape {tuple(x.shape)}")
+                raise ValueError(
+                    f"{'qkv'[i]}: the short convolution was built for {w.shape[0]} heads of dim {w.shape[1]}, got shape {tuple(x.shape)}"
+                )
             dt = torch.promote_types(x.dtype, w.dtype)  # float32 at least: bf16 taps lose the sum
             past = x.new_zeros(*x.shape[:2], self.size - 1, x.shape[-1]) if cache is None else cache[i]
             padded = torch.cat([past.to(dt), x.to(dt)], dim=2)

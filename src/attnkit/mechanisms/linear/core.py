@@ -259,8 +259,9 @@ class ChunkDecay:
         return (rows @ k_cols.transpose(-1, -2)).tril_(-1 if strict else 0)
 
 
-def chunk_forward(qf: Tensor | None, kf: Tensor, v: Tensor, g: Tensor | None, beta: Tensor | None,
-                  memory: Tensor, chunk: int, delta: bool) -> tuple[Tensor | None, Tensor]:
+def chunk_forward(
+    qf: Tensor | None, kf: Tensor, v: Tensor, g: Tensor | None, beta: Tensor | None, memory: Tensor, chunk: int, delta: bool
+) -> tuple[Tensor | None, Tensor]:
     """Chunkwise-parallel form over L positions: quadratic inside chunks of ``chunk``
     tokens, the state passed from chunk to chunk (Lightning Attention-2, arXiv 2401.04658;
     GLA, arXiv 2312.06635; DeltaNet's WY/UT form, arXiv 2406.06484).
@@ -385,8 +386,11 @@ def delta_scan(u: Tensor, w: Tensor, k_end_t: Tensor, across: Tensor | None, mem
         delta = torch.baddbmm(u_c, w_c, state, alpha=-1)
         deltas.append(delta)
         state = torch.baddbmm(state if decay is None else decay * state, k_c, delta)
-    return (torch.stack(deltas, dim=1).view(B, H, n, C, Dv), torch.stack(starts, dim=1).view(B, H, n, Df, Dv),
-            state.view(B, H, Df, Dv))
+    return (
+        torch.stack(deltas, dim=1).view(B, H, n, C, Dv),
+        torch.stack(starts, dim=1).view(B, H, n, Df, Dv),
+        state.view(B, H, Df, Dv),
+    )
 
 
 def _flat(t: Tensor) -> Tensor:

@@ -215,12 +215,16 @@ class CosReweight(FeatureMap):
     def for_call(self, end_position, stateful):
         if self.max_len is None:
             if stateful:
-                raise ValueError("max_len: cosFormer's re-weighting horizon M must be fixed for calls that pass or return a state; "
-                                 "build the mechanism with context= (cosformer) or feature_map=CosReweight(max_len) at least the "
-                                 "longest sequence; attnkit.nn.TransformerLM and attnkit.hf.use pass the model's context length")
+                raise ValueError(
+                    "max_len: cosFormer's re-weighting horizon M must be fixed for calls that pass or return a state; "
+                    "build the mechanism with context= (cosformer) or feature_map=CosReweight(max_len) at least the "
+                    "longest sequence; attnkit.nn.TransformerLM and attnkit.hf.use pass the model's context length"
+                )
             return CosReweight(max(end_position, 1))
         if end_position > self.max_len:
-            raise ValueError(f"max_len: cosFormer was built with max_len={self.max_len} but this call reaches position {end_position}")
+            raise ValueError(
+                f"max_len: cosFormer was built with max_len={self.max_len} but this call reaches position {end_position}"
+            )
         return self
 
     def __call__(self, x, start=0, rescale_rows=False):

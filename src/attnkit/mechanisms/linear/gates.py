@@ -91,9 +91,11 @@ class _KeyProjection(LazyModuleMixin, nn.Module):
         else:
             if self.lazy:
                 if torch.compiler.is_compiling():
-                    raise ValueError(f"{type(self).__name__}: this gate's weights take their shapes from its first call, which "
-                                     "torch.compile cannot trace; build the mechanism with heads= and head_dim= (or call it once) "
-                                     "before compiling")
+                    raise ValueError(
+                        f"{type(self).__name__}: this gate's weights take their shapes from its first call, which "
+                        "torch.compile cannot trace; build the mechanism with heads= and head_dim= (or call it once) "
+                        "before compiling"
+                    )
                 self(k[:, :, :0], heads, feature_dim)  # materialise through the lazy-module hook
             self._check(feature_dim)
             weights = self.weights()
@@ -160,7 +162,14 @@ class GLAGate(_KeyProjection):
     which says τ pushes the forget rate towards 1. W_1 is random (Xavier, gain 2^-2.5 as
     in the authors' code), W_2 and b start at zero: α = 0.5^(1/16) ≈ 0.958 at start."""
 
-    def __init__(self, rank: int = 16, tau: float = 16.0, heads: int | None = None, head_dim: int | None = None, feature_dim: int | None = None):
+    def __init__(
+        self,
+        rank: int = 16,
+        tau: float = 16.0,
+        heads: int | None = None,
+        head_dim: int | None = None,
+        feature_dim: int | None = None,
+    ):
         self.rank, self.tau = rank, tau
         super().__init__(heads, head_dim, feature_dim)
 
@@ -202,8 +211,11 @@ class MambaGate(_KeyProjection):
         dt = torch.exp(math.log(1e-3) + u * (math.log(1e-1) - math.log(1e-3))).clamp_min(1e-4)
         dt_bias = dt + torch.log(-torch.expm1(-dt))  # softplus⁻¹(Δt)
         dtype = torch.get_default_dtype()
-        return (torch.zeros(heads, head_dim, 1, device=device), torch.log(a).to(device=device, dtype=dtype),
-                dt_bias.to(device=device, dtype=dtype))
+        return (
+            torch.zeros(heads, head_dim, 1, device=device),
+            torch.log(a).to(device=device, dtype=dtype),
+            dt_bias.to(device=device, dtype=dtype),
+        )
 
     def weights(self):
         return self.weight, self.A_log, self.dt_bias

@@ -23,11 +23,15 @@ def read_mask(mask, B, H, Nq, Nk, device) -> tuple[bool, Tensor | None]:
             b = torch.arange(B, device=device).view(-1, 1, 1, 1)
             kv = torch.arange(Nk, device=device).view(1, 1, 1, -1)
             zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
-            kept = torch.broadcast_to(torch.as_tensor(part(b, zero, zero + Nk - 1, kv), dtype=torch.bool), (B, 1, 1, Nk)).reshape(B, Nk)
+            kept = torch.broadcast_to(torch.as_tensor(part(b, zero, zero + Nk - 1, kv), dtype=torch.bool), (B, 1, 1, Nk)).reshape(
+                B, Nk
+            )
             keep = kept if keep is None else keep & kept
         else:
-            raise ValueError(f"mask: linear attention supports None (every query reads the state after all keys), attnkit.causal(), "
-                             f"key masks such as attnkit.padding(lengths), and these and-ed together; got {mask!r}")
+            raise ValueError(
+                f"mask: linear attention supports None (every query reads the state after all keys), attnkit.causal(), "
+                f"key masks such as attnkit.padding(lengths), and these and-ed together; got {mask!r}"
+            )
     return causal, keep
 
 
@@ -59,5 +63,9 @@ def nonfinite_error(q, k, v, g, beta, state) -> ValueError:
         named += [("initial_state", t) for t in state.tensors()]
     for name, t in named:
         if t is not None and not bool(torch.isfinite(t.detach()).all()):
-            return ValueError(f"{name}: contains NaN or inf; linear attention spreads it to the output. Clean the input, or pass check_finite=False")
-    return ValueError("linear attention produced NaN or inf from finite inputs; the state overflowed (try a normalised or gated mechanism, or smaller inputs)")
+            return ValueError(
+                f"{name}: contains NaN or inf; linear attention spreads it to the output. Clean the input, or pass check_finite=False"
+            )
+    return ValueError(
+        "linear attention produced NaN or inf from finite inputs; the state overflowed (try a normalised or gated mechanism, or smaller inputs)"
+    )

@@ -143,5 +143,18 @@ class GatedDeltaNet(_Preset):
     defaults: ClassVar[dict] = {"feature_map": lambda: L2Norm(SiLU()), "rule": "delta", "beta": "learned", "decay": "mamba2"}
 
 
-NAMED = ("linear", "linear_elu", "linear_relu", "dpfp", "based", "performer", "cosformer",
-         "fast_weight", "deltanet", "retnet", "lightning", "gla", "gated_deltanet")
+NAMED = (
+    "linear",
+    "linear_elu",
+    "linear_relu",
+    "dpfp",
+    "based",
+    "performer",
+    "cosformer",
+    "fast_weight",
+    "deltanet",
+    "retnet",
+    "lightning",
+    "gla",
+    "gated_deltanet",
+)

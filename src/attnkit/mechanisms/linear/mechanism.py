@@ -81,9 +81,22 @@ class LinearAttention(Mechanism):
     recurrent = True
     paper = "arXiv:2006.16236"
 
-    def __init__(self, feature_map="identity", *, rule: str = "sum", normalize: bool = False, decay=None, beta=None,
-                 short_conv: int = 0, chunk_size: int | None = None, eps: float = 1e-6,
-                 heads: int | None = None, head_dim: int | None = None, kv_heads: int | None = None, value_dim: int | None = None):
+    def __init__(
+        self,
+        feature_map="identity",
+        *,
+        rule: str = "sum",
+        normalize: bool = False,
+        decay=None,
+        beta=None,
+        short_conv: int = 0,
+        chunk_size: int | None = None,
+        eps: float = 1e-6,
+        heads: int | None = None,
+        head_dim: int | None = None,
+        kv_heads: int | None = None,
+        value_dim: int | None = None,
+    ):
         super().__init__()
         if rule not in ("sum", "delta"):
             raise ValueError(f"rule: expected 'sum' or 'delta', got {rule!r}")
@@ -103,12 +116,35 @@ class LinearAttention(Mechanism):
         self.beta = _make_gate(beta, _BETAS, "beta", kv_heads, head_dim, feature_dim)
         self.conv = ShortConv(short_conv) if short_conv else None
         if self.conv is not None and heads is not None and head_dim is not None:
-            self.conv.initialize_parameters(*(torch.empty(1, h, 0, d) for h, d in ((heads, head_dim), (kv_heads, head_dim), (kv_heads, value_dim or head_dim))))
+            self.conv.initialize_parameters(
+                *(
+                    torch.empty(1, h, 0, d)
+                    for h, d in ((heads, head_dim), (kv_heads, head_dim), (kv_heads, value_dim or head_dim))
+                )
+            )
 
     # ------------------------------------------------------------------ calls
 
-    def forward(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, backend="auto",
-                check_finite=True, observers=None, layer=None, initial_state=None, return_state=False, g=None, beta=None):
+    def forward(
+        self,
+        q,
+        k,
+        v,
+        *,
+        mask=None,
+        score=None,
+        scale=None,
+        sinks=None,
+        return_lse=False,
+        backend="auto",
+        check_finite=True,
+        observers=None,
+        layer=None,
+        initial_state=None,
+        return_state=False,
+        g=None,
+        beta=None,
+    ):
         if backend not in ("auto", *FORMS):
             raise ValueError(f"backend: linear attention runs as 'auto', {', '.join(repr(f) for f in FORMS)}; got {backend!r}")
         call, conv_cache = self._prepare(q, k, v, mask, score, scale, sinks, return_lse, initial_state, return_state, g, beta)
@@ -155,9 +191,13 @@ class LinearAttention(Mechanism):
         B, Hq, Nq, D = q.shape
         Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
         if causal and Nq > Nk:
-            raise ValueError(f"q: causal linear attention needs Nq <= Nk (queries are the last Nq key positions), got Nq={Nq}, Nk={Nk}")
+            raise ValueError(
+                f"q: causal linear attention needs Nq <= Nk (queries are the last Nq key positions), got Nq={Nq}, Nk={Nk}"
+            )
         if initial_state is not None and not isinstance(initial_state, LinearState):
-            raise ValueError(f"initial_state: expected a LinearState (from return_state=True), got {type(initial_state).__name__}")
+            raise ValueError(
+                f"initial_state: expected a LinearState (from return_state=True), got {type(initial_state).__name__}"
+            )
         start = 0 if initial_state is None else initial_state.position
         fmap = self.feature_map.for_call(start + Nk, stateful=initial_state is not None or bool(return_state))
         if fmap.approximates_exp and req.scale < 0:
@@ -167,7 +207,9 @@ class LinearAttention(Mechanism):
         conv_cache = None
         if self.conv is not None:
             if Nq != Nk:
-                raise ValueError(f"q: with short_conv every query needs its own history, so Nq must equal Nk, got Nq={Nq}, Nk={Nk}")
+                raise ValueError(
+                    f"q: with short_conv every query needs its own history, so Nq must equal Nk, got Nq={Nq}, Nk={Nk}"
+                )
             past = None if initial_state is None else initial_state.conv
             if initial_state is not None and past is None:
                 raise ValueError("initial_state: has no convolution cache but this mechanism has short_conv")
@@ -180,7 +222,9 @@ class LinearAttention(Mechanism):
         rec = Recurrence(fmap, self.rule, self.normalize, req.scale, self.eps)
         memory = None
         if initial_state is not None:
-            memory = self._memory_from_state(initial_state, B, Hq, Df, Dv, torch.float64 if q.dtype == torch.float64 else torch.float32, q.device)
+            memory = self._memory_from_state(
+                initial_state, B, Hq, Df, Dv, torch.float64 if q.dtype == torch.float64 else torch.float32, q.device
+            )
         return LinearCall(rec, q, k, v, g, beta, memory, start, causal, keep), conv_cache
 
     def _gates(self, g, k, B, Hq, Hkv, Nk, Df):
@@ -194,7 +238,9 @@ class LinearAttention(Mechanism):
         else:
             check_per_token(g, "g", B, Hq, Hkv, Nk, Df)
             if not torch.compiler.is_compiling() and (not bool(torch.isfinite(g.detach()).all()) or bool((g.detach() > 0).any())):
-                raise ValueError("g: log-gates must be finite and <= 0 (decay exp(g) in (0, 1]); pass a very negative value for a decay near 0")
+                raise ValueError(
+                    "g: log-gates must be finite and <= 0 (decay exp(g) in (0, 1]); pass a very negative value for a decay near 0"
+                )
         return expand_heads(g, Hq)
 
     def _beta(self, beta, k, B, Hq, Hkv, Nk, Df):
@@ -219,9 +265,13 @@ class LinearAttention(Mechanism):
     def _memory_from_state(self, state: LinearState, B, H, Df, Dv, dtype, device) -> Tensor:
         want = (B, H, Df, Dv)
         if tuple(state.memory.shape) != want:
-            raise ValueError(f"initial_state: memory must have shape (B, H, D_f, Dv) = {want} for this call, got {tuple(state.memory.shape)}")
+            raise ValueError(
+                f"initial_state: memory must have shape (B, H, D_f, Dv) = {want} for this call, got {tuple(state.memory.shape)}"
+            )
         if self.normalize != (state.normalizer is not None):
-            raise ValueError(f"initial_state: normalizer must be {'a (B, H, D_f) tensor' if self.normalize else 'None'} for this mechanism")
+            raise ValueError(
+                f"initial_state: normalizer must be {'a (B, H, D_f) tensor' if self.normalize else 'None'} for this mechanism"
+            )
         memory = state.memory
         if self.normalize:
             if tuple(state.normalizer.shape) != want[:3]:

@@ -39,8 +39,18 @@ def _keys_from(call: LinearCall, k0: int, values: torch.Tensor, memory) -> Linea
         return t if t is None or isinstance(t, KeyGate) else t[:, :, k0:]
 
     keep = None if call.keep is None else call.keep[:, k0:]
-    return replace(call, rec=replace(call.rec, divide=False), q=q, k=call.k[:, :, k0:], v=values,
-                   g=cut(call.g), beta=cut(call.beta), memory=memory, start=call.start + k0, keep=keep)
+    return replace(
+        call,
+        rec=replace(call.rec, divide=False),
+        q=q,
+        k=call.k[:, :, k0:],
+        v=values,
+        g=cut(call.g),
+        beta=cut(call.beta),
+        memory=memory,
+        start=call.start + k0,
+        keep=keep,
+    )
 
 
 def weight_tiles(call: LinearCall, info: CallInfo):

@@ -11,8 +11,8 @@ not ship, so they are not here.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .common import NEEDLE, NOISE, Sample
 from .common_words import make_cwe

@@ -24,9 +24,11 @@ FREQ_UNCOMMON = 3
 #: the least number of uncommon words a list must hold for the task to mean anything
 MIN_UNCOMMON = 10
 
-HEAD = ("Below is a numbered list of words. Some of the words appear more often than the others; remember which.\n")
-TAIL = ("\nQuestion: What are the {n} most common words in the list above? "
-        "Answer: The {n} words that appear most often in the list above are:")
+HEAD = "Below is a numbered list of words. Some of the words appear more often than the others; remember which.\n"
+TAIL = (
+    "\nQuestion: What are the {n} most common words in the list above? "
+    "Answer: The {n} words that appear most often in the list above are:"
+)
 
 
 class _Pieces:
@@ -65,8 +67,16 @@ def _word_stream(rng: random.Random):
             yield w
 
 
-def make_cwe(name: str, tokenizer, budget: int, rng: random.Random, *, n_common: int = COMMON_WORDS,
-             freq_common: int = FREQ_COMMON, freq_uncommon: int = FREQ_UNCOMMON) -> Sample:
+def make_cwe(
+    name: str,
+    tokenizer,
+    budget: int,
+    rng: random.Random,
+    *,
+    n_common: int = COMMON_WORDS,
+    freq_common: int = FREQ_COMMON,
+    freq_uncommon: int = FREQ_UNCOMMON,
+) -> Sample:
     """One common-words prompt of at most ``budget`` tokens (within one uncommon word's
     entries of it)."""
     pieces = _Pieces(tokenizer)
@@ -88,8 +98,10 @@ def make_cwe(name: str, tokenizer, budget: int, rng: random.Random, *, n_common:
 
     freq = next((f for f in range(freq_common, freq_uncommon, -1) if size(f, MIN_UNCOMMON) <= budget), None)
     if freq is None:
-        raise ValueError(f"--lengths: {budget} prompt tokens cannot hold the cwe task's list ({n_common} common words "
-                         f"at least {freq_uncommon + 1} times each and {MIN_UNCOMMON} others {freq_uncommon} times)")
+        raise ValueError(
+            f"--lengths: {budget} prompt tokens cannot hold the cwe task's list ({n_common} common words "
+            f"at least {freq_uncommon + 1} times each and {MIN_UNCOMMON} others {freq_uncommon} times)"
+        )
     extra = MIN_UNCOMMON
     # the size grows by whole uncommon words; grow by doubling, then bisect
     step = 1
@@ -106,6 +118,16 @@ def make_cwe(name: str, tokenizer, budget: int, rng: random.Random, *, n_common:
     for i, w in enumerate(entries, start=1):
         ids += pieces.number(i) + pieces.word(w)
     ids += tail
-    return Sample(name, ids, list(common), [],
-                  {"common": list(common), "uncommon": list(uncommon[:extra]), "freq_common": freq,
-                   "freq_uncommon": freq_uncommon, "words": entries})
+    return Sample(
+        name,
+        ids,
+        list(common),
+        [],
+        {
+            "common": list(common),
+            "uncommon": list(uncommon[:extra]),
+            "freq_common": freq,
+            "freq_uncommon": freq_uncommon,
+            "words": entries,
+        },
+    )

@@ -27,8 +27,10 @@ _KEEP = 0.95
 _ATTEMPTS = 20
 
 HEAD = "Read the coded text below and keep count of how often each coded word appears in it.\n"
-TAIL = ("\nQuestion: Which {n} coded words appear most often in the coded text above? "
-        "Answer: The {n} most frequent coded words in the coded text above are:")
+TAIL = (
+    "\nQuestion: Which {n} coded words appear most often in the coded text above? "
+    "Answer: The {n} most frequent coded words in the coded text above are:"
+)
 
 
 def coded_words(n: int, rng: random.Random) -> list[str]:
@@ -62,8 +64,9 @@ def _draw_text(tokenizer, words, weights, room: int, piece: dict, rng: random.Ra
         used += len(ids)
 
 
-def make_fwe(name: str, tokenizer, budget: int, rng: random.Random, *, alpha: float = ALPHA, top: int = TOP,
-             vocabulary: int = VOCABULARY) -> Sample:
+def make_fwe(
+    name: str, tokenizer, budget: int, rng: random.Random, *, alpha: float = ALPHA, top: int = TOP, vocabulary: int = VOCABULARY
+) -> Sample:
     """One frequent-words prompt of at most ``budget`` tokens (within one word of it)."""
     words = coded_words(vocabulary, rng)
     weights = list(itertools.accumulate((k + 1) ** -alpha for k in range(vocabulary)))

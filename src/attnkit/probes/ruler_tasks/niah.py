@@ -32,10 +32,14 @@ from dataclasses import dataclass
 from ..haystack import Haystack, build_context, encode
 from .common import NEEDLE, Sample, distinct, essay_haystack, listing, needle_depths, noise_haystack
 
-HEAD = ("Some special magic {kind} are hidden in the text below. Remember them, because there will be a question "
-        "about them after the text.\n")
-TAIL = ("\nQuestion: What are all the special magic {kind} for {query} that the text above mentions? "
-        "Answer: The special magic {kind} for {query} mentioned in the text above are:")
+HEAD = (
+    "Some special magic {kind} are hidden in the text below. Remember them, because there will be a question "
+    "about them after the text.\n"
+)
+TAIL = (
+    "\nQuestion: What are all the special magic {kind} for {query} that the text above mentions? "
+    "Answer: The special magic {kind} for {query} mentioned in the text above are:"
+)
 
 
 @dataclass(frozen=True)
@@ -68,11 +72,11 @@ def make_niah(name: str, tokenizer, budget: int, rng: random.Random) -> Sample:
     """One prompt of NIAH task ``name`` with exactly ``budget`` tokens."""
     task = NIAH[name]
     keys = distinct(task.keys, task.n_keys, rng)
-    queried = keys[:task.n_queries]
+    queried = keys[: task.n_queries]
     values = distinct(task.values, task.n_keys * task.n_values, rng)
     # needle i: key keys[i // n_values]; the queried needles come first
     needles = [NEEDLE.format(kind=task.values, key=keys[i // task.n_values], value=values[i]) for i in range(len(values))]
-    answers = values[:task.n_queries * task.n_values]
+    answers = values[: task.n_queries * task.n_values]
     depths = needle_depths(len(needles), rng)
     if task.haystack == "needles":
         haystack = _needle_haystack(task, budget, rng, exclude_keys=keys, exclude_values=values)
@@ -80,12 +84,22 @@ def make_niah(name: str, tokenizer, budget: int, rng: random.Random) -> Sample:
         haystack = noise_haystack() if task.haystack == "noise" else essay_haystack()
     head = encode(tokenizer, HEAD.format(kind=task.values), bos=True)
     tail = encode(tokenizer, TAIL.format(kind=task.values, query=listing(queried)))
-    context = build_context(tokenizer, haystack, length=budget, needles=[(encode(tokenizer, " " + n), d) for n, d in
-                                                                          zip(needles, depths)],
-                            head=head, tail=tail, rng=rng)
-    return Sample(name, context.ids, answers, context.spans[:len(answers)],
-                  {"keys": keys, "queried": queried, "values": values, "needles": needles, "depths": depths,
-                   "haystack": haystack.name})
+    context = build_context(
+        tokenizer,
+        haystack,
+        length=budget,
+        needles=[(encode(tokenizer, " " + n), d) for n, d in zip(needles, depths)],
+        head=head,
+        tail=tail,
+        rng=rng,
+    )
+    return Sample(
+        name,
+        context.ids,
+        answers,
+        context.spans[: len(answers)],
+        {"keys": keys, "queried": queried, "values": values, "needles": needles, "depths": depths, "haystack": haystack.name},
+    )
 
 
 def _needle_haystack(task: NiahTask, budget: int, rng: random.Random, exclude_keys, exclude_values) -> Haystack:
@@ -94,5 +108,6 @@ def _needle_haystack(task: NiahTask, budget: int, rng: random.Random, exclude_ke
     count = budget // _MIN_NEEDLE_TOKENS + 2
     keys = distinct(task.keys, count, rng, exclude=exclude_keys)
     values = distinct(task.values, count, rng, exclude=exclude_values)
-    return Haystack(tuple(NEEDLE.format(kind=task.values, key=k, value=v) for k, v in zip(keys, values)),
-                    ordered=True, name="needles")
+    return Haystack(
+        tuple(NEEDLE.format(kind=task.values, key=k, value=v) for k, v in zip(keys, values)), ordered=True, name="needles"
+    )

@@ -19,8 +19,10 @@ from .common import Sample, needle_depths, noise_haystack
 HOPS = 4
 
 HEAD = "Keep track of the variable assignments hidden in the text below; a question about them follows the text.\n"
-TAIL = ("\nQuestion: Which variables in the text above are assigned the value {value}, directly or through other "
-        "variables? Answer: The {n} variables assigned the value {value} in the text above are:")
+TAIL = (
+    "\nQuestion: Which variables in the text above are assigned the value {value}, directly or through other "
+    "variables? Answer: The {n} variables assigned the value {value} in the text above are:"
+)
 
 
 def variable_names(n: int, rng: random.Random) -> list[str]:
@@ -42,7 +44,15 @@ def make_vt(name: str, tokenizer, budget: int, rng: random.Random, hops: int = H
     depths = sorted(needle_depths(len(statements), rng))
     head = encode(tokenizer, HEAD, bos=True)
     tail = encode(tokenizer, TAIL.format(value=value, n=len(names)))
-    context = build_context(tokenizer, noise_haystack(), length=budget, head=head, tail=tail, rng=rng,
-                            needles=[(encode(tokenizer, " " + s), d) for s, d in zip(statements, depths)])
-    return Sample(name, context.ids, names, context.spans,
-                  {"value": value, "statements": statements, "depths": depths, "haystack": "noise"})
+    context = build_context(
+        tokenizer,
+        noise_haystack(),
+        length=budget,
+        head=head,
+        tail=tail,
+        rng=rng,
+        needles=[(encode(tokenizer, " " + s), d) for s, d in zip(statements, depths)],
+    )
+    return Sample(
+        name, context.ids, names, context.spans, {"value": value, "statements": statements, "depths": depths, "haystack": "noise"}
+    )
