@@ -34,8 +34,9 @@ def test_files_match_the_card_and_the_card_is_complete(name):
     assert os.path.getsize(os.path.join(directory, "model.safetensors")) < 1_000_000
     assert card["name"] == name and card["recipe"] == organisms.recipe(name).to_dict()
     assert [int(n) for n in card["accuracy"]] == list(organisms.recipe(name).card_lengths)
-    for entry in card["accuracy"].values():
-        assert 0 <= entry["accuracy"] <= 1 and entry["groups"]
+    task = load_export(directory)[1]
+    for entry in card["accuracy"].values():  # every group the task defines (the needle's depths; induction has none)
+        assert 0 <= entry["accuracy"] <= 1 and set(entry["groups"]) == set(task.group_names)
     assert card["training"]["steps"] > 0 and card["training"]["wall_seconds"] > 0 and card["machine"]["cpu"]
     assert card["known_failures"] and card["commands"]
 
