@@ -26,7 +26,10 @@ def test_hashes_and_seeds_come_from_the_config_alone():
         (lambda: Cell("toy", {"nan": float("nan")}), "config: 'nan' is not a JSON value"),
         (lambda: Cell("", {}), "kind: expected a registered cell kind's name"),
         (lambda: run_sweep([], "x"), "cells: expected at least one cell"),
-        (lambda: run_sweep([Cell("nope", {})], "x"), "kind: unknown cell kind 'nope'; registered: arena, kv_curve, organism, probe, toy"),
+        (
+            lambda: run_sweep([Cell("nope", {})], "x"),
+            "kind: unknown cell kind 'nope'; registered: arena, kv_curve, organism, probe, toy",
+        ),
         (lambda: run_sweep(toy_cells(1) * 2, "x"), "cells: 'toy 0' appears twice"),
         (lambda: run_sweep(toy_cells(1), "x", max_failures=-1), "max_failures: expected an int >= 0 or None, got -1"),
     ],
