@@ -33,6 +33,31 @@ NEEDLE_32 = Stage(
 RECIPES: dict[str, Recipe] = {}
 
 
+def kept_best(
+    eval_lengths: list[int],
+    eval_every: int = 25,
+    eval_examples: int = 200,
+    criterion: str = "cell",
+    target: float = 0.98,
+    **train,
+) -> dict:
+    """The training settings of a long stage: batches of 32 at lr 1e-3, evaluated every
+    ``eval_every`` steps on ``eval_examples`` held-out prompts at ``eval_lengths``, the
+    checkpoint of the best ``criterion`` score kept, stopping at ``target`` (plus ``train``:
+    a schedule, a step count)."""
+    return dict(
+        batch_size=32,
+        lr=1e-3,
+        eval_every=eval_every,
+        eval_examples=eval_examples,
+        eval_lengths=eval_lengths,
+        criterion=criterion,
+        keep_best=True,
+        target_accuracy=target,
+        **train,
+    )
+
+
 def register(recipe: Recipe) -> Recipe:
     RECIPES[recipe.name] = recipe
     return recipe
@@ -66,17 +91,7 @@ NEEDLE_1K = Stage(
     "needle-1k",
     "needle",
     dict(seq_len=128, **NEEDLE),
-    dict(
-        schedule="128:125x32,512:50x16,1024:100x8,512+1024:300x16",
-        batch_size=32,
-        lr=1e-3,
-        eval_every=25,
-        eval_examples=200,
-        eval_lengths=[512, 1024],
-        criterion="cell",
-        keep_best=True,
-        target_accuracy=0.98,
-    ),
+    kept_best([512, 1024], schedule="128:125x32,512:50x16,1024:100x8,512+1024:300x16"),
     max_len=1024,
 )
 
@@ -103,17 +118,7 @@ register(
                 "needle-2k",
                 "needle",
                 dict(seq_len=128, **NEEDLE),
-                dict(
-                    schedule="512+1024+2048:600x16",
-                    batch_size=32,
-                    lr=1e-3,
-                    eval_every=50,
-                    eval_examples=200,
-                    eval_lengths=[512, 1024, 2048],
-                    criterion="cell",
-                    keep_best=True,
-                    target_accuracy=0.98,
-                ),
+                kept_best([512, 1024, 2048], eval_every=50, schedule="512+1024+2048:600x16"),
                 max_len=2048,
             ),
         ),
@@ -141,17 +146,7 @@ register(
                 "kv-retrieval-1k",
                 "needle",
                 dict(seq_len=128, **KV_PAIRS),
-                dict(
-                    schedule="512+1024:400x16",
-                    batch_size=32,
-                    lr=1e-3,
-                    eval_every=50,
-                    eval_examples=270,
-                    eval_lengths=[512, 1024],
-                    criterion="accuracy",
-                    keep_best=True,
-                    target_accuracy=0.98,
-                ),
+                kept_best([512, 1024], eval_every=50, eval_examples=270, criterion="accuracy", schedule="512+1024:400x16"),
                 max_len=1024,
             ),
         ),
@@ -179,17 +174,7 @@ register(
                 "induction-1k",
                 "induction",
                 dict(seq_len=128, **INDUCTION_SPREAD),
-                dict(
-                    schedule="128:200x32,512:100x16,1024:100x8,512+1024:200x16",
-                    batch_size=32,
-                    lr=1e-3,
-                    eval_every=25,
-                    eval_examples=200,
-                    eval_lengths=[512, 1024],
-                    criterion="cell",
-                    keep_best=True,
-                    target_accuracy=0.995,
-                ),
+                kept_best([512, 1024], target=0.995, schedule="128:200x32,512:100x16,1024:100x8,512+1024:200x16"),
                 max_len=1024,
             ),
         ),
@@ -297,33 +282,13 @@ register(
                 "needle-deep-128",
                 "needle",
                 dict(seq_len=128, **DEEP),
-                dict(
-                    steps=600,
-                    batch_size=32,
-                    lr=1e-3,
-                    eval_every=50,
-                    eval_examples=200,
-                    eval_lengths=[128],
-                    criterion="cell",
-                    keep_best=True,
-                    target_accuracy=0.98,
-                ),
+                kept_best([128], eval_every=50, steps=600),
             ),
             Stage(
                 "needle-deep-1k",
                 "needle",
                 dict(seq_len=128, **DEEP),
-                dict(
-                    schedule="512:100x16,1024:100x8,512+1024:300x16",
-                    batch_size=32,
-                    lr=1e-3,
-                    eval_every=25,
-                    eval_examples=200,
-                    eval_lengths=[512, 1024],
-                    criterion="cell",
-                    keep_best=True,
-                    target_accuracy=0.98,
-                ),
+                kept_best([512, 1024], schedule="512:100x16,1024:100x8,512+1024:300x16"),
                 max_len=1024,
             ),
         ),
