@@ -87,22 +87,15 @@ def fraction(text: str) -> float:
     return value
 
 
-def _number(text: str):
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
 def _params(items: list[str]) -> dict:
+    from ..kv.protocol import parameter_value
+
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--param: expected KEY=VALUE, got {item!r}")
-        out[key] = _number(value)
+        out[key] = parameter_value(value)
     return out
 
 

@@ -70,11 +70,11 @@ class KVSetting:
             if not sep or not name:
                 raise ValueError(f"kv: expected NAME=VALUE after {policy!r}, got {part!r} (in {text!r})")
             if name == "budget":
-                budget = _number(value)
+                budget = parameter_value(value)
             elif name == "protocol":
                 protocol = value
             else:
-                params[name] = _number(value)
+                params[name] = parameter_value(value)
         return cls(policy, budget, tuple(sorted(params.items())), protocol)
 
     @property
@@ -93,7 +93,8 @@ class KVSetting:
         return policy_cache(model, self.policy, budget=self.budget, **dict(self.params))
 
 
-def _number(text: str):
+def parameter_value(text: str):
+    """A parameter's text as an int, else a float, else the text itself."""
     for kind in (int, float):
         try:
             return kind(text)
@@ -215,4 +216,4 @@ def _kept(cache, mask: torch.Tensor) -> float:
     return float(torch.stack(fractions).mean())
 
 
-__all__ = ["FULL", "PROTOCOLS", "Answer", "KVSetting", "ask"]
+__all__ = ["FULL", "PROTOCOLS", "Answer", "KVSetting", "ask", "parameter_value"]

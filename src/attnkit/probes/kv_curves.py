@@ -340,13 +340,15 @@ def _policy_params(params, policies) -> dict:
     if params is None:
         return {}
     if isinstance(params, str):
+        from ..kv.protocol import parameter_value
+
         parsed: dict = {}
         for part in filter(None, params.split(",")):
             key, sep, value = part.partition("=")
             policy, dot, name = key.partition(".")
             if not sep or not dot or not policy or not name:
                 raise ValueError(f"--policy-params: expected POLICY.NAME=VALUE[,...], got {part!r}")
-            parsed.setdefault(policy, {})[name] = _value(value)
+            parsed.setdefault(policy, {})[name] = parameter_value(value)
         params = parsed
     if not isinstance(params, dict) or not all(isinstance(v, dict) for v in params.values()):
         raise ValueError("--policy-params: expected {policy: {name: value}}, e.g. {'snapkv': {'window': 8}}")
@@ -354,15 +356,6 @@ def _policy_params(params, policies) -> dict:
     if stray:
         raise ValueError(f"--policy-params: {stray[0]!r} is not among --policies")
     return {k: dict(v) for k, v in params.items()}
-
-
-def _value(text: str):
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
 
 
 __all__ = ["DEFAULT_BUDGETS", "DEFAULT_POLICIES", "kv_curves"]
