@@ -197,7 +197,8 @@ def _build_swept(args) -> int:
     ``--store``; each export under ``--out``/NAME (default ./attnkit-organisms)."""
     from .. import organisms
     from ..organisms.cells import organism_cells
-    from ..sweeps import LocalEngine, RayEngine, load, run_sweep
+    from ..sweeps import load, run_sweep
+    from ..sweeps.engines import engine_named
     from .arena_sweep import status_printer
 
     if not args.name:
@@ -212,13 +213,8 @@ def _build_swept(args) -> int:
         raise ValueError("--work: each cell keeps its stages in a temporary folder; build one organism to keep them")
     out = args.out or "attnkit-organisms"
     output_dir(out)
-    if args.engine == "local":
-        if args.address:
-            raise ValueError("--address: only with --engine ray")
-        engine = LocalEngine(workers=args.workers or 2)
-    else:
-        with options_named({"address": "--address"}):
-            engine = RayEngine(args.address, num_cpus=args.workers)
+    with options_named({"address": "--address"}):
+        engine = engine_named(args.engine, args.workers, args.address)
     cells = organism_cells(names, out)
     result = run_sweep(cells, args.store, engine, on_status=status_printer(args.quiet))
     rows = [r for r in load(args.store, with_cell=False) if r.get("organism") in names]

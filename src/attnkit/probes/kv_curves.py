@@ -269,22 +269,14 @@ def _swept(model, tokenizer, engine, workers, address, store, settings, say, gri
     """The settings as sweep cells (one per setting) through ``engine`` into ``store``."""
     import os
 
-    from ..sweeps import Cell, LocalEngine, RayEngine, load, run_sweep
+    from ..sweeps import Cell, load, run_sweep
+    from ..sweeps.engines import engine_named
 
-    if engine not in ("local", "ray"):
-        raise ValueError(f"--engine: expected local or ray, got {engine!r}")
     if not isinstance(model, (str, os.PathLike)) or tokenizer is not None:
         raise ValueError("--model: a sweep's workers load the model themselves: give a directory or an organism name")
     if store is None:
         raise ValueError("--store: a sweep writes its cells into a results directory; give one")
-    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
-        raise ValueError(f"--workers: expected an int >= 1, got {workers!r}")
-    if engine == "local":
-        if address is not None:
-            raise ValueError("--address: only with --engine ray")
-        runner = LocalEngine(workers=workers or 2)
-    else:
-        runner = RayEngine(address, num_cpus=workers)
+    runner = engine_named(engine, workers, address)
     cells = [
         Cell(
             "kv_curve",
