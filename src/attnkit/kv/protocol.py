@@ -129,7 +129,6 @@ def ask(
     question: int,
     setting: KVSetting,
     max_new_tokens: int,
-    pad: int = 0,
     forced: torch.Tensor | None = None,
 ) -> Answer:
     """Run ``setting``'s protocol on a left-padded batch whose last ``question`` tokens

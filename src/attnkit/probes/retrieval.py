@@ -284,7 +284,6 @@ def run_items(
                 chosen[0].question,
                 kv,
                 max_new_tokens if gold is None else gold.shape[1],
-                pad_id(pm.tokenizer),
                 forced=gold,
             )
             if stats is not None:
