@@ -22,6 +22,7 @@ EXTRAS = {
     "diffusers": ("diffusers", "diffusion"),
     "ray": ("ray", "ray"),
     "pandas": ("pandas", "ray"),
+    "grpc": ("ray[client]", "ray-client"),
 }
 
 

@@ -56,3 +56,20 @@ def test_compiled_whole_call_equals_eager(case):
     want = run(fn)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_constant_for_compile_sets_the_mark_torch_sets():
+    """attnkit marks ``available()`` and the linear kernels' thread count as torch's
+    ``assume_constant_result`` would, without importing torch._dynamo at import time;
+    the marks must stay the ones torch's decorator sets."""
+    from attnkit.kernels.compile_constant import constant_for_compile
+
+    def ours():
+        return 1
+
+    def theirs():
+        return 1
+
+    constant_for_compile(ours)
+    torch.compiler.assume_constant_result(theirs)
+    assert vars(ours) == vars(theirs) and vars(theirs)

@@ -14,13 +14,16 @@ from attnkit.sweeps import Cell, LocalEngine, cells, load, run_sweep
 from attnkit.sweeps.store import Store
 
 
-def test_a_sweep_runs_every_cell_once_through_a_killed_worker_and_a_failure(tmp_path):
+@pytest.mark.parametrize("threads", [1, 2], ids=["forked workers", "fresh interpreters"])
+def test_a_sweep_runs_every_cell_once_through_a_killed_worker_and_a_failure(tmp_path, threads):
     log, marker = tmp_path / "log", tmp_path / "died"
     grid = toy_cells(5, log=str(log))
     grid[2] = Cell("toy", {"id": 2, "log": str(log), "die_once": str(marker)})  # its worker dies mid-cell, once
     grid[3] = Cell("toy", {"id": 3, "log": str(log), "fail": "no such thing"})
     lines = []
-    result = run_sweep(grid, str(tmp_path / "out"), LocalEngine(workers=2), on_status=lambda s: lines.append(s.line()))
+    result = run_sweep(
+        grid, str(tmp_path / "out"), LocalEngine(workers=2, threads=threads), on_status=lambda s: lines.append(s.line())
+    )
     assert marker.exists()
     assert sorted(ran(log)) == [0, 1, 2, 2, 3, 4]  # cell 2 twice: once in the worker that died
     rows = load(str(tmp_path / "out"))

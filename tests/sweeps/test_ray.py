@@ -1,6 +1,7 @@
 """The Ray engine on a local Ray instance of 2 CPUs: the same rows as the local engine, a
 worker killed mid-cell, and an address that cannot be reached."""
 
+import sys
 import time
 
 import pytest
@@ -25,9 +26,11 @@ def test_ray_gives_the_local_engines_rows_through_a_killed_worker_and_a_failure(
         Cell("toy", {"id": 9, "fail": "no"}),
     ]
     result = run_sweep(grid, str(tmp_path / "ray"), RayEngine())
-    assert marker.exists() and sorted(ran(log)) == [0, 1, 2, 3, 8, 8]  # Ray ran the killed cell again
+    assert marker.exists() and sorted(ran(log)) == [0, 1, 2, 3, 8, 8]  # the killed cell ran again
     assert len(result.computed) == 5 and result.failed == [grid[-1].hash]
-    failed = [c for c in cells(str(tmp_path / "ray")) if c["status"] == "failed"]
+    records = {c["config"]["id"]: c for c in cells(str(tmp_path / "ray"))}
+    assert records[8]["attempts"] == 2 and records[0]["attempts"] == 1  # the attempts counted, as locally
+    failed = [c for c in records.values() if c["status"] == "failed"]
     assert failed[0]["error"] == "RuntimeError: no" and "raise RuntimeError" in failed[0]["traceback"]
     run_sweep(grid[:5], str(tmp_path / "local"), LocalEngine(workers=2))
     rows = load(str(tmp_path / "ray"))
@@ -96,3 +99,11 @@ def test_an_address_that_cannot_be_reached_fails_within_the_timeout_naming_it(ca
     assert "attnkit arena: error: --address: cannot reach the Ray cluster at 127.0.0.1:1 within 3 s" in capsys.readouterr().err
     with pytest.raises(ValueError, match="address: expected 'auto', HOST:PORT or ray://HOST:PORT, got 'nowhere'"):
         RayEngine("nowhere")
+
+
+def test_a_ray_client_address_without_ray_client_names_the_extra(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "grpc", None)  # as where ray[client] is not installed
+    with pytest.raises(
+        ImportError, match=r"--address ray://127.0.0.1:1 \(Ray Client\) needs ray\[client\]: pip install 'attnkit\[ray-client\]'"
+    ):
+        run_sweep(toy_cells(1), str(tmp_path / "out"), RayEngine("ray://127.0.0.1:1", connect_timeout=1))

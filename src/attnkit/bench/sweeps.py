@@ -3,8 +3,8 @@ local and Ray engines spend per cell beyond the cells' own work.
 
 Speed-up: the same small arena cells (MQAR, one thread each) run by ``LocalEngine``
 with 2 workers and with 1, alternately, each into a fresh store; medians over repeats.
-The times include starting the workers (a fresh interpreter importing torch each), as a
-user's sweep pays it. Target: ≤ 0.6× the serial time on a 2-core machine.
+The times include starting the workers, as a user's sweep pays it (with one thread each,
+on Linux, forked from the bench's process; see sweeps/local.py). Target: ≤ 0.6× the serial time on a 2-core machine.
 
 Overhead per cell: toy cells of known CPU work through an engine; overhead =
 (sweep wall − Σ cell seconds / parallel slots) / cells — handing a cell out, getting

@@ -9,6 +9,13 @@ dead worker never leaves half a cell behind. Why not ``concurrent.futures``: a d
 worker breaks its whole ``ProcessPoolExecutor`` and every cell in flight with it,
 without saying which cell it was running.
 
+How a worker starts: on Linux, with one thread per worker, it is forked from this process,
+which has torch, attnkit and the cells' module loaded already, so it starts at once; a
+fresh interpreter spends 1–2 s importing them, which on a sweep of small cells was most of
+what two workers could save. Otherwise (other platforms, or several threads per worker:
+a forked child must not start an OpenMP team its parent may have started) it is a fresh
+``python -m`` process.
+
 Threads: each worker sets torch to ``threads`` intra-op threads (default
 ``cores // workers``, at least 1), so workers × threads stays within the cores.
 """
@@ -16,6 +23,7 @@ Threads: each worker sets torch to ``threads`` intra-op threads (default
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -27,19 +35,66 @@ def default_threads(workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // workers)
 
 
-class _Slot:
-    """One worker process (``python -m attnkit.sweeps.worker``) and what it is running."""
+def _forking(threads: int) -> bool:
+    return sys.platform == "linux" and threads == 1
 
-    def __init__(self, threads: int):
+
+class _Forked:
+    """A worker forked from this process, with ``subprocess.Popen``'s ``wait`` and ``kill``."""
+
+    def __init__(self, mine: socket.socket, theirs: socket.socket, threads: int, others: list[Connection]):
+        self.pid = os.fork()
+        if self.pid == 0:  # the worker: it never returns into the parent's code
+            code = 1
+            try:
+                # The parent's ends, closed here so that a parent that dies is an EOF to its workers.
+                mine.close()
+                for other in others:
+                    other.close()
+                from .worker import serve
+
+                serve(Connection(theirs.detach()), threads)
+                code = 0
+            finally:
+                os._exit(code)
+        self.returncode: int | None = None
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            pid, status = os.waitpid(self.pid, 0 if end is None else os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+            elif time.monotonic() > end:
+                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
+            else:
+                time.sleep(0.02)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class _Slot:
+    """One worker process and what it is running."""
+
+    def __init__(self, threads: int, others: list[_Slot]):
         mine, theirs = socket.socketpair()
-        # The worker imports what this process can: cell kinds defined on this sys.path.
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "attnkit.sweeps.worker", str(theirs.fileno()), str(threads)],
-            pass_fds=[theirs.fileno()],
-            env=env,
-            stdin=subprocess.DEVNULL,
-        )
+        if _forking(threads):
+            self.process: _Forked | subprocess.Popen = _Forked(mine, theirs, threads, [o.conn for o in others])
+        else:
+            # The worker imports what this process can: cell kinds defined on this sys.path.
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "attnkit.sweeps.worker", str(theirs.fileno()), str(threads)],
+                pass_fds=[theirs.fileno()],
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
         theirs.close()
         self.conn = Connection(mine.detach())
         self.job = None  # (cell, attempt) while busy
@@ -91,7 +146,9 @@ class LocalEngine:
     def run(self, cells, events) -> None:
         pending = [(cell, events.function(cell), 1) for cell in reversed(cells)]  # pop() keeps the grid order
         try:
-            self.slots = [_Slot(self.threads) for _ in range(min(self.workers, len(pending)))]
+            self.slots = []
+            for _ in range(min(self.workers, len(pending))):
+                self.slots.append(_Slot(self.threads, self.slots))
             while True:
                 for slot in self.slots:
                     while slot.job is None and pending and not events.stopping():
@@ -114,7 +171,7 @@ class LocalEngine:
                         seconds = time.perf_counter() - slot.started
                         slot.job = None
                         slot.stop(force=True)
-                        self.slots[i] = _Slot(self.threads)
+                        self.slots[i] = _Slot(self.threads, [s for s in self.slots if s is not slot])
                         if attempt <= self.retries:
                             events.again(cell, f"worker died (exit code {code}); running the cell again")
                             pending.append((cell, events.function(cell), attempt + 1))

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from ..compile_constant import constant_for_compile
+
 HERE = Path(__file__).parent
 #: the translation units: the loops (no torch headers, quick to compile), the matrix
 #: products, and one binding file per family of operators
@@ -196,7 +198,7 @@ def status() -> Status:
     return _status
 
 
-@torch.compiler.assume_constant_result  # torch.compile reads it once, as a constant (no lock in the graph)
+@constant_for_compile  # torch.compile reads it once, as a constant (no lock in the graph)
 def available() -> bool:
     return status().available
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ...kernels.compile_constant import constant_for_compile
 from .call import LinearCall
 from .core import Recurrence, chunk_forward, log_gates, skip_keys
 from .gates import KeyGate
@@ -70,7 +71,7 @@ def default_chunk(rule: str) -> int:
     return DELTA_CHUNK if rule == "delta" else CHUNK
 
 
-@torch.compiler.assume_constant_result
+@constant_for_compile
 def _threads() -> int:
     # torch.compile reads it once, while tracing: it sizes spans, never changes a value
     return torch.get_num_threads()
