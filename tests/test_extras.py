@@ -59,7 +59,7 @@ out["nn_grad"] = all(p.grad is not None for p in model.parameters() if p.require
 
 # the packages that need no extra to import (their functions that do say so when called)
 import importlib
-for name in ("kernels", "mods", "observe", "mechanisms", "nn", "distributed", "arena", "inspect", "probes", "steer",
+for name in ("kernels", "mods", "observe", "mechanisms", "nn", "distributed", "arena", "inspection", "probes", "steer",
              "report", "bench", "cli"):
     importlib.import_module("attnkit." + name)
 

@@ -2,9 +2,7 @@
 
 from .api import attention, explain
 from .approx import ApproxError, approx_error
-
-# `attnkit.inspect` is the function; the subpackage stays importable as attnkit.inspect.*
-from .inspect import AttentionProfile, inspect  # noqa: E402
+from .inspection import AttentionProfile, inspect
 from .mods import (
     Mask,
     ScoreMod,

@@ -129,7 +129,7 @@ def test_saved_maps_are_the_prompts_row_of_diffusion_maps(pipeline_dir, tmp_path
     from safetensors.torch import load_file
 
     import attnkit.diffusion as ad
-    from attnkit.inspect.diffusion_run import load_local_pipeline
+    from attnkit.inspection.diffusion_run import load_local_pipeline
 
     out = tmp_path / "report"
     code, captured = _run(["inspect", "--model", pipeline_dir, "--prompt", PROMPT, *CALL, "--out", str(out), "--quiet"], capsys)

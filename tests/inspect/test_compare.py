@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from attnkit.inspect import AttentionProfile, compare, kl_divergence
+from attnkit.inspection import AttentionProfile, compare, kl_divergence
 
 
 def profile(bins_by_head, extra=0.0):

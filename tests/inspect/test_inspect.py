@@ -10,15 +10,15 @@ from inspect_models import bert, llama, saved, tokenizer
 from test_meters_dense import all_meters, check_all
 
 import attnkit as ak
-from attnkit.inspect import load_local_model
+from attnkit.inspection import load_local_model
 from helpers import TOL
 
 
 def test_inspect_is_the_function_even_after_submodule_imports():
-    import attnkit.inspect.compare  # noqa: F401
-    import attnkit.inspect.profile  # noqa: F401
+    import attnkit.inspection.compare  # noqa: F401
+    import attnkit.inspection.profile  # noqa: F401
 
-    assert callable(ak.inspect) and ak.inspect.__module__ == "attnkit.inspect.run"
+    assert callable(ak.inspect) and ak.inspect.__module__ == "attnkit.inspection.run"
 
 
 @pytest.mark.parametrize("build", [llama, bert], ids=["llama-causal-gqa", "bert-padded-batch"])

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from attnkit.inspect import AttentionProfile
+from attnkit.inspection import AttentionProfile
 
 
 def small_profile():

@@ -11,7 +11,7 @@ from dense_meters import record_dense
 from test_meters_dense import all_meters, check_all
 
 import attnkit.hf as akhf
-from attnkit.inspect import sample_text
+from attnkit.inspection import sample_text
 from helpers import TOL
 
 

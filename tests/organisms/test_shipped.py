@@ -67,7 +67,7 @@ def test_a_missing_file_and_a_broken_card_are_named(data):
 
 
 def test_probes_and_inspect_load_an_organism_by_name(data):
-    from attnkit.inspect.loading import load_local_model
+    from attnkit.inspection.loading import load_local_model
     from attnkit.probes.model import load_probe_model
 
     loaded = load_probe_model(NAME)

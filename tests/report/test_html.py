@@ -7,7 +7,7 @@ from html import unescape
 import pytest
 from report_profiles import HOSTILE, hostile_profile
 
-from attnkit.inspect import AttentionProfile
+from attnkit.inspection import AttentionProfile
 from attnkit.report import choose_token_heads, render_html
 
 

@@ -18,7 +18,7 @@ STEPS = 3
 
 def minilm_case(repeats: int) -> list[Row]:
     from .. import hf
-    from ..inspect import inspect, sample_text
+    from ..inspection import inspect, sample_text
 
     model, tok = hf.load_default_model()
     enc = dict(tok(sample_text(), return_tensors="pt"))
@@ -61,7 +61,7 @@ def _tiny_llama(n: int):
 
 
 def long_case(n: int, repeats: int) -> list[Row]:
-    from ..inspect import inspect
+    from ..inspection import inspect
 
     model = _tiny_llama(n)
     ids = torch.randint(0, 64, (1, n), generator=torch.Generator().manual_seed(0))

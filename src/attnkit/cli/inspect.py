@@ -150,7 +150,7 @@ def parse_heads(spec: str | None) -> list[tuple[int, int]] | None:
 
 
 def read_text(args) -> str:
-    from ..inspect import sample_text
+    from ..inspection import sample_text
 
     if args.prompt is not None:
         return args.prompt
@@ -220,8 +220,8 @@ def measure(args, text: str, layers, heads, queries, spans, token_heads) -> int:
     from transformers.utils import logging as hf_logging
 
     from .. import hf
-    from ..inspect import inspect, load_local_model
-    from ..inspect.run import model_shape
+    from ..inspection import inspect, load_local_model
+    from ..inspection.run import model_shape
     from ..report import write_report
 
     hf_logging.disable_progress_bar()  # our own progress line is the one on stderr

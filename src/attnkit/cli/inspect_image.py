@@ -48,7 +48,7 @@ def run(args, text: str) -> int:
 def _measure(args, text: str, layers, heads) -> int:
     from transformers.utils import logging as hf_logging
 
-    from ..inspect.vision_run import inspect_image, load_vlm, read_image
+    from ..inspection.vision_run import inspect_image, load_vlm, read_image
     from ..report.vision import write_vision_report
 
     hf_logging.disable_progress_bar()

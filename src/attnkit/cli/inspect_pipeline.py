@@ -27,7 +27,7 @@ _PIPELINE_ONLY = ("steps", "guidance", "size", "seed", "ranges", "prompt_embeds"
 
 def is_pipeline_dir(path) -> bool:
     """Whether ``--model`` names a diffusers pipeline directory (one holding model_index.json)."""
-    from ..inspect.diffusion_run import is_pipeline_dir as holds_model_index  # on use: the CLI's start stays light
+    from ..inspection.diffusion_run import is_pipeline_dir as holds_model_index  # on use: the CLI's start stays light
 
     return holds_model_index(path)
 
@@ -69,7 +69,7 @@ def parse_size(spec: str | None) -> tuple[int, int] | None:
 
 
 def run(args) -> int:
-    from ..inspect.diffusion_run import DEFAULT_PROMPT
+    from ..inspection.diffusion_run import DEFAULT_PROMPT
 
     for name, default in _TRANSFORMERS_ONLY.items():
         if getattr(args, name, default) != default:
@@ -111,7 +111,7 @@ def run(args) -> int:
 
 
 def _measure(args, prompt, steps, ranges, size, heads, layers) -> int:
-    from ..inspect.diffusion_run import inspect_pipeline, load_local_pipeline, load_prompt_embeds
+    from ..inspection.diffusion_run import inspect_pipeline, load_local_pipeline, load_prompt_embeds
     from ..report.diffusion import write_token_maps_report
     from .progress import Progress
 

@@ -3,7 +3,7 @@
 Local heads (previous-token, n-gram) put their mass in the first bins, long-range heads
 in the last; the profile is the "attention distance" of Vig & Belinkov 2019 (arXiv
 1906.04284) and Dosovitskiy et al. 2020 (arXiv 2010.11929), kept as a histogram so two
-profiles can be compared (``attnkit.inspect.compare``: KL between them).
+profiles can be compared (``attnkit.inspection.compare``: KL between them).
 """
 
 from __future__ import annotations

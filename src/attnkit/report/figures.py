@@ -6,7 +6,7 @@ import os
 import re
 
 from ..extras import require
-from ..inspect.profile import AttentionProfile
+from ..inspection.profile import AttentionProfile
 from ..observe import LABELS
 from ..observe.distance import parse_bin_label
 from .html import CLASS_COLOURS, heatmap_metrics, is_distance_bin

@@ -13,7 +13,7 @@ import json
 from html import escape
 from importlib import resources
 
-from ..inspect.profile import AttentionProfile
+from ..inspection.profile import AttentionProfile
 from ..observe import LABELS, TOKEN_VIEW_LIMIT
 from ..observe.distance import parse_bin_label
 from .svg import bars, fmt, heatmap

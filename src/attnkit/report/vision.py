@@ -195,7 +195,7 @@ def render_vision_html(profile, *, image_png: bytes | None = None, title: str | 
     """The page as a string."""
     meta = profile.meta
     if "vision" not in meta or "visual_received" not in profile.arrays:
-        raise ValueError("profile: not a vision profile (made by attnkit.inspect.vision_run.inspect_image)")
+        raise ValueError("profile: not a vision profile (made by attnkit.inspection.vision_run.inspect_image)")
     vis = meta["vision"]
     title = title or f"attnkit inspect — {meta.get('model', 'model')}"
     line = (

@@ -91,7 +91,7 @@ class AttentionProfile:
         return classify_heads(self.rows, **thresholds)
 
     def compare(self, other: AttentionProfile, **kwargs):
-        """Per-head change from this profile to ``other`` (see ``attnkit.inspect.compare``)."""
+        """Per-head change from this profile to ``other`` (see ``attnkit.inspection.compare``)."""
         from .compare import compare
 
         return compare(self, other, **kwargs)

@@ -20,7 +20,7 @@ def load_local_model(path: str):
     language-model head would only add an (N x vocab) logits tensor."""
     if not isinstance(path, str) or not path:
         raise ValueError(f"model: expected a directory path, got {path!r}")
-    require("transformers", "attnkit.inspect's model loading")  # offline: local_files_only below
+    require("transformers", "attnkit.inspection's model loading")  # offline: local_files_only below
     from transformers import AutoModel
 
     from ..hf.loading import load_pretrained, load_tokenizer, model_directory
