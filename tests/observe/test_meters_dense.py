@@ -18,7 +18,8 @@ from dense_meters import (
     span_mass,
 )
 
-from attnkit.observe import DistanceProfile, Entropy, LogitStats, SinkMass, SpanMass, TopKeys
+import attnkit
+from attnkit.observe import DistanceProfile, Entropy, LogitStats, Observer, SinkMass, SpanMass, TopKeys
 from attnkit.observe.distance import bin_label
 from helpers import TOL
 
@@ -159,3 +160,26 @@ def test_learnable_sinks_take_their_share_of_the_mass():
         close_bins = sum(v for (lay, hh, m), v in got.items() if hh == h and m.startswith("distance.") and m != "distance.mean")
         torch.testing.assert_close(close_bins, rows_mean(p.sum(-1))[h].item(), **F64)  # < 1: the sink keeps the rest
         torch.testing.assert_close(got[(0, h, "sink.first4")], first_k_mass(p, 4)[h].item(), **F64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name,shape,call", [c for c in CASES if c[0].startswith("decode")], ids=lambda c: str(c))
+def test_an_observed_few_query_call_gives_the_unobserved_output_and_lse(name, shape, call, dtype):
+    """Observed, a decoding step's output comes from the weights the observers see
+    (kernels/observe_rows.py); unobserved, from the kernels: the same values."""
+    q, k, v = qkv(*shape, dtype=dtype)
+    seen = []
+
+    class Record(Observer):
+        def update(self, tile):
+            seen.append(tile.weights)
+
+    out, lse = attnkit.attention(q, k, v, return_lse=True, observers=[Record()], **call)
+    ref_out, ref_lse = attnkit.attention(q, k, v, return_lse=True, **call)
+    torch.testing.assert_close(out, ref_out, **TOL[dtype])
+    live = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), live)
+    torch.testing.assert_close(lse[live], ref_lse[live].to(lse.dtype), **TOL[dtype])
+    p, _, _, _ = dense(q.double(), k.double(), v.double(), **call)
+    assert len(seen) == 1  # one tile: every head, row and key of the call
+    torch.testing.assert_close(seen[0].double(), p, **TOL[dtype])

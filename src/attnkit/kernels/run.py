@@ -46,12 +46,18 @@ def softmax_attention(
             return out
     want_lse = return_lse or bool(observers)
     req = make_request(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks, return_lse=want_lse)
-    out, lse = run_request(req, backend)
-    if observers:
+    if observers:  # the observing modules import the meters' protocol: loaded only when observed
         from .observe_pass import observe_softmax
+        from .observe_rows import observed_attention, observed_in_one_pass
 
-        # the weights of hidden keys are 0 whatever the keys hold (NaN in padding too)
-        observe_softmax(without_hidden_nonfinite(req) or req, lse, observers, layer)
+        if backend == "auto" and observed_in_one_pass(req):  # a decoding step: one pass for both
+            out, lse = observed_attention(req, observers, layer)
+        else:
+            out, lse = run_request(req, backend)
+            # the weights of hidden keys are 0 whatever the keys hold (NaN in padding too)
+            observe_softmax(without_hidden_nonfinite(req) or req, lse, observers, layer)
+    else:
+        out, lse = run_request(req, backend)
     # Checked on the output (a NaN in a key the mask hides is harmless: run_request keeps
     # it out), on q, and on k when an output row is exactly zero: torch's flash kernel
     # returns zeros, not NaN, for a row whose every logit is NaN (kernels/finite.py).

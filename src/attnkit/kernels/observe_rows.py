@@ -1,0 +1,80 @@
+"""Observed calls with a few queries (a decoding step inside ``attnkit.hf.use(model,
+observers=...)``): the weights once, densely, for the output and the observers alike.
+
+A few-query call's weights are Nq x Nk per head, O(N) memory, so the output is their
+product with v and the observers get them as one tile: one pass over the keys instead of
+the tiled kernel for (out, lse) followed by the observing pass that recomputes the
+weights tile by tile (observe_pass.py) — on a small model that pair cost more than the
+step's own attention. Exact: P = exp(S - lse) with lse = logsumexp(S) of the full row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..mods import index_tensors
+from ..observe import AttentionTile, feed, interested
+from .few_queries import dense_visible, few_queries
+from .finite import without_hidden_nonfinite
+from .observe_pass import call_info
+from .request import Request, all_finite
+
+Tensor = torch.Tensor
+
+
+def observed_in_one_pass(req: Request) -> bool:
+    """Whether this path serves the call: few queries, inference, no sinks, something to see."""
+    return few_queries(req) and req.sinks is None and req.q_len > 0 and req.k_len > 0
+
+
+def observed_attention(req: Request, observers, layer: int | None) -> tuple[Tensor, Tensor]:
+    """(out, lse) of the call, its weights fed to ``observers`` as one tile."""
+    out, lse, tile = _dense(req, layer)
+    if req.mask is not None and not all_finite(out):
+        clean = without_hidden_nonfinite(req)  # NaN in a hidden value: 0 * NaN in the product
+        if clean is not None:
+            out, lse, tile = _dense(clean, layer)
+    _, union = interested(observers, tile.call)
+    feed(observers, tile.call, (tile,) if union.heads != () else ())
+    return out, lse
+
+
+def _dense(req: Request, layer: int | None) -> tuple[Tensor, Tensor, AttentionTile]:
+    B, Hq, Nq, D = req.q.shape
+    Hkv, groups, Nk = req.kv_heads, Hq // req.kv_heads, req.k_len
+    compute = torch.float64 if req.q.dtype == torch.float64 else torch.float32
+    q = req.q.to(compute).reshape(B, Hkv, groups * Nq, D)  # head h = kv * groups + g: GQA without copying keys
+    s = (q @ req.k.to(compute).transpose(-1, -2)).mul_(req.scale).view(B, Hq, Nq, Nk)
+    b, h, qi, ki = index_tensors(req.batch, req.heads, req.q_start, Nq, 0, Nk)
+    if req.score is not None:
+        s = req.score(s, b, h, qi, ki).to(compute)
+    visible = None
+    if req.mask is not None:
+        visible = dense_visible(req)
+        if bool(visible.all()):
+            visible = None  # a decoding step under a causal mask sees every key
+        else:  # masked_fill, not an added -inf: a NaN in a hidden key must not reach the row
+            s = s.masked_fill(~visible, -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    # a row that sees no key: lse -inf, weights 0 (exp(-inf - inf)), output 0 as the kernels give
+    norm = torch.where(torch.isneginf(lse), math.inf, lse)
+    w = torch.sub(s, norm.unsqueeze(-1)).exp_()
+    out = (w.view(B, Hkv, groups * Nq, Nk) @ req.v.to(compute)).view(B, Hq, Nq, req.v_dim).to(req.q.dtype)
+    tile = AttentionTile(
+        call_info(req, layer),
+        b.view(-1),
+        qi.view(-1),
+        ki.view(-1),
+        w,
+        s,
+        None,
+        visible is None,
+        visible,
+        norm,
+    )
+    return out, lse, tile
+
+
+__all__ = ["observed_attention", "observed_in_one_pass"]
