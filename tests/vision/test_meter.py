@@ -82,14 +82,21 @@ def test_prefill_equals_literal_definition(family):
 
 
 @pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
-def test_share_per_generated_step_and_drift(family):
+@pytest.mark.parametrize("pending", [256, 1], ids=["calls folded in at the end", "each call folded in at once"])
+def test_share_per_generated_step_and_drift(family, pending, monkeypatch):
+    """Two generations with one meter: each step's share is kept once (the second's rows
+    replace the first's, equal here), however the calls are batched into the sums."""
+    from attnkit.observe import visual
+
+    monkeypatch.setattr(visual, "_PENDING_CALLS", pending)
     model = V.build(family)
     inputs, _ = V.batch(family)
     spans = vision.image_spans(model, inputs)
     meter = spans.meter()
     steps = 4
     with torch.no_grad(), akhf.use(model, observers=[meter]):
-        seq = model.generate(**inputs, max_new_tokens=steps, do_sample=False)
+        for _ in range(2):
+            seq = model.generate(**inputs, max_new_tokens=steps, do_sample=False)
     n0 = inputs["input_ids"].shape[1]
     full = dict(
         inputs,

@@ -61,6 +61,8 @@ def key_mask(keys, name: str = "keys") -> Tensor:
 
 #: what ``end_call`` adds up per head, in order
 _SUMS = ("rows", "share", "uniform", "visual_rows", "entropy", "entropy_norm", "norm_rows", "topk")
+#: calls whose rows wait to be folded into the sums (a few KB each for a decoding step)
+_PENDING_CALLS = 256
 
 
 class VisualAttention(Meter):
@@ -84,6 +86,7 @@ class VisualAttention(Meter):
         self._state: dict = {}
         self._steps: dict = {}  # layer -> (B, H, T) share per step, NaN where not seen
         self._img_full: Tensor | None = None
+        self._pending: list = []  # (layer, first query position, sums, top-k) of calls not yet folded in
 
     def _img(self, call: CallInfo) -> Tensor:
         """(B, Nk) image keys of a call: the prompt's mask, then text (a zero tail grown
@@ -137,39 +140,61 @@ class VisualAttention(Meter):
             self._state[call.layer]["received"][view.batch, :, k0:end] += wi[..., : end - k0].sum(2)
 
     def end_call(self, call: CallInfo) -> None:
-        s_all, s_img, s2, n_vis, n_img = self._acc
-        live = s_all > 0
-        share = torch.where(live, s_img / s_all.clamp_min(1e-300), 0.0)
-        uniform = torch.where(n_vis > 0, n_img / n_vis.clamp_min(1), 0.0)
-        seen = s_img > 0
-        s1 = torch.where(seen, s_img, 1.0)
-        h = torch.where(seen, torch.log(s1) - s2 / s1, 0.0).clamp_min(0.0)
-        multi = seen & (n_img >= 2)
-        norm = torch.where(multi, h / torch.log(torch.where(multi, n_img, 2.0)), 0.0)
-        top = torch.where(seen, self._top.sum(-1) / s1, 0.0)
-        # one stack, one reduction: the per-head sums of _SUMS, in that order
-        stats = torch.stack([live.double(), share, uniform * live, seen.double(), h, norm, multi.double(), top])
-        self._state[call.layer]["sums"] += stats.sum((1, 3))
-        self._record_steps(call, torch.where(live, share, float("nan")))
+        # The per-row statistics wait for a batch of calls (``_finish``): a decoding step is
+        # one row per call, and some thirty small ops per call cost more than the step's
+        # attention on a small model; batched, they are paid once per many calls.
+        self._pending.append((call.layer, self._q0, self._acc, self._top))
         del self._acc, self._top, self._call_img
+        if len(self._pending) >= _PENDING_CALLS:
+            self._finish()
 
-    def _record_steps(self, call: CallInfo, share: Tensor) -> None:
-        first = self.prompt_len - 1  # query position of step 0
-        q0, rows = self._q0, share.shape[2]
-        lo = max(first, q0)
-        if lo >= q0 + rows:
+    def _finish(self) -> None:
+        """Fold the pending calls' rows into the per-layer sums and per-step shares."""
+        pending, self._pending = self._pending, []
+        for layer in dict.fromkeys(entry[0] for entry in pending):
+            calls = [entry for entry in pending if entry[0] == layer]
+            s_all, s_img, s2, n_vis, n_img = torch.cat([acc for _, _, acc, _ in calls], dim=3)
+            top_sum = torch.cat([top.sum(-1) for _, _, _, top in calls], dim=2)
+            live = s_all > 0
+            share = torch.where(live, s_img / s_all.clamp_min(1e-300), 0.0)
+            uniform = torch.where(n_vis > 0, n_img / n_vis.clamp_min(1), 0.0)
+            seen = s_img > 0
+            s1 = torch.where(seen, s_img, 1.0)
+            h = torch.where(seen, torch.log(s1) - s2 / s1, 0.0).clamp_min(0.0)
+            multi = seen & (n_img >= 2)
+            norm = torch.where(multi, h / torch.log(torch.where(multi, n_img, 2.0)), 0.0)
+            top = torch.where(seen, top_sum / s1, 0.0)
+            # one stack, one reduction: the per-head sums of _SUMS, in that order
+            stats = torch.stack([live.double(), share, uniform * live, seen.double(), h, norm, multi.double(), top])
+            self._state[layer]["sums"] += stats.sum((1, 3))
+            positions = torch.cat([torch.arange(q0, q0 + acc.shape[3]) for _, q0, acc, _ in calls])
+            self._record_steps(layer, positions, torch.where(live, share, float("nan")))
+
+    def _record_steps(self, layer, positions: Tensor, share: Tensor) -> None:
+        """Keep ``share`` (B, H, R) of the rows at query ``positions`` (R,) that predict a
+        generated token (position N0 - 1 + t for step t); a later row of a step replaces
+        an earlier one, as a second generation with the same meter would."""
+        t = positions - (self.prompt_len - 1)
+        keep = t >= 0
+        if not bool(keep.any()):
             return
-        t0, t1 = lo - first, q0 + rows - first
-        steps = self._steps.get(call.layer)
-        if steps is None or steps.shape[2] < t1:
-            grown = torch.full(share.shape[:2] + (t1,), float("nan"), dtype=torch.float64)
+        t, share = t[keep], share[..., keep]
+        if len(t) > 1 and len(torch.unique(t)) != len(t):  # the last row of each step wins
+            last = {int(step): i for i, step in enumerate(t.tolist())}
+            where = torch.tensor(list(last.values()))
+            t, share = t[where], share[..., where]
+        steps = self._steps.get(layer)
+        length = int(t.max()) + 1
+        if steps is None or steps.shape[2] < length:
+            grown = torch.full(share.shape[:2] + (length,), float("nan"), dtype=torch.float64)
             if steps is not None:
                 grown[..., : steps.shape[2]] = steps
             steps = grown
-        steps[..., t0:t1] = share[..., lo - q0 :]
-        self._steps[call.layer] = steps
+        steps[..., t] = share
+        self._steps[layer] = steps
 
     def rows(self):
+        self._finish()
         out = []
         for layer, heads, _ in self.measured():
             st = dict(zip(_SUMS, self._state[layer]["sums"]))
@@ -199,6 +224,7 @@ class VisualAttention(Meter):
         """``visual_share``: {(layer, head): {"step_start": N0 - 1, "values": (B, T)}}
         (NaN for a step or row not observed); ``visual_received``: {(layer, head): (B, N0)}
         mass each key received (0 off the image)."""
+        self._finish()
         shares, received = {}, {}
         for layer, heads, _ in self.measured():
             steps = self._steps.get(layer)
