@@ -15,6 +15,7 @@ import math
 import torch
 
 from ..mods import index_tensors
+from ..mods.masks import Causal
 from ..observe import AttentionTile, feed, interested
 from .few_queries import dense_visible, few_queries
 from .finite import without_hidden_nonfinite
@@ -51,7 +52,7 @@ def _dense(req: Request, layer: int | None) -> tuple[Tensor, Tensor, AttentionTi
     if req.score is not None:
         s = req.score(s, b, h, qi, ki).to(compute)
     visible = None
-    if req.mask is not None:
+    if req.mask is not None and not (type(req.mask) is Causal and Nq == 1):  # one causal row sees every key
         visible = dense_visible(req)
         if bool(visible.all()):
             visible = None  # a decoding step under a causal mask sees every key
