@@ -96,7 +96,7 @@ CASES = [
     ("window", (1, 2, 2, 300, 300), {"mask": ak.window(37)}),
     ("documents", (2, 2, 1, 260, 260), {"mask": ak.document(doc_ids(2, 260))}),
     ("decode", (2, 4, 4, 5, 260), {"mask": ak.causal()}),
-    # few-query calls (observed in one dense pass, kernels/observe_rows.py) with hidden keys,
+    # few-query calls (observed in one dense pass, kernels/dense_rows.py) with hidden keys,
     # a row that sees none, GQA and a score mod
     ("decode-hidden", (2, 4, 2, 3, 150), {"mask": lambda b, h, qi, ki: (ki <= qi) & (ki >= 7 * b) & (qi != 148)}),
     ("decode-alibi", (1, 4, 2, 1, 140), {"mask": ak.causal(), "score": ak.alibi(4)}),

@@ -162,11 +162,13 @@ def test_learnable_sinks_take_their_share_of_the_mass():
         torch.testing.assert_close(got[(0, h, "sink.first4")], first_k_mass(p, 4)[h].item(), **F64)
 
 
+@pytest.mark.parametrize("observed", [True, False], ids=["observed", "unobserved"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name,shape,call", [c for c in CASES if c[0].startswith("decode")], ids=lambda c: str(c))
-def test_an_observed_few_query_call_gives_the_unobserved_output_and_lse(name, shape, call, dtype):
-    """Observed, a decoding step's output comes from the weights the observers see
-    (kernels/observe_rows.py); unobserved, from the kernels: the same values."""
+def test_a_dense_few_query_call_gives_the_tile_engines_output_and_lse(name, shape, call, dtype, observed):
+    """A decoding step observed or with a score mod is computed densely, its output from
+    the weights the observers see (kernels/dense_rows.py); the tile engine (asked for by
+    name) gives the same values."""
     q, k, v = qkv(*shape, dtype=dtype)
     seen = []
 
@@ -174,12 +176,13 @@ def test_an_observed_few_query_call_gives_the_unobserved_output_and_lse(name, sh
         def update(self, tile):
             seen.append(tile.weights)
 
-    out, lse = attnkit.attention(q, k, v, return_lse=True, observers=[Record()], **call)
-    ref_out, ref_lse = attnkit.attention(q, k, v, return_lse=True, **call)
+    out, lse = attnkit.attention(q, k, v, return_lse=True, observers=[Record()] if observed else None, **call)
+    ref_out, ref_lse = attnkit.attention(q, k, v, return_lse=True, backend="chunked", **call)
     torch.testing.assert_close(out, ref_out, **TOL[dtype])
     live = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), live)
     torch.testing.assert_close(lse[live], ref_lse[live].to(lse.dtype), **TOL[dtype])
-    p, _, _, _ = dense(q.double(), k.double(), v.double(), **call)
-    assert len(seen) == 1  # one tile: every head, row and key of the call
-    torch.testing.assert_close(seen[0].double(), p, **TOL[dtype])
+    if observed:
+        p, _, _, _ = dense(q.double(), k.double(), v.double(), **call)
+        assert len(seen) == 1  # one tile: every head, row and key of the call
+        torch.testing.assert_close(seen[0].double(), p, **TOL[dtype])

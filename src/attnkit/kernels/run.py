@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..mods.masks import Causal
+from .dense_rows import dense_rows_attention, dense_rows_serve
 from .dispatch import choose_backend
 from .finite import nonfinite_reaches_output, rows_finite_and_nonzero, without_hidden_nonfinite
 from .request import FLOAT_DTYPES, Request, all_finite, empty_result, make_request, nonfinite_error
@@ -46,16 +47,14 @@ def softmax_attention(
             return out
     want_lse = return_lse or bool(observers)
     req = make_request(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks, return_lse=want_lse)
-    if observers:  # the observing modules import the meters' protocol: loaded only when observed
-        from .observe_pass import observe_softmax
-        from .observe_rows import observed_attention, observed_in_one_pass
+    if backend == "auto" and (observers or score is not None) and dense_rows_serve(req):
+        out, lse = dense_rows_attention(req, observers, layer)  # a decoding step observed or steered
+    elif observers:
+        from .observe_pass import observe_softmax  # it imports the meters' protocol: loaded when observed
 
-        if backend == "auto" and observed_in_one_pass(req):  # a decoding step: one pass for both
-            out, lse = observed_attention(req, observers, layer)
-        else:
-            out, lse = run_request(req, backend)
-            # the weights of hidden keys are 0 whatever the keys hold (NaN in padding too)
-            observe_softmax(without_hidden_nonfinite(req) or req, lse, observers, layer)
+        out, lse = run_request(req, backend)
+        # the weights of hidden keys are 0 whatever the keys hold (NaN in padding too)
+        observe_softmax(without_hidden_nonfinite(req) or req, lse, observers, layer)
     else:
         out, lse = run_request(req, backend)
     # Checked on the output (a NaN in a key the mask hides is harmless: run_request keeps

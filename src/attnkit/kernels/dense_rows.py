@@ -1,11 +1,15 @@
-"""Observed calls with a few queries (a decoding step inside ``attnkit.hf.use(model,
-observers=...)``): the weights once, densely, for the output and the observers alike.
+"""Softmax calls with a few queries (a decoding step, a short prompt) that the tile engine
+would serve: observed ones and ones with a score modification. Their weights are
+Nq x Nk per head, O(N) memory, so they are computed once, densely, and the output is
+their product with v.
 
-A few-query call's weights are Nq x Nk per head, O(N) memory, so the output is their
-product with v and the observers get them as one tile: one pass over the keys instead of
-the tiled kernel for (out, lse) followed by the observing pass that recomputes the
-weights tile by tile (observe_pass.py) — on a small model that pair cost more than the
-step's own attention. Exact: P = exp(S - lse) with lse = logsumexp(S) of the full row.
+Observed (``attnkit.hf.use(model, observers=...)``), the observers get those weights as
+one tile: one pass over the keys instead of the tiled kernel for (out, lse) followed by
+the observing pass that recomputes the weights tile by tile (observe_pass.py). With a
+score modification (a steering intervention while generating), it replaces the tile
+engine's plan and segments, whose set-up is most of a few-row call's time. On a small
+model either cost more than the step's own attention. Exact: P = exp(S - lse) with
+lse = logsumexp(S) of the full row.
 """
 
 from __future__ import annotations
@@ -25,20 +29,21 @@ from .request import Request, all_finite
 Tensor = torch.Tensor
 
 
-def observed_in_one_pass(req: Request) -> bool:
-    """Whether this path serves the call: few queries, inference, no sinks, something to see."""
+def dense_rows_serve(req: Request) -> bool:
+    """Whether this path can serve the call: few queries, inference, no sinks, something to see."""
     return few_queries(req) and req.sinks is None and req.q_len > 0 and req.k_len > 0
 
 
-def observed_attention(req: Request, observers, layer: int | None) -> tuple[Tensor, Tensor]:
-    """(out, lse) of the call, its weights fed to ``observers`` as one tile."""
+def dense_rows_attention(req: Request, observers=None, layer: int | None = None) -> tuple[Tensor, Tensor]:
+    """(out, lse) of the call, its weights fed to ``observers`` (if any) as one tile."""
     out, lse, tile = _dense(req, layer)
     if req.mask is not None and not all_finite(out):
         clean = without_hidden_nonfinite(req)  # NaN in a hidden value: 0 * NaN in the product
         if clean is not None:
             out, lse, tile = _dense(clean, layer)
-    _, union = interested(observers, tile.call)
-    feed(observers, tile.call, (tile,) if union.heads != () else ())
+    if observers:
+        _, union = interested(observers, tile.call)
+        feed(observers, tile.call, (tile,) if union.heads != () else ())
     return out, lse
 
 
@@ -78,4 +83,4 @@ def _dense(req: Request, layer: int | None) -> tuple[Tensor, Tensor, AttentionTi
     return out, lse, tile
 
 
-__all__ = ["observed_attention", "observed_in_one_pass"]
+__all__ = ["dense_rows_attention", "dense_rows_serve"]
