@@ -10,12 +10,26 @@ per-group accuracies), one per evaluation length.
 
 from __future__ import annotations
 
+from typing import Any, TypedDict
+
 from ..arena.models import MechanismSpec
 from ..arena.runner import Run, execute, plan
 from ..arena.schedule import schedule_text
 from ..arena.tasks import make_task
 from .cells import Cell
 from .kinds import report_line
+
+
+class _Figure(TypedDict):
+    """The keys of ``FIGURE``."""
+
+    task: str
+    task_params: dict[str, Any]
+    mechanisms: str
+    widths: list[int]
+    seeds: int
+    overrides: dict[str, Any]
+
 
 #: ``attnkit arena sweep``'s default grid: the shape of Zoology's MQAR figure (Arora et
 #: al., arXiv 2312.04927, Fig. 2: accuracy against model width, attention against
@@ -24,7 +38,7 @@ from .kinds import report_line
 #: arXiv 2006.16236), DeltaNet (arXiv 2406.06484), sigmoid (arXiv 2409.04431) and a causal
 #: sliding window of 4 keys; widths 16-64, 2 seeds, at most 1000 steps of 64 examples
 #: (stopping at 99% held-out accuracy).
-FIGURE = {
+FIGURE: _Figure = {
     "task": "mqar",
     "task_params": {"seq_len": 16, "num_kv_pairs": 2, "vocab_size": 16},
     "mechanisms": "softmax,linear_elu,deltanet,sigmoid,neighborhood:kernel=4:causal=true",

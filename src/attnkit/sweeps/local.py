@@ -29,6 +29,10 @@ import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .cells import Cell
 
 
 def default_threads(workers: int) -> int:
@@ -65,10 +69,11 @@ class _Forked:
             pid, status = os.waitpid(self.pid, 0 if end is None else os.WNOHANG)
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
-            elif time.monotonic() > end:
+                continue
+            assert end is not None and timeout is not None  # a blocking waitpid (no timeout) returns only with the pid
+            if time.monotonic() > end:
                 raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
-            else:
-                time.sleep(0.02)
+            time.sleep(0.02)
         return self.returncode
 
     def kill(self) -> None:
@@ -81,6 +86,8 @@ class _Forked:
 
 class _Slot:
     """One worker process and what it is running."""
+
+    conn: Connection
 
     def __init__(self, threads: int, others: list[_Slot]):
         mine, theirs = socket.socketpair()
@@ -97,10 +104,10 @@ class _Slot:
             )
         theirs.close()
         self.conn = Connection(mine.detach())
-        self.job = None  # (cell, attempt) while busy
+        self.job: tuple[Cell, int] | None = None  # (cell, attempt) while busy
         self.started = 0.0
 
-    def give(self, cell, fn, attempt: int) -> None:
+    def give(self, cell: Cell, fn, attempt: int) -> None:
         self.job = (cell, attempt)
         self.started = time.perf_counter()
         self.conn.send((fn, cell.config))

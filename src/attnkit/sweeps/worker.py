@@ -50,7 +50,7 @@ def serve(conn: Connection, threads: int) -> None:
                     f"rows: the cell kind {fn.__module__}.{fn.__qualname__} returned {type(rows).__name__}, "
                     f"expected a list of dicts"
                 )
-            message = ("done", rows, time.perf_counter() - start)
+            message: tuple[str, list, float] | tuple[str, str, str, float] = ("done", rows, time.perf_counter() - start)
         except Exception as e:
             message = ("error", f"{type(e).__name__}: {e}", traceback.format_exc(), time.perf_counter() - start)
         try:
