@@ -9,10 +9,12 @@ import math
 import numbers
 
 
-def integer(value, name: str, low: int, what: str | None = None) -> int:
-    """``value`` as an int >= ``low`` (bools refused); ``what`` says what it counts."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        expected = f"{what} (an int >= {low})" if what else f"an int >= {low}"
+def integer(value, name: str, low: int | None, what: str | None = None) -> int:
+    """``value`` as an int >= ``low`` (any int for ``low=None``, e.g. a seed; bools
+    refused); ``what`` says what it counts."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or (low is not None and value < low):
+        kind = "an int" if low is None else f"an int >= {low}"
+        expected = f"{what} ({kind})" if what else kind
         raise ValueError(f"{name}: expected {expected}, got {value!r}")
     return int(value)
 

@@ -33,9 +33,9 @@ def fake(
     pm = as_probe_model(model, tokenizer)
     lengths = [lengths] if isinstance(lengths, int) else list(lengths)
     if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths):
-        raise ValueError(f"--lengths: expected ints >= 1, got {lengths!r}")
+        raise ValueError(f"lengths: expected ints >= 1, got {lengths!r}")
     if pooling not in ("mean", "cls", "last"):
-        raise ValueError(f"--pooling: expected mean, cls or last, got {pooling!r}")
+        raise ValueError(f"pooling: expected mean, cls or last, got {pooling!r}")
     for n in lengths:
         pm.check_length(n)
     params = {

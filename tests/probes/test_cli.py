@@ -177,6 +177,41 @@ def test_bad_input_is_a_clear_error(fakes, encoder_dir, args, message, tmp_path,
 @pytest.mark.parametrize(
     "argv,message",
     [
+        (["head-ablation", "--ablate", "top2"], "--ablate: expected topK-SCORE or randomK"),
+        (["head-ablation", "--score-samples", "0"], "--score-samples: expected an int >= 1, got 0"),
+        (["head-ablation", "--pairs", "2"], "--pairs: applies to --task kv-retrieval"),
+        (["kv-curves", "--policy-params", "snapkv.window"], "--policy-params: expected POLICY.NAME=VALUE"),
+        (["kv-curves", "--task", "kv-retrieval", "--lengths", "6", "--pairs", "8"], "--lengths: 6 tokens hold 2 two-token cells"),
+        (["kv-curves", "--workers", "2"], "--workers: only with --engine local or ray"),
+        (["needle", "--needle", "x"], "--needle: an arena export is probed in its task's own tokens; --needle applies"),
+        (["needle", "--kv", "nope"], "--kv: policy: unknown policy 'nope'"),
+        (["kv-retrieval", "--length", "3"], "--length: expected an int >= 4, got 3"),
+        (["interference", "--keys", "99"], "--keys: the task has 8 key symbols, got 99"),
+        (["heads", "--top", "999"], "--top: expected at most the model's 8 heads"),
+        (["heads", "--seed", "-1", "--batch-size", "0"], "--batch-size: expected prompts per forward pass (an int >= 1)"),
+        (["heads", "--context", "7", "--scores", "retrieval"], "--context: expected tokens per retrieval prompt"),
+        (["ruler"], "--model: the ruler probe asks English questions"),
+        (["position-bias"], "--model: the position-bias probe measures embedding models"),
+        (["visual"], "--model: the visual probe needs a vision-language model"),
+    ],
+)
+def test_a_real_probes_checks_name_the_options(needle_export, argv, message, tmp_path, capsys):
+    """The probes name their Python keywords (``attnkit.validate``); the command line, the options."""
+    name, *options = argv
+    assert main(["probe", name, "--model", needle_export, *options, "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"attnkit probe: error: {message}"), err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_model_that_does_not_load_names_the_option(tmp_path, capsys):
+    assert main(["probe", "needle", "--model", "no-such-organism", "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    assert capsys.readouterr().err.startswith("attnkit probe: error: --model: no such directory or organism: 'no-such-organism'")
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
         ([], "NAME: which probe? expected one of needle"),
         (["nope"], "NAME: unknown probe 'nope'; expected one of needle, kv-retrieval"),
         (["--lengths", "4"], "unrecognized arguments: --lengths"),  # argparse: options come after NAME

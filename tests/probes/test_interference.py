@@ -111,27 +111,27 @@ def test_needle_export_suffers_interference(needle_export):
 
 
 @pytest.mark.parametrize(
-    "kwargs, option",
+    "kwargs, keyword",
     [
-        (dict(updates=[]), "--updates"),
-        (dict(updates=[0]), "--updates"),
-        (dict(updates=[2, 2]), "--updates"),
-        (dict(updates=[200]), "--updates"),
-        (dict(keys=0), "--keys"),
-        (dict(keys=99), "--keys"),
-        (dict(samples=-2), "--samples"),
-        (dict(seed=1.5), "--seed"),
-        (dict(batch_size=0), "--batch-size"),
-        (dict(max_new_tokens=0), "--max-new-tokens"),
+        (dict(updates=[]), "updates"),
+        (dict(updates=[0]), "updates"),
+        (dict(updates=[2, 2]), "updates"),
+        (dict(updates=[200]), "updates"),
+        (dict(keys=0), "keys"),
+        (dict(keys=99), "keys"),
+        (dict(samples=-2), "samples"),
+        (dict(seed=1.5), "seed"),
+        (dict(batch_size=0), "batch_size"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
     ],
 )
-def test_bad_parameters_name_their_option(tiny, kwargs, option):
+def test_bad_parameters_name_their_keyword(tiny, kwargs, keyword):
     params = dict(updates=[1], keys=2, samples=1)
     params.update(kwargs)
-    with pytest.raises(ValueError, match=f"^{option}"):
+    with pytest.raises(ValueError, match=f"^{keyword}: "):
         interference(tiny, TOK, **params)
 
 
 def test_encoder_is_refused():
-    with pytest.raises(ValueError, match="^--model: the interference probe needs a causal"):
+    with pytest.raises(ValueError, match="^model: the interference probe needs a causal"):
         interference(build("bert"), TOK)

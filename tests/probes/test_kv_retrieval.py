@@ -122,37 +122,37 @@ def test_needle_export_retrieves_above_chance(needle_export):
 
 
 @pytest.mark.parametrize(
-    "kwargs, option",
+    "kwargs, keyword",
     [
-        (dict(pairs=[]), "--pairs"),
-        (dict(pairs=[0]), "--pairs"),
-        (dict(pairs=[2, 2]), "--pairs"),
-        (dict(pairs=[40]), "--pairs"),
-        (dict(depths=[-0.1]), "--depths"),
-        (dict(depths=["a"]), "--depths"),
-        (dict(samples=0), "--samples"),
-        (dict(seed=None), "--seed"),
-        (dict(batch_size=-1), "--batch-size"),
-        (dict(max_new_tokens=1.5), "--max-new-tokens"),
+        (dict(pairs=[]), "pairs"),
+        (dict(pairs=[0]), "pairs"),
+        (dict(pairs=[2, 2]), "pairs"),
+        (dict(pairs=[40]), "pairs"),
+        (dict(depths=[-0.1]), "depths"),
+        (dict(depths=["a"]), "depths"),
+        (dict(samples=0), "samples"),
+        (dict(seed=None), "seed"),
+        (dict(batch_size=-1), "batch_size"),
+        (dict(max_new_tokens=1.5), "max_new_tokens"),
     ],
 )
-def test_bad_parameters_name_their_option(tiny, kwargs, option):
+def test_bad_parameters_name_their_keyword(tiny, kwargs, keyword):
     params = dict(pairs=[2], depths=[0.5])
     params.update(kwargs)
-    with pytest.raises(ValueError, match=f"^{option}"):
+    with pytest.raises(ValueError, match=f"^{keyword}: "):
         kv_retrieval(tiny, TOK, **params)
 
 
 def test_wrong_models_are_refused(tiny):
-    with pytest.raises(ValueError, match="^--model: the kv-retrieval probe needs a causal"):
+    with pytest.raises(ValueError, match="^model: the kv-retrieval probe needs a causal"):
         kv_retrieval(build("bert"), TOK)
     from attnkit.arena.export import task_record
     from attnkit.arena.tasks import make_task
 
     induction = task_record(make_task("induction", vocab_size=16, seq_len=16))
-    with pytest.raises(ValueError, match="^--model: the kv-retrieval probe on an arena export needs a key-value task"):
+    with pytest.raises(ValueError, match="^model: the kv-retrieval probe on an arena export needs a key-value task"):
         kv_retrieval(_pm(tiny, induction))
     task = _needle_task()
     arena = _pm(tiny_llama(len(task["symbols"]["tokens"])), task, tokenizer=None, max_positions=128)
-    with pytest.raises(ValueError, match="^--pairs: the task has 8 keys"):
+    with pytest.raises(ValueError, match="^pairs: the task has 8 keys"):
         kv_retrieval(arena, pairs=[9])

@@ -200,51 +200,51 @@ def test_needle_export_finds_the_needle_with_few_heads(needle_model):
 
 
 @pytest.mark.parametrize(
-    "kwargs, option",
+    "kwargs, keyword",
     [
-        (dict(lengths=[]), "--lengths"),
-        (dict(lengths=[0]), "--lengths"),
-        (dict(lengths="64"), "--lengths"),
-        (dict(lengths=[100, 100]), "--lengths"),
-        (dict(lengths=[600]), "--lengths"),
-        (dict(lengths=[10]), "--lengths"),
-        (dict(depths=[1.5]), "--depths"),
-        (dict(depths=[50]), "--depths"),
-        (dict(depths=[]), "--depths"),
-        (dict(samples=0), "--samples"),
-        (dict(samples=1.5), "--samples"),
-        (dict(seed="x"), "--seed"),
-        (dict(batch_size=0), "--batch-size"),
-        (dict(max_new_tokens=0), "--max-new-tokens"),
-        (dict(needle="no value here"), "--needle"),
-        (dict(needle="{nope} {value}"), "--needle"),
-        (dict(question=""), "--question"),
-        (dict(answer="{x}"), "--answer"),
-        (dict(haystack="/no/such/file"), "--haystack"),
+        (dict(lengths=[]), "lengths"),
+        (dict(lengths=[0]), "lengths"),
+        (dict(lengths="64"), "lengths"),
+        (dict(lengths=[100, 100]), "lengths"),
+        (dict(lengths=[600]), "lengths"),
+        (dict(lengths=[10]), "lengths"),
+        (dict(depths=[1.5]), "depths"),
+        (dict(depths=[50]), "depths"),
+        (dict(depths=[]), "depths"),
+        (dict(samples=0), "samples"),
+        (dict(samples=1.5), "samples"),
+        (dict(seed="x"), "seed"),
+        (dict(batch_size=0), "batch_size"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(needle="no value here"), "needle"),
+        (dict(needle="{nope} {value}"), "needle"),
+        (dict(question=""), "question"),
+        (dict(answer="{x}"), "answer"),
+        (dict(haystack="/no/such/file"), "haystack"),
         (dict(progress=3), "progress"),
     ],
 )
-def test_bad_parameters_name_their_option(tiny, kwargs, option):
+def test_bad_parameters_name_their_keyword(tiny, kwargs, keyword):
     params = dict(lengths=[100], depths=[0.5])
     params.update(kwargs)
-    with pytest.raises(ValueError, match=f"^{option}"):
+    with pytest.raises(ValueError, match=f"^{keyword}: "):
         needle(tiny, TOK, **params)
 
 
 def test_encoder_and_wrong_arena_task_are_refused(tiny):
-    with pytest.raises(ValueError, match="^--model: the needle probe needs a causal"):
+    with pytest.raises(ValueError, match="^model: the needle probe needs a causal"):
         needle(build("bert"), TOK, lengths=[64])
     from attnkit.arena.export import task_record
     from attnkit.arena.tasks import make_task
 
     induction = task_record(make_task("induction", vocab_size=16, seq_len=16))
-    with pytest.raises(ValueError, match="^--model: the needle probe on an arena export needs a key-value task"):
+    with pytest.raises(ValueError, match="^model: the needle probe on an arena export needs a key-value task"):
         needle(_pm(tiny, induction), lengths=[16])
     task = _needle_task(seq_len=32, num_filler=8, num_keys=8, num_values=8, distractors=2)
     arena = _pm(tiny_llama(len(task["symbols"]["tokens"])), task, max_positions=128)
-    with pytest.raises(ValueError, match="^--lengths: the needle task cuts"):
+    with pytest.raises(ValueError, match="^lengths: the needle task cuts"):
         needle(arena, lengths=[33])
-    with pytest.raises(ValueError, match="^--lengths: a prompt of 256 tokens is longer than the 128"):
+    with pytest.raises(ValueError, match="^lengths: a prompt of 256 tokens is longer than the 128"):
         needle(arena, lengths=[256])
-    with pytest.raises(ValueError, match="^--needle: an arena export"):
+    with pytest.raises(ValueError, match="^needle: an arena export"):
         needle(arena, lengths=[32], needle="x {value}")

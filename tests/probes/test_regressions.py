@@ -126,7 +126,7 @@ def test_heads_default_top_fits_a_model_with_fewer_than_five_heads():
     tokenizer = build_tokenizer(Symbols(tuple(f"w{i}" for i in range(32)), {}, "w0"))
     result = probes.run("heads", model, tokenizer, length=4, samples=1, needle=3, context=12, scores=["sink"])
     assert result.meta["params"]["top"] == 4 and len(result.meta["top"]["sink"]) == 4
-    with pytest.raises(ValueError, match="--top"):
+    with pytest.raises(ValueError, match="^top: "):
         probes.run("heads", model, tokenizer, length=4, samples=1, scores=["sink"], top=5)
 
 
@@ -135,7 +135,7 @@ def test_ruler_tasks_all_as_the_command_line_passes_it():
     from attnkit.probes.ruler_tasks import ALL
 
     assert _check_tasks(["all"]) == tuple(ALL) == _check_tasks("all")
-    with pytest.raises(ValueError, match="--tasks"):
+    with pytest.raises(ValueError, match="^tasks: "):
         _check_tasks(["all", "vt"])
 
 

@@ -263,12 +263,12 @@ def test_prompt_length_is_close_to_the_budget_and_never_above(wordpiece, budget)
             assert len(sample.ids) >= budget - 25, task
 
 
-def test_too_short_a_length_names_the_option():
-    with pytest.raises(ValueError, match="--lengths"):
+def test_too_short_a_length_names_the_keyword():
+    with pytest.raises(ValueError, match="^lengths: "):
         make_sample("niah_multiquery", CHARS, 300, sample_rng(0, "x", 0, 0))
-    with pytest.raises(ValueError, match="--lengths"):
+    with pytest.raises(ValueError, match="^lengths: "):
         make_sample("cwe", CHARS, 300, sample_rng(0, "x", 0, 0))
-    with pytest.raises(ValueError, match="--tasks"):
+    with pytest.raises(ValueError, match="^task: unknown task 'qa_1'"):
         make_sample("qa_1", CHARS, 3000, sample_rng(0, "x", 0, 0))
 
 
@@ -430,43 +430,43 @@ def test_answers_known_to_be_right_or_partly_right_score_as_rulers_metric(monkey
 
 
 @pytest.mark.parametrize(
-    "kwargs, option",
+    "kwargs, keyword",
     [
-        ({"tasks": ["niah_single_1", "qa_1"]}, "--tasks"),
-        ({"tasks": "vt,vt"}, "--tasks"),
-        ({"tasks": []}, "--tasks"),
-        ({"lengths": []}, "--lengths"),
-        ({"lengths": [0]}, "--lengths"),
-        ({"lengths": [-300]}, "--lengths"),
-        ({"lengths": [300.5]}, "--lengths"),
-        ({"lengths": [True]}, "--lengths"),
-        ({"lengths": "300"}, "--lengths"),
-        ({"lengths": [300, 300]}, "--lengths"),
-        ({"lengths": [100], "max_new_tokens": 100}, "--lengths"),
-        ({"lengths": [1024]}, "--lengths"),  # longer than the model's 512 positions
-        ({"lengths": [200], "tasks": ["cwe"]}, "--lengths"),  # too short for cwe's list
-        ({"samples": 0}, "--samples"),
-        ({"samples": -1}, "--samples"),
-        ({"samples": 1.5}, "--samples"),
-        ({"threshold": 0}, "--threshold"),
-        ({"threshold": 100.5}, "--threshold"),
-        ({"threshold": math.nan}, "--threshold"),
-        ({"threshold": "high"}, "--threshold"),
-        ({"batch_size": 0}, "--batch-size"),
-        ({"max_new_tokens": 0}, "--max-new-tokens"),
-        ({"seed": "zero"}, "--seed"),
+        ({"tasks": ["niah_single_1", "qa_1"]}, "tasks"),
+        ({"tasks": "vt,vt"}, "tasks"),
+        ({"tasks": []}, "tasks"),
+        ({"lengths": []}, "lengths"),
+        ({"lengths": [0]}, "lengths"),
+        ({"lengths": [-300]}, "lengths"),
+        ({"lengths": [300.5]}, "lengths"),
+        ({"lengths": [True]}, "lengths"),
+        ({"lengths": "300"}, "lengths"),
+        ({"lengths": [300, 300]}, "lengths"),
+        ({"lengths": [100], "max_new_tokens": 100}, "lengths"),
+        ({"lengths": [1024]}, "lengths"),  # longer than the model's 512 positions
+        ({"lengths": [200], "tasks": ["cwe"]}, "lengths"),  # too short for cwe's list
+        ({"samples": 0}, "samples"),
+        ({"samples": -1}, "samples"),
+        ({"samples": 1.5}, "samples"),
+        ({"threshold": 0}, "threshold"),
+        ({"threshold": 100.5}, "threshold"),
+        ({"threshold": math.nan}, "threshold"),
+        ({"threshold": "high"}, "threshold"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"seed": "zero"}, "seed"),
         ({"progress": "print"}, "progress"),
     ],
 )
-def test_bad_input_names_the_option(llama, wordpiece, kwargs, option):
+def test_bad_input_names_the_keyword(llama, wordpiece, kwargs, keyword):
     kwargs = {"lengths": [300], "samples": 1, "max_new_tokens": NEW, "tasks": ["niah_single_1"], **kwargs}
-    with pytest.raises(ValueError, match=option):
+    with pytest.raises(ValueError, match=f"^{keyword}: "):
         ruler(llama, wordpiece, **kwargs)
 
 
 def test_a_length_too_short_for_one_task_fails_before_any_generation(llama, wordpiece):
     lines = []
-    with pytest.raises(ValueError, match="--lengths: 197 prompt tokens cannot hold the cwe task's list"):
+    with pytest.raises(ValueError, match="^lengths: 197 prompt tokens cannot hold the cwe task's list"):
         ruler(
             llama,
             wordpiece,
@@ -480,7 +480,7 @@ def test_a_length_too_short_for_one_task_fails_before_any_generation(llama, word
 
 
 def test_default_lengths_are_rulers_that_fit_the_model(wordpiece):
-    with pytest.raises(ValueError, match="--lengths: none of RULER's lengths"):
+    with pytest.raises(ValueError, match="^lengths: none of RULER's lengths"):
         ruler(tiny_llama(30522, max_positions=2048), wordpiece, tasks=["vt"], samples=1)
 
 
@@ -488,10 +488,10 @@ def test_refuses_encoders_and_arena_exports(llama, wordpiece):
     from attnkit.hf import load_default_model
 
     encoder, tokenizer = load_default_model()
-    with pytest.raises(ValueError, match="--model: the ruler probe needs a causal language model"):
+    with pytest.raises(ValueError, match="^model: the ruler probe needs a causal language model"):
         ruler(encoder, tokenizer, lengths=[300], samples=1)
     arena = ProbeModel(llama, wordpiece, "causal", 512, {"task": "needle"}, "needle-export")
-    with pytest.raises(ValueError, match="--model: the ruler probe asks English questions.*'needle'"):
+    with pytest.raises(ValueError, match="^model: the ruler probe asks English questions.*'needle'"):
         ruler(arena, lengths=[300], samples=1)
 
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect as _pyinspect
+import inspect
 import json
 import os
 import re
 import sys
 import time
+from collections.abc import Sequence
 
 from .options import options_named, output_dir
 
@@ -66,7 +67,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _annotation_text(annotation) -> str:
-    if annotation is _pyinspect.Parameter.empty:
+    if annotation is inspect.Parameter.empty:
         return ""
     if isinstance(annotation, str):
         return annotation
@@ -207,7 +208,7 @@ def probe_options(function) -> dict:
     """Python keyword -> (option, kind, default) for every keyword a probe function takes,
     except the ones the CLI sets (model, tokenizer, progress)."""
     out = {}
-    for name, param in _pyinspect.signature(function).parameters.items():
+    for name, param in inspect.signature(function).parameters.items():
         if name in RESERVED or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             continue
         default = None if param.default is param.empty else param.default
@@ -216,14 +217,14 @@ def probe_options(function) -> dict:
 
 
 def _takes_any_keyword(function) -> bool:
-    return any(p.kind == p.VAR_KEYWORD for p in _pyinspect.signature(function).parameters.values())
+    return any(p.kind == p.VAR_KEYWORD for p in inspect.signature(function).parameters.values())
 
 
 def _doc_lines(function) -> dict:
     """What the docstring says about each keyword, for --help: Google style
     ("lengths: ..." under Args, continuation lines indented) or inline
     ("``lengths``: ...; ``depths``: ...", several names may share one text with "/")."""
-    doc = _pyinspect.getdoc(function) or ""
+    doc = inspect.getdoc(function) or ""
     found = {}
     # Google style: "name: text" (continuation lines indented deeper)
     lines = doc.splitlines()
@@ -256,7 +257,7 @@ def build_probe_parser(name: str, function) -> tuple[_Parser, dict]:
     """The parser of ``attnkit probe NAME``'s options and the keyword each option sets."""
     options = probe_options(function)
     docs = _doc_lines(function)
-    summary = (_pyinspect.getdoc(function) or "").strip().split("\n\n")[0].replace("\n", " ")
+    summary = (inspect.getdoc(function) or "").strip().split("\n\n")[0].replace("\n", " ")
     p = _Parser(
         prog=f"attnkit probe {name}",
         allow_abbrev=False,
@@ -408,13 +409,17 @@ def run(args) -> int:
     return 0
 
 
-def _run_probe(function, model_path: str | None, steps, kwargs: dict, steer: list[str] = ()):
+def _run_probe(function, model_path: str | None, steps, kwargs: dict, steer: Sequence[str] = ()):
     from ..probes import load_probe_model
 
-    pm = load_probe_model(model_path)
-    takes_progress = "progress" in _pyinspect.signature(function).parameters or _takes_any_keyword(function)
-    # a check that names the probe's keyword (``attnkit.validate``) names its option here
-    keywords = {name: "--" + name.replace("_", "-") for name in _pyinspect.signature(function).parameters if name not in RESERVED}
+    parameters = inspect.signature(function).parameters
+    takes_progress = "progress" in parameters or _takes_any_keyword(function)
+    # a check names the probe's keyword (``attnkit.validate``): here it names the option that set it,
+    # ``model`` (the probe's first argument, the model loaded from --model) included
+    keywords = {name: "--" + name.replace("_", "-") for name in parameters if name not in RESERVED}
+    keywords["model"] = "--model"
+    with options_named({"model": "--model"}):
+        pm = load_probe_model(model_path)
     try:
         call_kwargs = {**({"progress": steps} if takes_progress else {}), **kwargs}
         with options_named(keywords):

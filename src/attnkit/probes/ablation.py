@@ -20,8 +20,9 @@ import random
 import re
 import time
 
+from ..validate import integer
 from .result import ProbeResult
-from .retrieval import check_fractions, check_int, check_run, run_items
+from .retrieval import check_fractions, check_run, run_items
 from .tasks import task_items
 
 SPEC = re.compile(r"^(?:top(\d+)-([a-z_]+)|random(\d+))$")
@@ -62,9 +63,9 @@ def head_ablation(
     pm, samples, seed, batch_size, say, _ = check_run(
         model, tokenizer, "head-ablation", samples, seed, batch_size, progress, None
     )
-    draws = check_int(draws, "--draws")
-    score_samples = check_int(score_samples, "--score-samples")
-    depths = check_fractions(depths, "--depths")
+    draws = integer(draws, "draws", 1)
+    score_samples = integer(score_samples, "score_samples", 1)
+    depths = check_fractions(depths, "depths")
     specs = _specs(ablate, SCORES, pm.layers * pm.heads)
     items, keys, new_tokens = task_items(pm, task, lengths, depths, pairs, samples, seed)
 
@@ -158,20 +159,20 @@ def _specs(ablate, scores, total: int) -> list[tuple[int, str | None]]:
     """(K, score or None for random) per spec; each bad one named."""
     texts = _texts(ablate)
     if not texts:
-        raise ValueError("--ablate: expected at least one spec, e.g. top2-retrieval,random2")
+        raise ValueError("ablate: expected at least one spec, e.g. top2-retrieval,random2")
     if len(set(texts)) != len(texts):
-        raise ValueError(f"--ablate: specs repeat in {texts}")
+        raise ValueError(f"ablate: specs repeat in {texts}")
     out = []
     for text in texts:
         m = SPEC.match(text)
         if not m:
-            raise ValueError(f"--ablate: expected topK-SCORE or randomK (e.g. top2-retrieval, random2), got {text!r}")
+            raise ValueError(f"ablate: expected topK-SCORE or randomK (e.g. top2-retrieval, random2), got {text!r}")
         k = int(m.group(1) or m.group(3))
         score = m.group(2)
         if score is not None and score not in scores:
-            raise ValueError(f"--ablate: unknown score {score!r} in {text!r}; expected one of {', '.join(scores)}")
+            raise ValueError(f"ablate: unknown score {score!r} in {text!r}; expected one of {', '.join(scores)}")
         if not 1 <= k <= total:
-            raise ValueError(f"--ablate: {text!r} ablates {k} heads; the model has {total}")
+            raise ValueError(f"ablate: {text!r} ablates {k} heads; the model has {total}")
         out.append((k, score))
     return out
 

@@ -34,6 +34,8 @@ import random
 import re
 from dataclasses import dataclass, field
 
+from ..validate import integer
+
 #: The default haystack: short sentences that say nothing (RULER's noise haystack idea;
 #: these sentences are attnkit's own). Drawn at random, one after another.
 FILLER = (
@@ -91,28 +93,28 @@ class Haystack:
         return cls(FILLER, ordered=False, name="filler")
 
     @classmethod
-    def from_text(cls, text: str, name: str = "text", option: str = "--haystack") -> Haystack:
+    def from_text(cls, text: str, name: str = "text", keyword: str = "haystack") -> Haystack:
         sentences = split_sentences(text)
         if not sentences:
-            raise ValueError(f"{option}: the haystack text has no sentences")
+            raise ValueError(f"{keyword}: the haystack text has no sentences")
         return cls(tuple(sentences), ordered=True, name=name)
 
     @classmethod
-    def from_file(cls, path, option: str = "--haystack") -> Haystack:
-        """Read a UTF-8 text file as an ordered haystack; errors name ``option``."""
+    def from_file(cls, path, keyword: str = "haystack") -> Haystack:
+        """Read a UTF-8 text file as an ordered haystack; errors name ``keyword``."""
         if not isinstance(path, (str, os.PathLike)) or not str(path):
-            raise ValueError(f"{option}: expected the path of a text file, got {path!r}")
+            raise ValueError(f"{keyword}: expected the path of a text file, got {path!r}")
         if not os.path.isfile(path):
-            raise ValueError(f"{option}: no such file: {path}")
+            raise ValueError(f"{keyword}: no such file: {path}")
         try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
         except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"{option}: could not read {path} as UTF-8 text: {e}") from e
-        return cls.from_text(text, os.path.basename(str(path)), option)
+            raise ValueError(f"{keyword}: could not read {path} as UTF-8 text: {e}") from e
+        return cls.from_text(text, os.path.basename(str(path)), keyword)
 
     @classmethod
-    def resolve(cls, haystack, option: str = "--haystack") -> Haystack:
+    def resolve(cls, haystack, keyword: str = "haystack") -> Haystack:
         """What a probe's ``haystack=`` argument may be: None (the filler), a Haystack,
         or the path of a text file."""
         if haystack is None:
@@ -120,8 +122,8 @@ class Haystack:
         if isinstance(haystack, Haystack):
             return haystack
         if isinstance(haystack, (str, os.PathLike)):
-            return cls.from_file(haystack, option)
-        raise ValueError(f"{option}: expected None, a Haystack or a text file path, got {type(haystack).__name__}")
+            return cls.from_file(haystack, keyword)
+        raise ValueError(f"{keyword}: expected None, a Haystack or a text file path, got {type(haystack).__name__}")
 
 
 def encode(tokenizer, text: str, *, bos: bool = False) -> list[int]:
@@ -211,7 +213,7 @@ def build_context(
     head: list[int] = (),
     tail: list[int] = (),
     rng: random.Random,
-    option: str = "--lengths",
+    keyword: str = "lengths",
 ) -> Context:
     """``head + haystack-with-needles + tail`` of exactly ``length`` tokens.
 
@@ -219,15 +221,14 @@ def build_context(
     walked back to a sentence start (``Filler.insertion_point``); needles at the same
     point keep their given order. The haystack gets what is left of ``length`` after the
     head, the needles and the tail (the question's buffer); too little is a ValueError
-    naming ``option``."""
-    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-        raise ValueError(f"{option}: expected a positive int token count, got {length!r}")
+    naming ``keyword`` (the probe's argument that set the length)."""
+    length = integer(length, keyword, 1, "a token count")
     head, tail = list(head), list(tail)
     taken = len(head) + len(tail) + sum(len(ids) for ids, _ in needles)
     room = length - taken
     if room < 1:
         raise ValueError(
-            f"{option}: {length} tokens leave no room for a haystack after the {taken} tokens of the "
+            f"{keyword}: {length} tokens leave no room for a haystack after the {taken} tokens of the "
             f"prompt's head, needles and question"
         )
     filler = fill(tokenizer, haystack, room, rng)

@@ -72,7 +72,7 @@ def _scores(value) -> tuple[str, ...]:
         names = [value]
     bad = [n for n in names if n not in SCORES]
     if not names or bad:
-        raise ValueError(f"--scores: expected a non-empty list of {', '.join(SCORES)}, got {value!r}")
+        raise ValueError(f"scores: expected a non-empty list of {', '.join(SCORES)}, got {value!r}")
     return tuple(dict.fromkeys(names))
 
 
@@ -84,7 +84,7 @@ def _task_ids(task: dict) -> tuple[list[int], dict[str, int]]:
     task names one, else every symbol of its families), and every symbol's id."""
     symbols = task.get("symbols")
     if not isinstance(symbols, dict) or not isinstance(symbols.get("tokens"), list):
-        raise ValueError("--model: its task.json has no symbol table (expected one written by attnkit arena --export)")
+        raise ValueError("model: its task.json has no symbol table (expected one written by attnkit arena --export)")
     ids = {name: i for i, name in enumerate(symbols["tokens"])}
     roles = symbols.get("roles", {})
     if isinstance(roles.get("segment"), list):
@@ -220,9 +220,7 @@ def arena_needle_prompts(task: dict, ids: dict[str, int], context: int, samples:
     depths = int(params.get("num_depths", 5))
     cells = (context - 2) // 2
     if cells < distractors + 1:
-        raise ValueError(
-            f"--context: {context} tokens hold {cells} cells, fewer than the needle and its {distractors} distractors"
-        )
+        raise ValueError(f"context: {context} tokens hold {cells} cells, fewer than the needle and its {distractors} distractors")
     prompts, spans, answers = [], [], []
     for s in range(samples):
         depth = (s % depths) / (depths - 1) if depths > 1 else 0.0
@@ -321,16 +319,15 @@ def heads(
     pm = as_probe_model(model, tokenizer)
     pm.require("causal", "heads")
     names = _scores(scores)
-    samples = integer(samples, "--samples", 1, "the number of prompts")
-    batch_size = integer(batch_size, "--batch-size", 1, "prompts per forward pass")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"--seed: expected an int, got {seed!r}")
+    samples = integer(samples, "samples", 1, "the number of prompts")
+    batch_size = integer(batch_size, "batch_size", 1, "prompts per forward pass")
+    seed = integer(seed, "seed", None)
     if progress is not None and not callable(progress):
         raise ValueError(f"progress: expected a callable taking a line of text, got {type(progress).__name__}")
     n_heads = pm.layers * pm.heads
-    top = min(DEFAULT_TOP, n_heads) if top is None else integer(top, "--top", 1, "how many heads to list per score")
+    top = min(DEFAULT_TOP, n_heads) if top is None else integer(top, "top", 1, "how many heads to list per score")
     if top > n_heads:
-        raise ValueError(f"--top: expected at most the model's {n_heads} heads ({pm.layers} layers x {pm.heads}), got {top}")
+        raise ValueError(f"top: expected at most the model's {n_heads} heads ({pm.layers} layers x {pm.heads}), got {top}")
 
     task = pm.task
     params = task.get("params", {}) if task is not None else {}
@@ -344,46 +341,46 @@ def heads(
     if length is None:
         length = int(params["seq_len"]) // int(params["repeats"]) if task is not None and task.get("task") == "induction" else 32
         length = min(length, len(pool))
-    length = integer(length, "--length", 2, "tokens per random segment")
+    length = integer(length, "length", 2, "tokens per random segment")
     if length > len(pool):
         raise ValueError(
-            f"--length: a segment of {length} distinct tokens needs as many tokens to draw from; "
+            f"length: a segment of {length} distinct tokens needs as many tokens to draw from; "
             f"{pm.name or 'the model'} offers {len(pool)}"
         )
     if repeats is None:
         repeats = int(params.get("repeats", 2)) if task is not None and task.get("task") == "induction" else 2
-    repeats = integer(repeats, "--repeats", 2, "copies of each segment")
+    repeats = integer(repeats, "repeats", 2, "copies of each segment")
     # Every parameter is checked, and every prompt built, before the model runs.
     pattern_names = [n for n in names if n != "retrieval"]
     if pattern_names:
-        pm.check_length(len(prefix) + length * repeats, "--length")
+        pm.check_length(len(prefix) + length * repeats, "length")
     if "retrieval" in names:
         retrieval_rng = random.Random(f"{seed}-retrieval")  # the same needles whatever else is scored
         if arena_needle:
             context = int(params["seq_len"]) if context is None else context
             if needle is not None:
-                raise ValueError("--needle: the arena needle task's answer is one value token; leave --needle unset")
-            context = integer(context, "--context", 2 * (int(params.get("distractors", 0)) + 2), "tokens per retrieval prompt")
+                raise ValueError("needle: the arena needle task's answer is one value token; leave --needle unset")
+            context = integer(context, "context", 2 * (int(params.get("distractors", 0)) + 2), "tokens per retrieval prompt")
             if context % 2:
-                raise ValueError(f"--context: the needle task is written in two-token cells, so it must be even, got {context}")
-            pm.check_length(context, "--context")
+                raise ValueError(f"context: the needle task is written in two-token cells, so it must be even, got {context}")
+            pm.check_length(context, "context")
             needles = arena_needle_prompts(task, symbol_ids, context, samples, retrieval_rng)
         else:
             needle = integer(
-                8 if needle is None else needle, "--needle", 2, "needle tokens (the first is the cue, the rest are copied)"
+                8 if needle is None else needle, "needle", 2, "needle tokens (the first is the cue, the rest are copied)"
             )
             if needle >= len(pool):
                 raise ValueError(
-                    f"--needle: a needle of {needle} distinct tokens needs a haystack of other tokens; "
+                    f"needle: a needle of {needle} distinct tokens needs a haystack of other tokens; "
                     f"{pm.name or 'the model'} offers {len(pool)} tokens in all"
                 )
             if context is None:  # the prompt and the copied tokens fit the positions the model was trained on
                 longest = int(params["seq_len"]) if "seq_len" in params else min(128, pm.max_positions or 128)
                 context = max(longest - (needle - 1), len(prefix) + needle + 2)
             context = integer(
-                context, "--context", len(prefix) + needle + 2, "tokens per retrieval prompt (haystack, needle and cue)"
+                context, "context", len(prefix) + needle + 2, "tokens per retrieval prompt (haystack, needle and cue)"
             )
-            pm.check_length(context + needle - 1, "--context")
+            pm.check_length(context + needle - 1, "context")
             needles = copy_prompts(pool, context, needle, samples, retrieval_rng, prefix)
 
     values: dict[str, Tensor] = {}

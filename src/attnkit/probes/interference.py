@@ -26,6 +26,7 @@ from __future__ import annotations
 import random
 import time
 
+from ..validate import integer
 from .haystack import encode
 from .result import ProbeResult
 from .retrieval import (
@@ -33,7 +34,6 @@ from .retrieval import (
     add_accuracy_rows,
     add_mass_rows,
     arena_symbols,
-    check_int,
     check_ints,
     check_kv,
     check_max_positions,
@@ -95,8 +95,8 @@ def interference(
     pm, samples, seed, batch_size, say, max_new_tokens = check_run(
         model, tokenizer, "interference", samples, seed, batch_size, progress, max_new_tokens
     )
-    updates = check_ints(updates, "--updates", 1)
-    keys = check_int(keys, "--keys")
+    updates = check_ints(updates, "updates", 1)
+    keys = integer(keys, "keys", 1)
     kv = check_kv(kv)
     params = {
         "updates": updates,
@@ -110,18 +110,18 @@ def interference(
     if pm.task is not None:
         sym = arena_symbols(pm, "interference")
         if keys > len(sym["keys"]):
-            raise ValueError(f"--keys: the task has {len(sym['keys'])} key symbols, got {keys}")
+            raise ValueError(f"keys: the task has {len(sym['keys'])} key symbols, got {keys}")
         if max(updates) > len(sym["values"]):
-            raise ValueError(f"--updates: a key's values are distinct and the task has {len(sym['values'])}, got {max(updates)}")
+            raise ValueError(f"updates: a key's values are distinct and the task has {len(sym['values'])}, got {max(updates)}")
         items = arena_items(sym, updates, keys, samples, seed)
         new_tokens = max_new_tokens or 1
     else:
         if keys > len(_KEYS):
-            raise ValueError(f"--keys: at most {len(_KEYS)} keys, got {keys}")
+            raise ValueError(f"keys: at most {len(_KEYS)} keys, got {keys}")
         items = text_items(pm, updates, keys, samples, seed)
         new_tokens = max_new_tokens or max(len(encode(pm.tokenizer, " " + it.answer)) for it in items) + 4
     for length in sorted({len(it.ids) for it in items}):
-        check_max_positions(pm, length, new_tokens, "--updates")
+        check_max_positions(pm, length, new_tokens, "updates")
 
     outcomes, layers = run_items(pm, items, new_tokens, batch_size, say, "interference", kv=kv)
     result = ProbeResult("interference")

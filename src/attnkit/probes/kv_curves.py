@@ -88,10 +88,10 @@ def kv_curves(
     start = time.perf_counter()
     pm, samples, seed, batch_size, say, _ = check_run(model, tokenizer, "kv-curves", samples, seed, batch_size, progress, None)
     if protocol not in PROTOCOLS:
-        raise ValueError(f"--protocol: expected one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+        raise ValueError(f"protocol: expected one of {', '.join(PROTOCOLS)}, got {protocol!r}")
     policies = _names(policies)
     budgets = _budgets(budgets)
-    depths = check_fractions(depths, "--depths")
+    depths = check_fractions(depths, "depths")
     policy_params = _policy_params(policy_params, policies)
     settings = [KVSetting(FULL, 1.0, (), protocol)]
     for name in policies:
@@ -99,20 +99,20 @@ def kv_curves(
             try:
                 settings.append(KVSetting(name, budget, tuple(sorted(policy_params.get(name, {}).items())), protocol))
             except ValueError as e:
-                option = "--policies" if str(e).startswith("policy:") else "--policy-params"
-                raise ValueError(f"{option}: {name}: {e}") from None
+                keyword = "policies" if str(e).startswith("policy:") else "policy_params"
+                raise ValueError(f"{keyword}: {name}: {e}") from None
     if task not in CURVE_TASKS:
-        raise ValueError(f"--task: expected one of {', '.join(CURVE_TASKS)}, got {task!r}")
+        raise ValueError(f"task: expected one of {', '.join(CURVE_TASKS)}, got {task!r}")
     items, keys, new_tokens = task_items(pm, prompts_of(task), lengths, depths, pairs, samples, seed)
     shortest = min(len(it.ids) - it.question for it in items)
     if min(budgets) * shortest < 1:
-        raise ValueError(f"--budgets: {min(budgets)} of a {shortest}-token context keeps no entry")
+        raise ValueError(f"budgets: {min(budgets)} of a {shortest}-token context keeps no entry")
 
     result = ProbeResult("kv-curves")
     if engine is None:
         if workers is not None or address is not None or store is not None:
             raise ValueError(
-                f"--{'workers' if workers is not None else 'address' if address is not None else 'store'}: "
+                f"{'workers' if workers is not None else 'address' if address is not None else 'store'}: "
                 "only with --engine local or ray"
             )
         full_examples = None
@@ -273,9 +273,9 @@ def _swept(model, tokenizer, engine, workers, address, store, settings, say, gri
     from ..sweeps.engines import engine_named
 
     if not isinstance(model, (str, os.PathLike)) or tokenizer is not None:
-        raise ValueError("--model: a sweep's workers load the model themselves: give a directory or an organism name")
+        raise ValueError("model: a sweep's workers load the model themselves: give a directory or an organism name")
     if store is None:
-        raise ValueError("--store: a sweep writes its cells into a results directory; give one")
+        raise ValueError("store: a sweep writes its cells into a results directory; give one")
     runner = engine_named(engine, workers, address)
     cells = [
         Cell(
@@ -307,23 +307,23 @@ def _names(policies) -> list[str]:
         policies = [p for p in policies.split(",") if p]
     policies = list(policies or ())
     if not policies:
-        raise ValueError("--policies: expected at least one policy")
+        raise ValueError("policies: expected at least one policy")
     for name in policies:
         if name not in POLICIES or POLICIES[name].needs_mechanism is not None:
             offered = [n for n, p in POLICIES.items() if p.needs_mechanism is None]
-            raise ValueError(f"--policies: unknown policy {name!r}; expected some of {', '.join(offered)}")
+            raise ValueError(f"policies: unknown policy {name!r}; expected some of {', '.join(offered)}")
     if len(set(policies)) != len(policies):
-        raise ValueError(f"--policies: policies repeat in {policies}")
+        raise ValueError(f"policies: policies repeat in {policies}")
     return policies
 
 
 def _budgets(budgets) -> list[float]:
     try:
-        out = check_fractions(budgets, "--budgets")
+        out = check_fractions(budgets, "budgets")
     except ValueError:
         out = [-1.0]
     if any(b <= 0 for b in out):
-        raise ValueError(f"--budgets: expected fractions of the context in (0, 1], e.g. 0.1,0.25, got {budgets!r}")
+        raise ValueError(f"budgets: expected fractions of the context in (0, 1], e.g. 0.1,0.25, got {budgets!r}")
     return sorted(out)
 
 
@@ -339,14 +339,14 @@ def _policy_params(params, policies) -> dict:
             key, sep, value = part.partition("=")
             policy, dot, name = key.partition(".")
             if not sep or not dot or not policy or not name:
-                raise ValueError(f"--policy-params: expected POLICY.NAME=VALUE[,...], got {part!r}")
+                raise ValueError(f"policy_params: expected POLICY.NAME=VALUE[,...], got {part!r}")
             parsed.setdefault(policy, {})[name] = parameter_value(value)
         params = parsed
     if not isinstance(params, dict) or not all(isinstance(v, dict) for v in params.values()):
-        raise ValueError("--policy-params: expected {policy: {name: value}}, e.g. {'snapkv': {'window': 8}}")
+        raise ValueError("policy_params: expected {policy: {name: value}}, e.g. {'snapkv': {'window': 8}}")
     stray = sorted(set(params) - set(policies))
     if stray:
-        raise ValueError(f"--policy-params: {stray[0]!r} is not among --policies")
+        raise ValueError(f"policy_params: {stray[0]!r} is not among --policies")
     return {k: dict(v) for k, v in params.items()}
 
 

@@ -21,6 +21,7 @@ import random
 import time
 import uuid
 
+from ..validate import integer
 from .haystack import encode
 from .result import ProbeResult
 from .retrieval import (
@@ -29,7 +30,6 @@ from .retrieval import (
     add_mass_rows,
     arena_symbols,
     check_fractions,
-    check_int,
     check_ints,
     check_kv,
     check_max_positions,
@@ -77,7 +77,7 @@ def kv_retrieval(
     pm, samples, seed, batch_size, say, max_new_tokens = check_run(
         model, tokenizer, "kv-retrieval", samples, seed, batch_size, progress, max_new_tokens
     )
-    depths = check_fractions(depths, "--depths")
+    depths = check_fractions(depths, "depths")
     kv = check_kv(kv)
     params = {
         "pairs": pairs,
@@ -92,10 +92,10 @@ def kv_retrieval(
     if pm.task is not None:
         sym = arena_symbols(pm, "kv-retrieval")
         most = min(len(sym["keys"]), len(sym["values"]))
-        pairs = check_ints([min(8, most)] if pairs is None else pairs, "--pairs", 1)
+        pairs = check_ints([min(8, most)] if pairs is None else pairs, "pairs", 1)
         if max(pairs) > most:
             raise ValueError(
-                f"--pairs: the task has {len(sym['keys'])} keys and {len(sym['values'])} values, "
+                f"pairs: the task has {len(sym['keys'])} keys and {len(sym['values'])} values, "
                 f"so at most {most} distinct pairs; got {max(pairs)}"
             )
         items = arena_items(sym, pairs, depths, samples, seed, length)
@@ -103,15 +103,15 @@ def kv_retrieval(
     else:
         if length is not None:
             raise ValueError(
-                "--length: spreads an arena export's pairs through filler; a natural-language model's "
+                "length: spreads an arena export's pairs through filler; a natural-language model's "
                 "prompt length follows from --pairs"
             )
-        pairs = check_ints(list(DEFAULT_PAIRS) if pairs is None else pairs, "--pairs", 1)
+        pairs = check_ints(list(DEFAULT_PAIRS) if pairs is None else pairs, "pairs", 1)
         items = text_items(pm, pairs, depths, samples, seed)
         new_tokens = max_new_tokens or max(len(encode(pm.tokenizer, " " + it.answer)) for it in items) + 4
     params["pairs"] = pairs
     for length in sorted({len(it.ids) for it in items}):
-        check_max_positions(pm, length, new_tokens, "--pairs")
+        check_max_positions(pm, length, new_tokens, "pairs")
 
     outcomes, layers = run_items(pm, items, new_tokens, batch_size, say, "kv-retrieval", kv=kv)
     result = ProbeResult("kv-retrieval")
@@ -194,20 +194,21 @@ def text_items(pm, pairs, depths, samples, seed) -> list[Item]:
     return items
 
 
-def arena_items(sym, pairs, depths, samples, seed, length: int | None = None) -> list[Item]:
+def arena_items(sym, pairs, depths, samples, seed, length: int | None = None, keyword: str = "length") -> list[Item]:
     """Pairs of the task's key and value symbols, then the asked key: side by side, or
-    (``length``) spread evenly through a prompt of that many tokens, filler between."""
+    (``length``) spread evenly through a prompt of that many tokens, filler between;
+    ``keyword`` is the argument that gave ``length``, named by its errors."""
     ids = sym["ids"]
     if length is not None:
-        length = check_int(length, "--length", 4)
+        length = integer(length, keyword, 4)
         if not sym["filler"] or int(sym["params"].get("value_len", 1)) != 1:
             raise ValueError(
-                f"--length: spreads pairs through filler, which a {sym['name']!r} task with these "
+                f"{keyword}: spreads pairs through filler, which a {sym['name']!r} task with these "
                 "parameters has no room for (one-token values and filler symbols needed)"
             )
         cells = (length - 1 - len(sym["query"])) // 2
         if cells < max(pairs):
-            raise ValueError(f"--length: {length} tokens hold {cells} two-token cells, fewer than {max(pairs)} pairs")
+            raise ValueError(f"{keyword}: {length} tokens hold {cells} two-token cells, fewer than {max(pairs)} pairs")
     items = []
     for n in pairs:
         for sample in range(samples):

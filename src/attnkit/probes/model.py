@@ -4,7 +4,7 @@ task it was trained on.
 
 A probe that generates needs a causal language model; a probe of embeddings needs an
 encoder. ``ProbeModel`` says which it holds so each probe can refuse the wrong one with
-an error that names the option.
+an error that names its ``model`` argument.
 """
 
 from __future__ import annotations
@@ -44,19 +44,19 @@ class ProbeModel:
         return _config_int(self.model, ("num_attention_heads", "n_head"), "head count")
 
     def require(self, kind: str, probe: str) -> None:
-        """An error naming ``--model`` when this model is not of ``kind``."""
+        """An error naming ``model`` when this model is not of ``kind``."""
         if self.kind != kind:
             what = {"causal": "a causal language model that can generate", "vision": "a vision-language model (LLaVA ...)"}.get(
                 kind, "an encoder (embedding model)"
             )
             kind_text = {"causal": "a causal language model", "vision": "a vision-language model"}.get(self.kind, "an encoder")
-            raise ValueError(f"--model: the {probe} probe needs {what}; {self.name or 'the model'} is {kind_text}")
+            raise ValueError(f"model: the {probe} probe needs {what}; {self.name or 'the model'} is {kind_text}")
 
-    def check_length(self, n_tokens: int, option: str = "--lengths") -> None:
-        """An error naming ``option`` when a prompt of ``n_tokens`` exceeds the model's positions."""
+    def check_length(self, n_tokens: int, name: str = "lengths") -> None:
+        """An error naming the argument ``name`` when a prompt of ``n_tokens`` exceeds the model's positions."""
         if self.max_positions is not None and n_tokens > self.max_positions:
             raise ValueError(
-                f"{option}: a prompt of {n_tokens} tokens is longer than the {self.max_positions} positions "
+                f"{name}: a prompt of {n_tokens} tokens is longer than the {self.max_positions} positions "
                 f"{self.name or 'the model'} reads"
             )
 
@@ -104,9 +104,9 @@ def read_task(path: str) -> dict | None:
         with open(file, encoding="utf-8") as f:
             task = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"--model: {file} is not a readable task description: {e}") from e
+        raise ValueError(f"model: {file} is not a readable task description: {e}") from e
     if not isinstance(task, dict) or not isinstance(task.get("task"), str):
-        raise ValueError(f"--model: {file} must be a JSON object naming its 'task' (as attnkit arena --export writes)")
+        raise ValueError(f"model: {file} must be a JSON object naming its 'task' (as attnkit arena --export writes)")
     return task
 
 
@@ -115,7 +115,8 @@ def load_probe_model(path: str | None = None, *, kind: str | None = None) -> Pro
     ``attnkit.organisms``) offline (float32, eval mode), as a causal LM when it is one,
     else as the bare encoder; a vision-language model (a config with vision_config and
     text_config) for image-text-to-text, its processor as the tokenizer (kind "vision");
-    ``path=None`` loads the bundled all-MiniLM-L6-v2. ``kind`` ("causal" or "encoder") forces the class."""
+    ``path=None`` loads the bundled all-MiniLM-L6-v2. ``kind`` ("causal" or "encoder") forces the class.
+    Errors about ``path`` name ``model``, the probes' argument it comes from."""
     if kind not in (None, "causal", "encoder"):
         raise ValueError(f"kind: expected None, 'causal' or 'encoder', got {kind!r}")
     if path is None:
@@ -124,23 +125,23 @@ def load_probe_model(path: str | None = None, *, kind: str | None = None) -> Pro
         model, tokenizer = load_default_model()
         return ProbeModel(model, tokenizer, "encoder", max_positions(model), None, "all-MiniLM-L6-v2")
     if not isinstance(path, (str, os.PathLike)) or not str(path):
-        raise ValueError(f"--model: expected a model directory, got {path!r}")
+        raise ValueError(f"model: expected a model directory, got {path!r}")
     require("transformers", "attnkit.probes' model loading")  # offline: local_files_only below
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     from ..hf.loading import load_pretrained, load_tokenizer, model_directory
 
-    path = model_directory(path, "--model")
+    path = model_directory(path, "model")
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"--model: could not read {path}/config.json: {e}") from e
+        raise ValueError(f"model: could not read {path}/config.json: {e}") from e
     if kind is None and getattr(config, "vision_config", None) is not None and hasattr(config, "text_config"):
         return _load_vision_model(path)
     architectures = getattr(config, "architectures", None) or []
     causal = kind == "causal" or (kind is None and any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures))
-    model = load_pretrained(AutoModelForCausalLM if causal else AutoModel, path, "--model")
-    tokenizer = load_tokenizer(path, "--model")
+    model = load_pretrained(AutoModelForCausalLM if causal else AutoModel, path, "model")
+    tokenizer = load_tokenizer(path, "model")
     model.eval()
     return ProbeModel(
         model,
@@ -165,7 +166,7 @@ def _load_vision_model(path: str) -> ProbeModel:
         model = AutoModelForImageTextToText.from_pretrained(path, local_files_only=True, dtype=torch.float32)
         processor = AutoProcessor.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"--model: could not load a vision-language model and its processor from {path}: {e}") from e
+        raise ValueError(f"model: could not load a vision-language model and its processor from {path}: {e}") from e
     finally:
         hf_logging.set_verbosity(verbosity)
     model.eval()

@@ -101,7 +101,7 @@ def needle(
     pm, samples, seed, batch_size, say, max_new_tokens = check_run(
         model, tokenizer, "needle", samples, seed, batch_size, progress, max_new_tokens
     )
-    depths = check_fractions(depths, "--depths")
+    depths = check_fractions(depths, "depths")
     kv = check_kv(kv)
     params = {
         "lengths": lengths,
@@ -117,19 +117,19 @@ def needle(
         "kv": None if kv is None else kv_params(kv),
     }
     if pm.task is not None:
-        given = (("--needle", needle), ("--question", question), ("--answer", answer), ("--haystack", haystack))
-        for option, value in given:
+        given = (("needle", needle), ("question", question), ("answer", answer), ("haystack", haystack))
+        for name, value in given:
             if value is not None:
                 raise ValueError(
-                    f"{option}: an arena export is probed in its task's own tokens; {option} applies to "
+                    f"{name}: an arena export is probed in its task's own tokens; --{name} applies to "
                     "natural-language models only"
                 )
-        lengths = check_ints(pm.task.get("eval_lengths") if lengths is None else lengths, "--lengths", 4)
+        lengths = check_ints(pm.task.get("eval_lengths") if lengths is None else lengths, "lengths", 4)
         items = arena_items(pm, lengths, depths, samples, seed)
         new_tokens = max_new_tokens or len(items[0].answer_ids)
     else:
         default = lengths is None
-        lengths = check_ints(_default_lengths(pm) if default else lengths, "--lengths")
+        lengths = check_ints(_default_lengths(pm) if default else lengths, "lengths")
         items, needed = text_items(pm, lengths, depths, samples, seed, needle, question, answer, haystack)
         new_tokens = max_new_tokens or needed + 4
         for _ in range(3):
@@ -200,9 +200,9 @@ def _sample_rng(probe: str, seed: int, length: int, sample: int) -> random.Rando
 def text_items(pm, lengths, depths, samples, seed, needle=None, question=None, answer=None, haystack=None):
     """The natural-language prompts: ``(items, tokens the longest answer needs)``."""
     custom = needle is not None
-    needle = check_text(NEEDLE if needle is None else needle, "--needle", () if answer is not None else ("value",))
-    question = check_text(QUESTION if question is None else question, "--question")
-    answer = check_text("{value}" if answer is None else answer, "--answer")
+    needle = check_text(NEEDLE if needle is None else needle, "needle", () if answer is not None else ("value",))
+    question = check_text(QUESTION if question is None else question, "question")
+    answer = check_text("{value}" if answer is None else answer, "answer")
     hay = Haystack.resolve(haystack)
     tok = pm.tokenizer
     items, needed = [], 1
@@ -243,7 +243,7 @@ def arena_items(pm, lengths, depths, samples, seed) -> list[Item]:
     sym = arena_symbols(pm, "needle")
     if sym["name"] != "needle":
         raise ValueError(
-            f"--model: the needle probe on an arena export needs a model trained on the needle task; "
+            f"model: the needle probe on an arena export needs a model trained on the needle task; "
             f"{pm.name or 'this model'} was trained on {sym['name']!r} (try the kv-retrieval probe)"
         )
     distractors = int(sym["params"].get("distractors", 0))
@@ -251,19 +251,19 @@ def arena_items(pm, lengths, depths, samples, seed) -> list[Item]:
     cell_len = 1 + value_len
     pairs = distractors + 1
     if pairs > len(sym["keys"]) or (value_len == 1 and pairs > len(sym["values"])):
-        raise ValueError(f"--model: the task has {len(sym['keys'])} keys for {pairs} pairs per prompt")
+        raise ValueError(f"model: the task has {len(sym['keys'])} keys for {pairs} pairs per prompt")
     ids = sym["ids"]
     items = []
     for length in lengths:
         if value_len == 1 and length % 2:
             raise ValueError(
-                f"--lengths: the needle task cuts its context into two-token cells, so lengths must be even, got {length}"
+                f"lengths: the needle task cuts its context into two-token cells, so lengths must be even, got {length}"
             )
         cells = (length - cell_len) // cell_len if value_len > 1 else (length - 2) // 2
         lead = length - 2 - cells * cell_len if value_len > 1 else 0
         if cells < pairs:
             raise ValueError(
-                f"--lengths: {length} tokens hold {cells} cells, fewer than the needle and its {distractors} distractors"
+                f"lengths: {length} tokens hold {cells} cells, fewer than the needle and its {distractors} distractors"
             )
         for sample in range(samples):
             for depth in depths:

@@ -20,7 +20,7 @@ samples as segments, every segment takes every position exactly once, so a segme
 content is not confounded with its position.
 
 Only encoders are probed (``kind == "encoder"``); a causal model, arena exports
-included, is refused with an error naming ``--model``.
+included, is refused with an error naming ``model``.
 
 The default document is bundled (``data/position_bias.txt``): six paragraphs of one
 essay written for attnkit (public domain, as the rest of its data), about 370 MiniLM
@@ -89,21 +89,21 @@ def _read_text(text) -> str:
     if text is None:
         return default_text()
     if not isinstance(text, (str, os.PathLike)) or not str(text):
-        raise ValueError(f"--text: expected the path of a UTF-8 text file, got {text!r}")
+        raise ValueError(f"text: expected the path of a UTF-8 text file, got {text!r}")
     path = str(text)
     if not os.path.isfile(path):
-        raise ValueError(f"--text: no such file: {path}")
+        raise ValueError(f"text: no such file: {path}")
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--text: could not read {path} as UTF-8 text: {e}") from e
+        raise ValueError(f"text: could not read {path} as UTF-8 text: {e}") from e
 
 
 def _segments(text, segments, unit: str) -> list[str]:
     if segments is not None:
         if text is not None:
-            raise ValueError("--text: give a file or a list of segments, not both")
+            raise ValueError("text: give a file or a list of segments, not both")
         if (
             isinstance(segments, str)
             or not isinstance(segments, (list, tuple))
@@ -114,7 +114,7 @@ def _segments(text, segments, unit: str) -> list[str]:
         where = "segments"
     else:
         found = split_segments(_read_text(text), unit)
-        where = "--text"
+        where = "text"
     if len(found) < 2:
         raise ValueError(
             f"{where}: found {len(found)} {unit}(s); position bias needs at least 2 segments"
@@ -216,19 +216,18 @@ def position_bias(
     pm = as_probe_model(model, tokenizer)
     if pm.task is not None:
         raise ValueError(
-            f"--model: the position-bias probe measures embedding models; {pm.name or 'this model'} is an "
+            f"model: the position-bias probe measures embedding models; {pm.name or 'this model'} is an "
             f"arena export (a causal model trained on the {pm.task.get('task')!r} task), which embeds no text"
         )
     pm.require("encoder", "position-bias")
     if unit not in UNITS:
-        raise ValueError(f"--unit: expected one of {', '.join(UNITS)}, got {unit!r}")
+        raise ValueError(f"unit: expected one of {', '.join(UNITS)}, got {unit!r}")
     pooling = "mean" if pooling is None else pooling
     if pooling not in POOLINGS:
-        raise ValueError(f"--pooling: expected one of {', '.join(POOLINGS)}, got {pooling!r}")
-    samples = integer(samples, "--samples", 1, "the number of permutations")
-    batch_size = integer(batch_size, "--batch-size", 1, "documents per forward pass")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"--seed: expected an int, got {seed!r}")
+        raise ValueError(f"pooling: expected one of {', '.join(POOLINGS)}, got {pooling!r}")
+    samples = integer(samples, "samples", 1, "the number of permutations")
+    batch_size = integer(batch_size, "batch_size", 1, "documents per forward pass")
+    seed = integer(seed, "seed", None)
     if progress is not None and not callable(progress):
         raise ValueError(f"progress: expected a callable taking a line of text, got {type(progress).__name__}")
     if not getattr(pm.tokenizer, "is_fast", False):
@@ -239,13 +238,13 @@ def position_bias(
 
     # The document in its own order: too long for the model is an error before anything runs
     # (permutations may tokenise a little differently; each batch is checked again below).
-    pm.check_length(len(pm.tokenizer(joiner.join(parts))["input_ids"]), "--text")
+    pm.check_length(len(pm.tokenizer(joiner.join(parts))["input_ids"]), "text")
 
     # Each segment alone: its embedding does not depend on the permutation.
     alone = []
     for lo in range(0, len(parts), batch_size):
         enc, _, _ = _encode(pm.tokenizer, parts[lo : lo + batch_size])
-        pm.check_length(enc["input_ids"].shape[1], "--text")
+        pm.check_length(enc["input_ids"].shape[1], "text")
         alone.append(_embed(pm.model, enc, pooling))
     alone = torch.cat(alone)
 
@@ -267,12 +266,12 @@ def position_bias(
             documents.append(joiner.join(pieces))
             bounds.append(ranges)  # by position
         enc, offsets, special = _encode(pm.tokenizer, documents)
-        pm.check_length(enc["input_ids"].shape[1], "--text")
+        pm.check_length(enc["input_ids"].shape[1], "text")
         mask = enc["attention_mask"]
         positions = _key_segments(offsets, special, mask, bounds)  # the position each key's segment holds
         missing = [p for b in range(len(chunk)) for p in range(S) if not bool((positions[b] == p).any())]
         if missing:
-            raise ValueError(f"--text: segment at position {missing[0]} has no tokens of its own after tokenisation")
+            raise ValueError(f"text: segment at position {missing[0]} has no tokens of its own after tokenisation")
         meter = PooledSpanMass(pooling_rows(mask, pooling), positions, S)
         docs = _embed(pm.model, enc, pooling, observers=[meter])
         for b, order in enumerate(chunk):

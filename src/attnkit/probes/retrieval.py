@@ -1,5 +1,5 @@
 """What the retrieval probes (needle, kv-retrieval, interference) share: checking their
-parameters with errors that name the CLI option, and running prompts in batches —
+parameters with errors that name the Python keyword (``attnkit.validate``), and running prompts in batches —
 greedy answers scored by RULER's string match (arXiv 2404.06654), and from the same
 run the attention mass that the answer's query rows put on named spans of each prompt.
 
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..validate import integer
 from .generation import greedy_generate, left_pad, pad_id
 from .meters import RowSpanMass
 from .scoring import string_match_all
@@ -24,70 +25,58 @@ from .scoring import string_match_all
 # -- parameters ---------------------------------------------------------------------------
 
 
-def check_int(value, option: str, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{option}: expected an int >= {low}, got {value!r}")
-    return int(value)
-
-
-def check_ints(values, option: str, low: int = 1) -> list[int]:
+def check_ints(values, name: str, low: int = 1) -> list[int]:
     """A non-empty list of distinct ints >= ``low`` (a single int is a list of one)."""
     if isinstance(values, numbers.Integral) and not isinstance(values, bool):
         values = [values]
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise ValueError(f"{option}: expected a list of ints >= {low}, got {values!r}")
-    out = [check_int(v, option, low) for v in values]
+        raise ValueError(f"{name}: expected a list of ints >= {low}, got {values!r}")
+    out = [integer(v, name, low) for v in values]
     if not out:
-        raise ValueError(f"{option}: expected at least one value")
+        raise ValueError(f"{name}: expected at least one value")
     if len(set(out)) != len(out):
-        raise ValueError(f"{option}: values repeat in {out}")
+        raise ValueError(f"{name}: values repeat in {out}")
     return out
 
 
-def check_fractions(values, option: str) -> list[float]:
+def check_fractions(values, name: str) -> list[float]:
     """A non-empty list of distinct fractions in [0, 1] (percentages are refused: 50 is
     an error, 0.5 is half way)."""
     if isinstance(values, numbers.Real) and not isinstance(values, bool):
         values = [values]
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise ValueError(f"{option}: expected a list of fractions in [0, 1], got {values!r}")
+        raise ValueError(f"{name}: expected a list of fractions in [0, 1], got {values!r}")
     out = []
     for v in values:
         if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0.0 <= float(v) <= 1.0:
-            raise ValueError(f"{option}: expected fractions in [0, 1] (0 = start, 1 = end), got {v!r}")
+            raise ValueError(f"{name}: expected fractions in [0, 1] (0 = start, 1 = end), got {v!r}")
         out.append(float(v))
     if not out:
-        raise ValueError(f"{option}: expected at least one value")
+        raise ValueError(f"{name}: expected at least one value")
     if len(set(out)) != len(out):
-        raise ValueError(f"{option}: values repeat in {out}")
+        raise ValueError(f"{name}: values repeat in {out}")
     return out
 
 
-def check_seed(seed) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise ValueError(f"--seed: expected an int, got {seed!r}")
-    return int(seed)
-
-
-def check_text(value, option: str, needs=(), allowed=("key", "value")) -> str:
+def check_text(value, name: str, needs=(), allowed=("key", "value")) -> str:
     """A non-empty template whose ``{placeholders}`` are among ``allowed`` and include ``needs``."""
     import string
 
     if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"{option}: expected non-empty text, got {value!r}")
+        raise ValueError(f"{name}: expected non-empty text, got {value!r}")
     try:
-        names = {name for _, name, _, _ in string.Formatter().parse(value) if name is not None}
+        names = {field for _, field, _, _ in string.Formatter().parse(value) if field is not None}
     except ValueError as e:
-        raise ValueError(f"{option}: not a valid template ({e}); write literal braces as {{{{ and }}}}") from e
+        raise ValueError(f"{name}: not a valid template ({e}); write literal braces as {{{{ and }}}}") from e
     unknown = sorted(n for n in names if n not in allowed)
     if unknown:
         raise ValueError(
-            f"{option}: unknown placeholder(s) {', '.join('{' + n + '}' for n in unknown)}; "
+            f"{name}: unknown placeholder(s) {', '.join('{' + n + '}' for n in unknown)}; "
             f"allowed: {', '.join('{' + n + '}' for n in allowed)}"
         )
     missing = [n for n in needs if n not in names]
     if missing:
-        raise ValueError(f"{option}: the text must contain {', '.join('{' + n + '}' for n in missing)}")
+        raise ValueError(f"{name}: the text must contain {', '.join('{' + n + '}' for n in missing)}")
     return value
 
 
@@ -99,17 +88,17 @@ def check_progress(progress):
 
 def check_run(model, tokenizer, probe: str, samples, seed, batch_size, progress, max_new_tokens):
     """What every generative probe checks first: (probe model, samples, seed, batch size,
-    progress callable, max_new_tokens or None), each bad value an error naming its option."""
+    progress callable, max_new_tokens or None), each bad value an error naming its keyword."""
     from .model import as_probe_model
 
     pm = as_probe_model(model, tokenizer)
     pm.require("causal", probe)
-    samples = check_int(samples, "--samples")
-    seed = check_seed(seed)
-    batch_size = check_int(batch_size, "--batch-size")
+    samples = integer(samples, "samples", 1)
+    seed = integer(seed, "seed", None)
+    batch_size = integer(batch_size, "batch_size", 1)
     say = check_progress(progress)
     if max_new_tokens is not None:
-        max_new_tokens = check_int(max_new_tokens, "--max-new-tokens")
+        max_new_tokens = integer(max_new_tokens, "max_new_tokens", 1)
     return pm, samples, seed, batch_size, say, max_new_tokens
 
 
@@ -125,9 +114,9 @@ def check_kv(kv):
         try:
             return KVSetting.parse(kv)
         except ValueError as e:
-            raise ValueError(f"--kv: {e}") from None
+            raise ValueError(f"kv: {e}") from None
     raise ValueError(
-        f"--kv: expected POLICY[:budget=F][:protocol=agnostic|aware][:NAME=VALUE ...] or a KVSetting, got {type(kv).__name__}"
+        f"kv: expected POLICY[:budget=F][:protocol=agnostic|aware][:NAME=VALUE ...] or a KVSetting, got {type(kv).__name__}"
     )
 
 
@@ -136,12 +125,12 @@ def kv_params(kv) -> dict:
     return {"policy": kv.policy, "budget": kv.budget, "protocol": kv.protocol, "params": dict(kv.params)}
 
 
-def check_max_positions(pm, length: int, new_tokens: int, option: str = "--lengths") -> None:
-    """A prompt longer than the model's positions (with the rows its answer needs) is an error naming ``option``."""
-    pm.check_length(length, option)
+def check_max_positions(pm, length: int, new_tokens: int, name: str = "lengths") -> None:
+    """A prompt longer than the model's positions (with the rows its answer needs) is an error naming ``name``."""
+    pm.check_length(length, name)
     if pm.max_positions is not None and length + new_tokens - 1 > pm.max_positions:
         raise ValueError(
-            f"{option}: a prompt of {length} tokens and the {new_tokens - 1} more its answer needs exceed "
+            f"{name}: a prompt of {length} tokens and the {new_tokens - 1} more its answer needs exceed "
             f"the {pm.max_positions} positions {pm.name or 'the model'} reads"
         )
 
@@ -153,14 +142,14 @@ def arena_symbols(pm, probe: str) -> dict:
     """The key-value symbols of an arena export's task (needle or mqar): ``ids`` (symbol ->
     id), ``keys``, ``values``, ``filler`` (a list, maybe empty), ``query`` (the symbols
     that come before the asked key: ``["Q"]`` for needle, none for mqar) and ``name``; a
-    task without keys and values is an error naming ``--model``."""
+    task without keys and values is an error naming ``model``."""
     task = pm.task or {}
     symbols = task.get("symbols") or {}
     roles, tokens = symbols.get("roles") or {}, symbols.get("tokens") or []
     name = task.get("task")
     if name not in ("needle", "mqar") or not roles.get("keys") or not roles.get("values"):
         raise ValueError(
-            f"--model: the {probe} probe on an arena export needs a key-value task (needle or mqar); "
+            f"model: the {probe} probe on an arena export needs a key-value task (needle or mqar); "
             f"{pm.name or 'this model'} was trained on {name!r}"
         )
     query = [roles["query"]] if isinstance(roles.get("query"), str) else []

@@ -78,13 +78,12 @@ def ruler(
     """
     started = time.perf_counter()
     tasks = _check_tasks(tasks)
-    samples = integer(samples, "--samples", 1)
-    batch_size = integer(batch_size, "--batch-size", 1)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"--seed: expected an int, got {seed!r}")
+    samples = integer(samples, "samples", 1)
+    batch_size = integer(batch_size, "batch_size", 1)
+    seed = integer(seed, "seed", None)
     threshold = _check_threshold(threshold)
     if max_new_tokens is not None:
-        max_new_tokens = integer(max_new_tokens, "--max-new-tokens", 1)
+        max_new_tokens = integer(max_new_tokens, "max_new_tokens", 1)
     if progress is not None and not callable(progress):
         raise ValueError(f"progress: expected a callable taking one line of text, got {type(progress).__name__}")
     explicit = lengths is not None
@@ -94,7 +93,7 @@ def ruler(
     pm = as_probe_model(model, tokenizer)
     if pm.task is not None:
         raise ValueError(
-            f"--model: the ruler probe asks English questions about English text (RULER's templates), "
+            f"model: the ruler probe asks English questions about English text (RULER's templates), "
             f"which have no form in the symbol vocabulary of the arena task {pm.task['task']!r} that "
             f"{pm.name or 'this model'} was trained on; pass a natural-language causal LM with --model"
         )
@@ -103,16 +102,16 @@ def ruler(
         lengths = tuple(n for n in LENGTHS if pm.max_positions is None or n <= pm.max_positions)
         if not lengths:
             raise ValueError(
-                f"--lengths: none of RULER's lengths ({', '.join(map(str, LENGTHS))}) fits the "
+                f"lengths: none of RULER's lengths ({', '.join(map(str, LENGTHS))}) fits the "
                 f"{pm.max_positions} positions of {pm.name or 'the model'}; give --lengths"
             )
     for length in lengths:
-        pm.check_length(length, "--lengths")
+        pm.check_length(length, "lengths")
     budgets = {task: max_new_tokens or TASKS[task].max_new_tokens for task in tasks}
     for task, new in budgets.items():
         if min(lengths) <= new:
             raise ValueError(
-                f"--lengths: {min(lengths)} tokens leave no room for a {task} prompt after its {new}-token answer budget"
+                f"lengths: {min(lengths)} tokens leave no room for a {task} prompt after its {new}-token answer budget"
             )
         for length in lengths:  # a length too short for a task fails now, not after hours of others
             make_sample(task, pm.tokenizer, length - new, sample_rng(seed, task, length, 0))
@@ -248,7 +247,7 @@ def _figures(result: ProbeResult) -> list[dict]:
 
 def _check_threshold(value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) <= 100:
-        raise ValueError(f"--threshold: expected an accuracy in (0, 100], got {value!r}")
+        raise ValueError(f"threshold: expected an accuracy in (0, 100], got {value!r}")
     return float(value)
 
 
@@ -258,16 +257,16 @@ def _check_tasks(tasks) -> tuple[str, ...]:
     try:
         tasks = list(tasks)
     except TypeError:
-        raise ValueError(f"--tasks: expected task names, got {tasks!r}") from None
+        raise ValueError(f"tasks: expected task names, got {tasks!r}") from None
     if tasks == ["all"]:  # the command line's --tasks all arrives as a list of one name
         tasks = list(ALL)
     if not tasks:
-        raise ValueError(f"--tasks: expected at least one of {', '.join(ALL)}")
+        raise ValueError(f"tasks: expected at least one of {', '.join(ALL)}")
     for task in tasks:
         if task not in TASKS:
-            raise ValueError(f"--tasks: unknown task {task!r}; expected one of {', '.join(ALL)}")
+            raise ValueError(f"tasks: unknown task {task!r}; expected one of {', '.join(ALL)}")
         if tasks.count(task) > 1:
-            raise ValueError(f"--tasks: {task!r} is given more than once")
+            raise ValueError(f"tasks: {task!r} is given more than once")
     return tuple(tasks)
 
 
@@ -275,18 +274,18 @@ def _check_lengths(lengths) -> tuple[int, ...]:
     if isinstance(lengths, numbers.Integral) and not isinstance(lengths, bool):
         lengths = [lengths]
     if isinstance(lengths, str):
-        raise ValueError(f"--lengths: expected token counts, got the text {lengths!r}")
+        raise ValueError(f"lengths: expected token counts, got the text {lengths!r}")
     try:
         lengths = list(lengths)
     except TypeError:
-        raise ValueError(f"--lengths: expected positive int token counts, got {lengths!r}") from None
+        raise ValueError(f"lengths: expected positive int token counts, got {lengths!r}") from None
     if not lengths:
-        raise ValueError("--lengths: expected at least one token count")
+        raise ValueError("lengths: expected at least one token count")
     for n in lengths:
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
-            raise ValueError(f"--lengths: expected positive int token counts, got {n!r}")
+            raise ValueError(f"lengths: expected positive int token counts, got {n!r}")
     if len(set(lengths)) != len(lengths):
-        raise ValueError(f"--lengths: a length is given more than once in {lengths!r}")
+        raise ValueError(f"lengths: a length is given more than once in {lengths!r}")
     return tuple(sorted(int(n) for n in lengths))
 
 

@@ -60,8 +60,7 @@ def _prompts(pm, examples) -> list[str]:
     image_token = getattr(processor, "image_token", None)
     if image_token is None:
         raise ValueError(
-            f"--model: {pm.name or 'the model'}'s processor names no image token, so the probe cannot place "
-            "the image in its prompt"
+            f"model: {pm.name or 'the model'}'s processor names no image token, so the probe cannot place the image in its prompt"
         )
     if getattr(processor, "chat_template", None):
         return [

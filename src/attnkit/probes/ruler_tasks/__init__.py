@@ -42,7 +42,7 @@ ALL = tuple(TASKS)
 def make_sample(task: str, tokenizer, budget: int, rng: random.Random) -> Sample:
     """One prompt of ``task`` with at most ``budget`` tokens (niah and vt: exactly)."""
     if task not in TASKS:
-        raise ValueError(f"--tasks: unknown task {task!r}; expected one of {', '.join(ALL)}")
+        raise ValueError(f"task: unknown task {task!r}; expected one of {', '.join(ALL)}")
     return TASKS[task].make(task, tokenizer, budget, rng)
 
 

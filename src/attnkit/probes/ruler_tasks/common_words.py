@@ -99,7 +99,7 @@ def make_cwe(
     freq = next((f for f in range(freq_common, freq_uncommon, -1) if size(f, MIN_UNCOMMON) <= budget), None)
     if freq is None:
         raise ValueError(
-            f"--lengths: {budget} prompt tokens cannot hold the cwe task's list ({n_common} common words "
+            f"lengths: {budget} prompt tokens cannot hold the cwe task's list ({n_common} common words "
             f"at least {freq_uncommon + 1} times each and {MIN_UNCOMMON} others {freq_uncommon} times)"
         )
     extra = MIN_UNCOMMON

@@ -86,7 +86,7 @@ def make_fwe(
         if len(text) >= _KEEP * drawn:
             break
     if not best:
-        raise ValueError(f"--lengths: {budget} prompt tokens are too few for an fwe text with a clear top {top}")
+        raise ValueError(f"lengths: {budget} prompt tokens are too few for an fwe text with a clear top {top}")
     text, counts = best, Counter(best)
     answers = [w for w, _ in counts.most_common(top)]
     ids = list(head)
