@@ -11,7 +11,7 @@ and the rows that produce the answer are positions ``P - 1`` onwards in every ro
 
 from __future__ import annotations
 
-import inspect as _pyinspect
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -70,7 +70,7 @@ def left_pad(sequences: list[list[int]], pad: int) -> Prompts:
 
 
 def _forward_kwargs(model) -> set[str]:
-    return set(_pyinspect.signature(model.forward).parameters)
+    return set(inspect.signature(model.forward).parameters)
 
 
 def greedy_generate(

@@ -30,7 +30,7 @@ answer step after ``Q key`` is the copy, and the needle is the (key, value) cell
 
 from __future__ import annotations
 
-import inspect as _pyinspect
+import inspect
 import json
 import math
 import random
@@ -153,7 +153,7 @@ def head_targets(batch: int, offset: int, length: int, repeats: int) -> dict[str
 def _forward(model, ids: Tensor, observers) -> None:
     from .. import hf
 
-    accepted = set(_pyinspect.signature(model.forward).parameters)
+    accepted = set(inspect.signature(model.forward).parameters)
     kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if "logits_to_keep" in accepted:
         kwargs["logits_to_keep"] = 1  # the logits are never read

@@ -12,7 +12,7 @@ each pass runs on its own copy, so neither sees the other's tokens.
 from __future__ import annotations
 
 import copy
-import inspect as _pyinspect
+import inspect
 
 import torch
 
@@ -66,7 +66,7 @@ class QueryKeyMass(Meter):
 
 
 def _accepts(model) -> set[str]:
-    return set(_pyinspect.signature(model.forward).parameters)
+    return set(inspect.signature(model.forward).parameters)
 
 
 def prefill(model, ids: list[int]):

@@ -17,7 +17,7 @@ examples x 32 x 32 heads for a 7B model; its authors found 100 examples rank clo
 from __future__ import annotations
 
 import hashlib
-import inspect as _pyinspect
+import inspect
 import json
 import math
 import os
@@ -126,7 +126,7 @@ def rank_heads(
     if queries not in QUERIES:
         raise ValueError(f"queries: expected one of {', '.join(QUERIES)}, got {queries!r}")
     layers, heads = model_shape(model)
-    accepted = set(_pyinspect.signature(model.forward).parameters)
+    accepted = set(inspect.signature(model.forward).parameters)
     # only attention is read: no KV cache, and no N x vocab logits at long context
     extra = {k: v for k, v in (("use_cache", False), ("logits_to_keep", 1)) if k in accepted}
     total = torch.zeros(layers, heads, dtype=torch.float64)
@@ -168,7 +168,7 @@ def _default_make(alpha: float):
 
 def _arity(fn) -> int:
     try:
-        params = _pyinspect.signature(fn).parameters.values()
+        params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return 1
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
