@@ -131,7 +131,9 @@ def _hides_keys(req: Request, affine: AffineForm) -> bool:
     """Whether a key-only bias is -inf for some key (such a segment needs a dense tile,
     which must stay block-sized)."""
     tile = Tile.make(torch.arange(req.batch), req.heads, req.q_start, 1, 0, req.k_len)
-    _, col = affine.separable_bias(tile.b.view(-1), tile.h_flat, tile.q_flat, tile.k_flat, "left")
+    parts = affine.separable_bias(tile.b.view(-1), tile.h_flat, tile.q_flat, tile.k_flat, "left")
+    assert parts is not None  # only asked of key-only biases, which separate on either side
+    _, col = parts
     return bool(torch.isneginf(col).any())
 
 
@@ -153,6 +155,7 @@ class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run: _Run, q, k, v, sinks, *params):
         if run.engine == "fused":
+            assert run.affine is not None  # the fused engine runs affine scores only
             out, lse = fused_forward(q, k, v, run.scale, run.plan, run.mask, run.affine, run.q_start)
         else:
             out, lse = tiled_forward(q, k, v, run.scale, run.plan, run.mask, run.score, run.q_start, run.tile_k, run.matmul_dtype)
@@ -207,6 +210,7 @@ def chunked_attention(req: Request, engine: str | None = None, tiling: Tiling = 
             # anyway; widening q, k, v once (O(N D)) is faster, and the result is the same.
             q, k, v = q.float(), k.float(), v.float()
         affine = affine_form(req.score)
+        assert affine is not None  # the fused engine runs affine scores only (choose_engine, fused_unsupported)
         b, h, qi, _ = index_tensors(req.batch, req.heads, req.q_start, req.q_len, 0, 1)
         factor = affine.factor(b, h, qi)
         if factor is not None:

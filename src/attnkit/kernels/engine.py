@@ -19,7 +19,7 @@ across query blocks (selective attention's cumulative mask) by visiting blocks i
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -103,7 +103,7 @@ class Problem:
     matmul. Built inside the autograd function, so none of this is recorded by autograd.
     """
 
-    def __init__(self, req: Request, tiling: EngineTiling, score_params: list[Tensor] = ()):
+    def __init__(self, req: Request, tiling: EngineTiling, score_params: Sequence[Tensor] = ()):
         self.req = req
         self.cd = compute_dtype(req.q.dtype)
         self.q = req.q.to(self.cd) * req.scale
@@ -526,8 +526,8 @@ class SoftmaxKernel(TileKernel):
     (a shift or a mask), as Top-theta's does.
     """
 
-    stats = ("lse",)
-    differentiable_stats = ("lse",)
+    stats: tuple[str, ...] = ("lse",)
+    differentiable_stats: tuple[str, ...] = ("lse",)
 
     def transform(self, blk: Block, s: Tensor, kind: str, k0: int, k1: int) -> Tensor:
         return s

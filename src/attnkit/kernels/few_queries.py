@@ -29,6 +29,7 @@ def few_queries(req: Request) -> bool:
 
 def dense_visible(req: Request) -> Tensor:
     """(B | 1, Hq | 1, Nq, Nk) bool: which keys each query sees (query i at Nk - Nq + i)."""
+    assert req.mask is not None  # asked of masked calls only
     b, h, qi, ki = index_tensors(req.batch, req.heads, req.q_start, req.q_len, 0, req.k_len)
     visible = torch.as_tensor(req.mask(b, h, qi, ki), dtype=torch.bool, device=req.q.device)
     return visible if visible.dim() == 4 else visible.view(1, 1, req.q_len, req.k_len)

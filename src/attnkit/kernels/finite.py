@@ -58,6 +58,7 @@ _PAIRS_PER_SLICE = 1 << 22
 def _seen_by_some_query(req: Request, keys: Tensor) -> Tensor:
     """(B, Hkv, len(keys)) bool: whether any query of the batch row reading that key head
     sees each key position of ``keys`` (1-D), by the mask."""
+    assert req.mask is not None  # asked of masked calls only
     B, H, Hkv, Nq = req.batch, req.heads, req.kv_heads, req.q_len
     seen = torch.zeros(B, H, keys.numel(), dtype=torch.bool)
     rows = max(1, _PAIRS_PER_SLICE // max(1, B * H * keys.numel()))
@@ -102,6 +103,7 @@ def without_hidden_nonfinite(req: Request) -> Request | None:
 
 def _rows_see_some_key(req: Request, rows: Tensor) -> Tensor:
     """(B, Hq, len(rows)) bool: whether each query row of ``rows`` (1-D) sees any key."""
+    assert req.mask is not None  # asked of masked calls only
     b, h, _, ki = index_tensors(req.batch, req.heads, 0, 1, 0, req.k_len)
     step = max(1, _PAIRS_PER_SLICE // max(1, req.batch * req.heads * req.k_len))
     parts = []

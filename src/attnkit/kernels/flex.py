@@ -61,7 +61,7 @@ def bucket(n: int, floor: int = 1) -> int:
 
 
 def _signature(req: Request) -> tuple:
-    mods = ()
+    mods: tuple[str, ...] = ()
     if req.mask is not None:
         mods += tuple(type(m).__name__ for m in req.mask.walk())
     if req.score is not None:
@@ -174,7 +174,14 @@ def _run_compiled(req: Request) -> tuple[Tensor, Tensor | None]:
     want_lse = req.return_lse or req.sinks is not None
     with torch._dynamo.config.patch(recompile_limit=MAX_KERNELS, fail_on_recompile_limit_hit=True):
         result = _compiled(
-            q, k, v, score_mod=score_mod, block_mask=block_mask, scale=req.scale, enable_gqa=gqa, return_lse=want_lse
+            q,
+            k,
+            v,
+            score_mod=score_mod,
+            block_mask=block_mask,
+            scale=req.scale,
+            enable_gqa=gqa,
+            return_lse=want_lse,  # type: ignore[arg-type]  # torch's overloads take only a literal True or False here
         )
     if not want_lse:
         return result[:, :, : req.q_len], None

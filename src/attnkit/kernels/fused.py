@@ -16,6 +16,7 @@ per-key offsets that the op broadcasts for free, plus a per-query correction of 
 from __future__ import annotations
 
 import math
+from typing import overload
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,10 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
+@overload
+def unit_last_stride(t: Tensor) -> Tensor: ...
+@overload
+def unit_last_stride(t: None) -> None: ...
 def unit_last_stride(t: Tensor | None) -> Tensor | None:
     """``t`` itself when its last dimension is dense (stride 1), else a contiguous copy.
 
@@ -109,7 +114,9 @@ def segment_inputs(
         # A per-key offset row: the op broadcasts it over the queries and applies it with
         # its own causal mask (checked against the dense formula), so no dense tile is
         # formed. A -inf offset could hide a causal row wholly: left to the dense path.
-        row, col = affine.separable_bias(tile.b.view(-1), tile.h_flat, tile.q_flat, tile.k_flat, "left")
+        parts = affine.separable_bias(tile.b.view(-1), tile.h_flat, tile.q_flat, tile.k_flat, "left")
+        assert parts is not None  # key-only biases separate on either side of the diagonal
+        row, col = parts
         if not torch.compiler.is_compiling() and not bool(torch.isneginf(col).any()):  # compiled: the dense path
             per_key = col[None, :, None, :] if col.dim() == 2 else col[:, :, None, :]
             return SegmentInputs(attn_mask=per_key.to(mask_dtype), is_causal=seg.kind == CAUSAL_SEG)
@@ -121,11 +128,15 @@ def segment_inputs(
             row, col = parts
             per_key = col[None, :, None, :] if col.dim() == 2 else col[:, :, None, :]
             return SegmentInputs(attn_mask=per_key.to(mask_dtype), row_shift=row[None], dead_rows=_dead_separable(row, col))
-        attn_mask = affine.dense_bias(tile.b, tile.h, tile.q, tile.k).to(mask_dtype)
+        bias = affine.dense_bias(tile.b, tile.h, tile.q, tile.k)
+        assert bias is not None  # has_bias: a full tile without one returned above
+        attn_mask = bias.to(mask_dtype)
         return SegmentInputs(attn_mask=attn_mask, dead_rows=_dead_rows(attn_mask))
     vis = visible(mask, tile)
     if has_bias:
-        values = affine.dense_bias(tile.b, tile.h, tile.q, tile.k).to(mask_dtype)
+        bias = affine.dense_bias(tile.b, tile.h, tile.q, tile.k)
+        assert bias is not None  # has_bias: at least one term
+        values = bias.to(mask_dtype)
     else:
         values = torch.zeros((), dtype=mask_dtype)
     attn_mask = values.masked_fill(~vis, -math.inf)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -145,26 +146,26 @@ class MixedSoftmaxKernel(TileKernel):
 
     # ------------------------------------------------------------------ whole call in C
 
-    def _c_weights(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    def _c_weights(self, ct: CTransform) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """(conv, pre, post) as the C loop reads them: detached, contiguous float32."""
-        ct = self.c_transform
-        return tuple(None if t is None else t.detach().float().contiguous() for t in (ct.conv, ct.pre, self.mix))
+        conv, pre, post = (None if t is None else t.detach().float().contiguous() for t in (ct.conv, ct.pre, self.mix))
+        return conv, pre, post
 
     def forward_fused(self, prob: Problem):
-        band = None if self.c_transform is None else fused_band(prob)
-        if band is None:
+        ct = self.c_transform
+        band = None if ct is None else fused_band(prob)
+        if ct is None or band is None:
             return None
-        out, lse = cpu.mixed_softmax_attention(
-            prob.q, prob.k, prob.v, *self._c_weights(), self.c_transform.group, prob.q_start, band
-        )
+        out, lse = cpu.mixed_softmax_attention(prob.q, prob.k, prob.v, *self._c_weights(ct), ct.group, prob.q_start, band)
         return out, {"lse": lse}
 
     def backward_fused(self, prob: Problem, grad_out: Tensor, stats):
         return self.backward_fused_with_stats(prob, grad_out, stats, {})
 
     def backward_fused_with_stats(self, prob: Problem, grad_out: Tensor, stats, grad_stats):
-        band = None if self.c_transform is None else fused_band(prob)
-        if band is None or set(grad_stats) - {"lse"}:
+        ct = self.c_transform
+        band = None if ct is None else fused_band(prob)
+        if ct is None or band is None or set(grad_stats) - {"lse"}:
             return None
         grad_lse = grad_stats.get("lse")
         dq, dk, dv, dconv, dpre, dpost = cpu.mixed_softmax_attention_backward(
@@ -173,8 +174,8 @@ class MixedSoftmaxKernel(TileKernel):
             prob.k,
             prob.v,
             stats["lse"].contiguous(),
-            *self._c_weights(),
-            self.c_transform.group,
+            *self._c_weights(ct),
+            ct.group,
             prob.q_start,
             band,
             None if grad_lse is None else grad_lse.float(),
@@ -211,7 +212,9 @@ class MixedSoftmaxKernel(TileKernel):
         with torch.set_grad_enabled(track):
             z = self.transform(s_ext)
             if kind != FULL_SEG:
-                z = z.masked_fill(~blk.visible(kind, k0, k1), -math.inf)
+                vis = blk.visible(kind, k0, k1)
+                assert vis is not None  # None only for full tiles
+                z = z.masked_fill(~vis, -math.inf)
         return z, s_raw, where
 
     # ------------------------------------------------------------------ forward
@@ -249,7 +252,7 @@ class MixedSoftmaxKernel(TileKernel):
         mix = None if self.mix is None else self.mix.detach()
         grads: list[Tensor | None] = [None] * len(self.params())
 
-        def tile_grads(k0, k1, kind):
+        def tile_grads(k0: int, k1: int, kind: str) -> tuple[Tensor, Tensor | None, tuple[int, int, int], Tensor, Tensor, Tensor]:
             z, s_raw, where = self._logits(blk, kind, k0, k1, track=True)
             p = _zero_dead(fast_exp(z.detach() - lse_b), dead)
             dw = blk.dw(k0, k1)
@@ -262,9 +265,9 @@ class MixedSoftmaxKernel(TileKernel):
             return grads
         # delta~_h = sum_j P_hj (M^T dW)_hj needs the whole row first: keep the block's tiles
         tiles = [(k0, k1, *tile_grads(k0, k1, kind)) for kind, k0, k1 in blk.tiles()]
-        d = sum((p * dp).sum(dim=-1, keepdim=True) for *_, p, _, dp in tiles)
+        d_mixed = sum((p * dp).sum(dim=-1, keepdim=True) for *_, p, _, dp in tiles)
         for tile in tiles:
-            self._tile_backward(blk, *tile, d, mix, grads)
+            self._tile_backward(blk, *tile, d_mixed, mix, grads)
         return grads
 
     def _tile_backward(self, blk: GradBlock, k0, k1, z, s_raw, where, p, dw, dp, d, mix, grads) -> None:
@@ -316,6 +319,6 @@ def _softmax_tiles_(tiles: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
         m = torch.maximum(m, z.amax(dim=-1))
     dead = torch.isneginf(m)  # decided by the max: the fast exp never gives exact zeros
     m_safe = torch.where(dead, torch.zeros_like(m), m).unsqueeze(-1)
-    l = sum(fast_exp_(z.sub_(m_safe)).sum(dim=-1) for z in tiles)  # >= 1 where a row is live
+    l = cast(Tensor, sum(fast_exp_(z.sub_(m_safe)).sum(dim=-1) for z in tiles))  # >= 1 where a row is live; tiles: not empty
     inv = l.reciprocal().masked_fill_(dead, 0.0)
     return torch.where(dead, m, m_safe.squeeze(-1) + torch.log(l)), [inv] * len(tiles)

@@ -47,12 +47,14 @@ def softmax_attention(
             return out
     want_lse = return_lse or bool(observers)
     req = make_request(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks, return_lse=want_lse)
+    lse: Tensor | None  # None only where the call asked for none (want_lse)
     if backend == "auto" and (observers or score is not None) and dense_rows_serve(req):
         out, lse = dense_rows_attention(req, observers, layer)  # a decoding step observed or steered
     elif observers:
         from .observe_pass import observe_softmax  # it imports the meters' protocol: loaded when observed
 
         out, lse = run_request(req, backend)
+        assert lse is not None  # asked for: observers want it
         # the weights of hidden keys are 0 whatever the keys hold (NaN in padding too)
         observe_softmax(without_hidden_nonfinite(req) or req, lse, observers, layer)
     else:
@@ -62,7 +64,10 @@ def softmax_attention(
     # returns zeros, not NaN, for a row whose every logit is NaN (kernels/finite.py).
     if check_finite and nonfinite_reaches_output(req, out):
         raise nonfinite_error(req)
-    return (out, lse) if return_lse else out
+    if not return_lse:
+        return out
+    assert lse is not None  # asked for (want_lse)
+    return out, lse
 
 
 def _plain_sdpa(q, k, v, mask, score, scale, sinks, return_lse, backend, check_finite, observers) -> Tensor | None:

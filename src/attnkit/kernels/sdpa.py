@@ -49,6 +49,7 @@ def _small_dense_mask(req: Request) -> bool:
 
 def _folded_scale(req: Request) -> float | None:
     """A scalar, non-learnable temperature folds into the softmax scale."""
+    assert req.score is not None  # asked of calls with a score mod only
     atoms = req.score.atoms()
     if len(atoms) == 1 and isinstance(atoms[0], Temperature):
         t = atoms[0].t

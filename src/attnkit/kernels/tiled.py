@@ -164,7 +164,8 @@ def tiled_backward(
                     ds = grads[0]
                     for i, g in enumerate(grads[1:]):
                         if g is not None:
-                            dparams[i] = g if dparams[i] is None else dparams[i] + g
+                            before = dparams[i]
+                            dparams[i] = g if before is None else before + g
                 dsg = grouped(ds, Hkv)
                 dq_acc += torch.matmul(dsg, kt) * scale
                 dk[ks] += torch.matmul(dsg.transpose(-1, -2), qg) * scale

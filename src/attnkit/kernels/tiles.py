@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from ..mods import Mask, index_tensors
-from ..mods.scores import Chain, Softcap
+from ..mods.scores import Chain, RowScale, Softcap
 from . import cpu
 
 Tensor = torch.Tensor
@@ -55,8 +56,10 @@ class Tile:
         return self.h.view(-1)
 
 
-def visible(mask: Mask, tile: Tile) -> Tensor:
-    """Boolean visibility of the tile, at least (1, 1, BQ, span), broadcastable to (Bt, H, BQ, span)."""
+def visible(mask: Mask | None, tile: Tile) -> Tensor:
+    """Boolean visibility of the tile, at least (1, 1, BQ, span), broadcastable to (Bt, H, BQ, span).
+    ``mask`` is the call's: only a call with a mask has tiles that are not wholly visible."""
+    assert mask is not None  # plans mark every tile of an unmasked call full: none asks here
     vis = torch.as_tensor(mask(tile.b, tile.h, tile.q, tile.k), dtype=torch.bool)
     shape = (1, 1, tile.q.shape[2], tile.k.shape[3])
     return (
@@ -77,11 +80,12 @@ def merge_partials(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     lses = torch.stack([l for _, l in parts])
     total = torch.logsumexp(lses, dim=0)
     safe_total = torch.where(torch.isneginf(total), torch.zeros_like(total), total)
-    out = None
+    out: Tensor | None = None
     for o, l in parts:
         w = torch.exp(l - safe_total).unsqueeze(-1)
         term = o.to(w.dtype) * w
         out = term if out is None else out + term
+    assert out is not None  # two parts or more
     return out, total
 
 
@@ -118,7 +122,10 @@ def apply_score_(score, s: Tensor, tile: Tile) -> Tensor:
         after_bias = False
         for m in score.mods:
             # a bias's -inf is a mask: later row scales keep it -inf (RowScale.scale_masked)
-            s = m.scale_masked(s, tile.b, tile.h, tile.q) if after_bias and m.kind == "row_scale" else apply_score_(m, s, tile)
+            if after_bias and m.kind == "row_scale":
+                s = cast(RowScale, m).scale_masked(s, tile.b, tile.h, tile.q)  # the kind names the class
+            else:
+                s = apply_score_(m, s, tile)
             after_bias = after_bias or m.kind == "bias"
         return s
     if isinstance(score, Softcap) and cpu.usable(s):

@@ -135,7 +135,7 @@ class AdaptiveSpan(Mechanism):
         z = self.span.detach().clamp(0, 1).double().reshape(-1)
         return [min(self.max_span - 1, math.floor(float(x) * self.max_span)) for x in z]
 
-    def _request(self, q, k, v, mask, score, scale, sinks, band: SpanBand | None = None, ramp: bool = True) -> Request:
+    def _request(self, q, k, v, mask, score, scale, sinks, band: Mask | None = None, ramp: bool = True) -> Request:
         band = band or SpanBand([0] * self.span.numel(), [n - 1 for n in self.keys_per_head()])
         if ramp:
             bias = SpanRamp(self.span, self.max_span, self.ramp)

@@ -45,6 +45,7 @@ more than keys and values:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 from torch import nn
 
@@ -52,6 +53,7 @@ from ..kernels.mechanism_call import check_options, finish
 from ..kernels.request import Request, make_request
 
 _REGISTRY: dict[str, Callable[..., Mechanism]] = {}
+_M = TypeVar("_M", bound="Mechanism")
 
 
 class Mechanism(nn.Module):
@@ -150,10 +152,10 @@ class Mechanism(nn.Module):
         return f"name={self.name!r}" + (f", paper={self.paper!r}" if self.paper else "")
 
 
-def register(name: str) -> Callable[[type], type]:
+def register(name: str) -> Callable[[type[_M]], type[_M]]:
     """Class decorator: make a Mechanism subclass available by ``name``."""
 
-    def deco(cls: type) -> type:
+    def deco(cls: type[_M]) -> type[_M]:
         if name in _REGISTRY and _REGISTRY[name] is not cls:
             raise ValueError(f"mechanism name {name!r} is already registered to {_REGISTRY[name]!r}")
         cls.name = name

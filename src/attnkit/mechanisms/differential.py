@@ -40,6 +40,8 @@ from ..observe.base import interested
 from .base import Mechanism, register
 
 Tensor = torch.Tensor
+#: (out, lse) of one map; lse None where SDPA ran without it
+_Map = tuple[Tensor, Tensor | None]
 
 
 @register("differential")
@@ -143,7 +145,7 @@ class Differential(Mechanism):
         return torch.matmul(weights, dense_values(first)).to(q.dtype)
 
 
-def _maps(q: Tensor, k: Tensor, first: Request, second: Request, backend: str, need_lse: bool) -> tuple[tuple, tuple]:
+def _maps(q: Tensor, k: Tensor, first: Request, second: Request, backend: str, need_lse: bool) -> tuple[_Map, _Map]:
     """(out, lse) of both maps (lse None where SDPA ran without it); ``backend`` is "auto"
     or "chunked"."""
     if first.q_len == 0 or first.k_len == 0:
@@ -157,10 +159,11 @@ def _maps(q: Tensor, k: Tensor, first: Request, second: Request, backend: str, n
     out, lse = choose_backend(both, backend)[0].run(both)
     out = out.unflatten(1, (first.heads, 2))
     lse = None if lse is None else lse.unflatten(1, (first.heads, 2))
-    return tuple((out[:, :, i], None if lse is None else lse[:, :, i]) for i in (0, 1))
+    map1, map2 = ((out[:, :, i], None if lse is None else lse[:, :, i]) for i in (0, 1))
+    return map1, map2
 
 
-def _maps_in_c(first: Request, second: Request) -> tuple[tuple, tuple] | None:
+def _maps_in_c(first: Request, second: Request) -> tuple[_Map, _Map] | None:
     """Both maps in one call of the C softmax kernel (kernels/cpu/), which takes query
     and key heads of D / 2 against values of Dv — torch's fused op wants one head size, so
     elsewhere each map pays for a full-width head. Inference only (the backward is the

@@ -117,8 +117,10 @@ class HyperPart:
     @_memo
     def counts(self) -> Tensor:
         """How many times each key was drawn, (B, Hkv, nk)."""
+        samples = self.samples
+        assert samples is not None  # asked of sampled parts only
         out = torch.zeros(self.k_order.shape, dtype=torch.long)
-        return out.scatter_add_(2, self.samples, torch.ones_like(self.samples))
+        return out.scatter_add_(2, samples, torch.ones_like(samples))
 
     def weights(self, B: int, H: int, dtype, rows: slice, cols: slice) -> Tensor:
         """W on rows x cols of the part (part-relative): 1 in the query's block,
@@ -254,13 +256,13 @@ class HyperAttention(Mechanism):
 
         highs = tuple(k1 - k0 for q0, q1, k0, k1, c in pieces if c is None and sampled(q0, q1, k0, k1))
         proj, draws = _draws(self.seed, D, self.lsh_num_projs, (B, k.shape[1], self.sample_size), highs)
-        draws = iter(draws)
+        next_draws = iter(draws)
         parts: list[ExactPart | HyperPart] = []
         for q0, q1, k0, k1, c in pieces:
             if c is not None:
                 parts.append(ExactPart(q0, q1, k0, k1, c))
                 continue
-            samples = next(draws) if sampled(q0, q1, k0, k1) else None
+            samples = next(next_draws) if sampled(q0, q1, k0, k1) else None
             parts.append(
                 HyperPart(
                     q0,

@@ -25,6 +25,14 @@ class MixedSoftmaxMechanism(Mechanism):
     def kernel(self, req: Request) -> MixedSoftmaxKernel:
         raise NotImplementedError
 
+    def _check(self, req: Request) -> None:
+        """Raise ValueError when the mechanism's parameters do not fit the call."""
+        raise NotImplementedError
+
+    def _dense(self, req: Request) -> tuple[Tensor, Tensor]:
+        """(out, lse) by the paper's dense formula."""
+        raise NotImplementedError
+
     def call_request(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None) -> Request:
         req = request(q, k, v, mask=mask, score=score, scale=scale)
         self._check(req)

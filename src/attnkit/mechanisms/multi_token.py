@@ -96,6 +96,8 @@ class MultiToken(MixedSoftmaxMechanism):
         self.cq = _positive(query_kernel, "query_kernel")
         self.ck = _positive(key_kernel, "key_kernel", odd=True)
         self.ch = _positive(head_kernel, "head_kernel")
+        #: mixing the weights of groups of heads after the softmax leaves no single lse
+        self.has_lse = self.ch == 1
         self.num_heads = None if num_heads is None else _positive(num_heads, "num_heads")
         if self.num_heads is not None and self.num_heads % self.ch:
             raise ValueError(f"multi_token(head_kernel): {self.ch} must divide num_heads={self.num_heads}")
@@ -159,10 +161,6 @@ class MultiToken(MixedSoftmaxMechanism):
         return MixedSoftmaxKernel(
             self._convolve, [self.kq_kernel], self.mixing_matrix(), halo, CTransform(self.ch, conv=self.kq_kernel)
         )
-
-    @property
-    def has_lse(self) -> bool:
-        return self.ch == 1
 
     def _dense(self, req: Request):
         """As the paper's code: zero the hidden logits, pad (cq - 1 queries before, (ck - 1) / 2

@@ -493,7 +493,7 @@ class NativeSparseAttention(Mechanism):
         if num_heads is not None:
             if not isinstance(num_heads, int) or num_heads < 1:
                 raise ValueError(f"num_heads: expected an int >= 1, got {num_heads!r}")
-            self.gate_logits = nn.Parameter(torch.zeros(num_heads, 3))
+            self.gate_logits: nn.Parameter | None = nn.Parameter(torch.zeros(num_heads, 3))
         else:
             self.gate_logits = None
 

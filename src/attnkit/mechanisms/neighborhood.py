@@ -113,13 +113,15 @@ def _layout(nbh: Neighborhood, tile: tuple[int, ...]) -> list[_Group]:
             entry[2].append(positions[slices("k0", "k1")].reshape(-1))
     groups = []
     for axes, q_index, k_index in found.values():
-        visible, flat = None, 0
+        visible: Tensor | None = None
+        flat: Tensor | int = 0
         for a, ax in enumerate(axes):
             shape = [1] * (2 * n)
             shape[a], shape[n + a] = ax.q1 - ax.q0, ax.k1 - ax.k0
             v = ax.visible.view(shape)
             visible = v if visible is None else visible & v
             flat = flat + ax.offset.view(shape) * math.prod(table[a + 1 :])
+        assert visible is not None and isinstance(flat, Tensor)  # a grid has one axis or more
         L, S = q_index[0].numel(), k_index[0].numel()
         full = tuple(ax.q1 - ax.q0 for ax in axes) + tuple(ax.k1 - ax.k0 for ax in axes)
         groups.append(

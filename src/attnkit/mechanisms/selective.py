@@ -120,6 +120,7 @@ class SelectiveKernel(SoftmaxKernel):
             sel = _selection(blk, sd, self.head, k0, k1, self.bos)
             cols = (blk.bs, slice(k0, k1))
             col_sel = sel.sum(dim=-2)
+            assert self.total is not None  # the forward ran first
             before = self.total[cols] - self.ahead_s[cols] - col_sel.to(torch.float64)  # F at this block's first row
             f = before.to(sd.dtype).unsqueeze(1) + _exclusive_rows(sel)
             p = fast_exp_(sd - f.unsqueeze(1) - lse)

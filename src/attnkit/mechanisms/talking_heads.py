@@ -49,6 +49,8 @@ class TalkingHeads(MixedSoftmaxMechanism):
         self.pre_mix = nn.Parameter(eye.clone()) if pre and eye is not None else None
         self.post_mix = nn.Parameter(eye.clone()) if post and eye is not None else None
         self.pre, self.post = pre, post
+        #: mixing the weights after the softmax leaves no single lse
+        self.has_lse = not post
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", num_heads={self.num_heads}, pre={self.pre}, post={self.post}"
@@ -61,13 +63,10 @@ class TalkingHeads(MixedSoftmaxMechanism):
 
     def kernel(self, req: Request) -> MixedSoftmaxKernel:
         pre, heads = self.pre_mix, self.num_heads
+        assert heads is not None  # _check ran first
         if pre is None:
             return MixedSoftmaxKernel(lambda s: s, [], self.post_mix, c_transform=CTransform(heads))
         return MixedSoftmaxKernel(lambda s: mix_heads(pre, s), [pre], self.post_mix, c_transform=CTransform(heads, pre=pre))
-
-    @property
-    def has_lse(self) -> bool:
-        return not self.post
 
     def _dense(self, req: Request):
         """The paper's Sec. 4 listing: J = QK^T; J' = P_l J; W = softmax(J'); W' = P_w W; O = W' V."""

@@ -357,7 +357,7 @@ class TopThetaKernel(SoftmaxKernel):
         for kind, k0, k1 in blk.tiles():
             z = blk.logits(kind, k0, k1).sub_(theta)
             visible += (k1 - k0) if kind == FULL_SEG else (z > -math.inf).sum(dim=-1)
-            torch.nn.functional.threshold_(z, 0.0, -math.inf)
+            torch.threshold_(z, 0.0, -math.inf)  # the op of torch.nn.functional.threshold_
             # kept logits are the positive z: sign(max(z, 0)) is 1 there, else 0; a float sum of
             # those is exact and much faster than reducing a boolean tensor
             kept += z.clamp(min=0.0).sign_().sum(dim=-1)
@@ -394,6 +394,7 @@ class TopTheta(Mechanism):
     threshold, with optional compensation; see ``calibrate_top_theta``."""
 
     paper = "arXiv:2502.08363"
+    thresholds: Tensor | None  # a buffer (registered in __init__)
 
     def __init__(self, thresholds: Tensor | None = None, compensation: str = "denominator+vmean", sdc_scale: float = 1.0):
         super().__init__()

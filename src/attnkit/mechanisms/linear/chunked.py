@@ -212,7 +212,8 @@ def chunked_form(call: LinearCall, chunk: int | None = None) -> tuple[Tensor, Te
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk_size: expected a positive int, got {chunk!r}")
     rec = call.rec
-    g, beta, weights = call.g, call.beta, ()
+    g, beta = call.g, call.beta
+    weights: tuple[Tensor, ...] = ()
     g_fn = beta_fn = None
     if isinstance(g, KeyGate):
         g_fn, weights, g = g.fn, weights + g.params, None

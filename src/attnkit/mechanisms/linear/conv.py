@@ -10,6 +10,7 @@ Decoding carries the last w - 1 raw inputs of q, k, v in the state.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +56,7 @@ class ShortConv(LazyModuleMixin, nn.Module):
             padded = torch.cat([past.to(dt), x.to(dt)], dim=2)
             n = x.shape[2]
             taps = w.to(dt).permute(2, 0, 1).unsqueeze(2)  # (w, H, 1, D); tap j reads x_{t-w+1+j}
-            y = sum(taps[j] * padded[:, :, j : j + n] for j in range(self.size))
+            y = cast(Tensor, sum(taps[j] * padded[:, :, j : j + n] for j in range(self.size)))  # size >= 1 taps
             outs.append(F.silu(y))
             new_cache.append(padded[:, :, padded.shape[2] - (self.size - 1) :])
         return (*outs, tuple(new_cache))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 
@@ -89,6 +90,12 @@ class Recurrence:
         return out[..., :-1] / (out[..., -1:] + self.eps)
 
 
+@overload
+def skip_keys(t: Tensor, keep: Tensor | None) -> Tensor: ...
+@overload
+def skip_keys(t: None, keep: Tensor | None) -> None: ...
+@overload
+def skip_keys(t: Tensor | None, keep: Tensor | None) -> Tensor | None: ...
 def skip_keys(t: Tensor | None, keep: Tensor | None) -> Tensor | None:
     """Zero the rows (B, H, N, ...) of keys that ``keep`` (B, N) leaves out: a key with zero
     features and value writes nothing (sum and delta rule alike) and a zero log-gate
@@ -100,6 +107,12 @@ def skip_keys(t: Tensor | None, keep: Tensor | None) -> Tensor | None:
     return torch.where(mask, t, torch.zeros((), dtype=t.dtype, device=t.device))
 
 
+@overload
+def log_gates(g: Tensor) -> Tensor: ...
+@overload
+def log_gates(g: None) -> None: ...
+@overload
+def log_gates(g: Tensor | None) -> Tensor | None: ...
 def log_gates(g: Tensor | None) -> Tensor | None:
     """Gates as (B, H, N, Dg): Dg = 1 for scalar gates, D_f for diagonal ones."""
     if g is None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -105,6 +106,14 @@ class _KeyProjection(LazyModuleMixin, nn.Module):
     def _check(self, feature_dim: int) -> None:
         pass
 
+    def weights(self) -> tuple[Tensor, ...]:
+        """The weights, each with the heads first."""
+        raise NotImplementedError
+
+    def compute(self, k: Tensor, *weights: Tensor) -> Tensor:
+        """The gates of k from ``weights`` (in the order of ``weights()``)."""
+        raise NotImplementedError
+
     @property
     def lazy(self) -> bool:
         """True while the weights await their shapes from the first call (an isinstance
@@ -140,8 +149,9 @@ class _KeyProjection(LazyModuleMixin, nn.Module):
         initial = self._initial(heads, head_dim, feature_dim, device)
         with torch.no_grad():
             for w, x in zip(self.weights(), initial):
-                w.materialize(x.shape, device=device)
-                w.copy_(x)
+                lazy = cast(UninitializedParameter, w)  # still awaiting its shape here
+                lazy.materialize(x.shape, device=device)
+                lazy.copy_(x)
 
 
 def _dtype(k: Tensor) -> torch.dtype:

@@ -116,6 +116,7 @@ class LinearAttention(Mechanism):
         self.beta = _make_gate(beta, _BETAS, "beta", kv_heads, head_dim, feature_dim)
         self.conv = ShortConv(short_conv) if short_conv else None
         if self.conv is not None and heads is not None and head_dim is not None:
+            assert kv_heads is not None  # defaults to heads
             self.conv.initialize_parameters(
                 *(
                     torch.empty(1, h, 0, d)
@@ -272,11 +273,11 @@ class LinearAttention(Mechanism):
             raise ValueError(
                 f"initial_state: normalizer must be {'a (B, H, D_f) tensor' if self.normalize else 'None'} for this mechanism"
             )
-        memory = state.memory
-        if self.normalize:
-            if tuple(state.normalizer.shape) != want[:3]:
-                raise ValueError(f"initial_state: normalizer must have shape {want[:3]}, got {tuple(state.normalizer.shape)}")
-            memory = torch.cat([memory, state.normalizer.unsqueeze(-1)], dim=-1)
+        memory, normalizer = state.memory, state.normalizer
+        if normalizer is not None:  # self.normalize, checked above
+            if tuple(normalizer.shape) != want[:3]:
+                raise ValueError(f"initial_state: normalizer must have shape {want[:3]}, got {tuple(normalizer.shape)}")
+            memory = torch.cat([memory, normalizer.unsqueeze(-1)], dim=-1)
         return memory.to(device=device, dtype=dtype)
 
     def extra_repr(self) -> str:

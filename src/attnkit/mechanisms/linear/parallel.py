@@ -31,7 +31,11 @@ def parallel_form(call: LinearCall) -> tuple[Tensor, Tensor]:
         k_end = kf * torch.exp((b[..., -1:, :] - b).to(kf.dtype))
         total = torch.exp(b[..., -1, :].to(kf.dtype)).unsqueeze(-1)  # decay over the whole call
 
-    values = delta_solve(kf, b, beta.to(kf.dtype), v - k_start @ memory) if rec.delta else v
+    if rec.delta:
+        assert beta is not None  # the delta rule always has a β (1 when not given)
+        values = delta_solve(kf, b, beta.to(kf.dtype), v - k_start @ memory)
+    else:
+        values = v
     final = (memory if total is None else total * memory) + k_end.transpose(-1, -2) @ values
 
     if not call.causal:

@@ -28,6 +28,7 @@ def recurrent_form(call: LinearCall) -> tuple[Tensor, Tensor]:
         key = kf[:, :, t].unsqueeze(-1)  # (B, H, D_f, 1)
         value = v[:, :, t].unsqueeze(-2)  # (B, H, 1, Dv')
         if rec.delta:
+            assert beta is not None  # the delta rule always has a β (1 when not given)
             value = beta[:, :, t, None, None] * (value - key.transpose(-1, -2) @ state)
         state = state + key @ value
         if call.causal and t >= offset:

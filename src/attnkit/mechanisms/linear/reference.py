@@ -47,6 +47,7 @@ def reference_form(call: LinearCall) -> tuple[Tensor, Tensor]:
             S = S + torch.einsum("bhf,bhv->bhfv", phi, v[:, :, t])
             z = None if z is None else z + phi
         else:
+            assert betas is not None  # the delta rule always has a β (1 when not given)
             beta = betas[:, :, t].to(cd).unsqueeze(-1)  # (B, H, 1)
             retrieved = torch.einsum("bhfv,bhf->bhv", S, phi)  # S̃ᵀ φ(k_t)
             S = S + torch.einsum("bhf,bhv->bhfv", phi, beta * (v[:, :, t] - retrieved))
@@ -55,7 +56,9 @@ def reference_form(call: LinearCall) -> tuple[Tensor, Tensor]:
         if call.keep is not None:  # a key the mask hides: the state passes over it unchanged
             kept = call.keep[:, t].view(B, 1, 1, 1)
             S = torch.where(kept, S, S_before)
-            z = None if z is None else torch.where(kept[..., 0], z, z_before)
+            if z is not None:
+                assert z_before is not None  # z is None for every key or for none
+                z = torch.where(kept[..., 0], z, z_before)
         if call.causal and t >= Nk - Nq:
             outputs.append(read(t - (Nk - Nq)))
 
@@ -63,5 +66,5 @@ def reference_form(call: LinearCall) -> tuple[Tensor, Tensor]:
         out = torch.stack(outputs, dim=2) if outputs else v.new_zeros(B, H, 0, Dv)
     else:
         out = torch.stack([read(i) for i in range(Nq)], dim=2) if Nq else v.new_zeros(B, H, 0, Dv)
-    final = torch.cat([S, z.unsqueeze(-1)], dim=-1) if rec.normalize else S
+    final = S if z is None else torch.cat([S, z.unsqueeze(-1)], dim=-1)  # z: None unless normalised
     return out, final
