@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..validate import integer
@@ -172,10 +173,10 @@ class _SentenceCache:
 def fill(tokenizer, haystack: Haystack, n_tokens: int, rng: random.Random) -> Filler:
     """Exactly ``n_tokens`` haystack tokens, whole sentences (the last one cut), drawn
     with ``rng`` (the same rng state gives the same tokens)."""
-    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
-        raise ValueError(f"n_tokens: expected an int >= 0, got {n_tokens!r}")
+    n_tokens = integer(n_tokens, "n_tokens", 0)
     tokens = _SentenceCache(tokenizer)
-    ids, starts = [], []
+    ids: list[int] = []
+    starts: list[int] = []
     position = rng.randrange(len(haystack.sentences))
     while len(ids) < n_tokens:
         sentence = (
@@ -210,8 +211,8 @@ def build_context(
     *,
     length: int,
     needles: list[tuple[list[int], float]],
-    head: list[int] = (),
-    tail: list[int] = (),
+    head: Sequence[int] = (),
+    tail: Sequence[int] = (),
     rng: random.Random,
     keyword: str = "lengths",
 ) -> Context:
@@ -234,7 +235,8 @@ def build_context(
     filler = fill(tokenizer, haystack, room, rng)
     points = [filler.insertion_point(float(depth)) for _, depth in needles]
     order = sorted(range(len(needles)), key=lambda i: (points[i], i))
-    ids, spans, last = list(head), [None] * len(needles), 0
+    ids, last = list(head), 0
+    spans: list[tuple[int, int]] = [(0, 0)] * len(needles)  # every entry set below: ``order`` covers all needles
     for i in order:
         ids += filler.ids[last : points[i]]
         last = points[i]

@@ -27,6 +27,7 @@ class Intervention:
     def __init__(self, heads):
         self.heads_spec = heads
         self.heads: dict[int, tuple[int, ...]] | None = None  # resolved by ``bind``
+        self.num_layers: int | None = None
         self.num_heads: int | None = None
 
     # -- binding ------------------------------------------------------------------------
@@ -38,6 +39,12 @@ class Intervention:
         bound.heads = resolve_heads(self.heads_spec, layers, heads)
         bound.check(model)
         return bound
+
+    def bound_heads(self) -> dict[int, tuple[int, ...]]:
+        """``heads`` as ``bind`` resolved them (``steer.apply`` binds an intervention before it runs)."""
+        if self.heads is None:
+            raise RuntimeError(f"{self!r} is not bound to a model; steer.apply(model, ...) binds it")
+        return self.heads
 
     def check(self, model) -> None:
         """Further checks against the model (raise ValueError naming the argument)."""
@@ -52,7 +59,7 @@ class Intervention:
     # -- per call ----------------------------------------------------------------------
     def selected(self, layer, num_heads: int, device) -> Tensor | None:
         """(Hq,) bool flags of the chosen heads of ``layer``, or None when it has none."""
-        heads = self.heads.get(layer)
+        heads = self.bound_heads().get(layer)
         if not heads:
             return None
         if num_heads != self.num_heads:

@@ -32,6 +32,7 @@ sequence.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 
@@ -63,7 +64,7 @@ class PositionCalibration(Intervention):
             raise ValueError(f"strength: expected a finite number >= 0, got {strength!r}")
         self.ratio, self.strength, self.kind = ratio.double(), float(strength), kind
         self.bins = ratio.shape[-1]
-        self.edges = tuple(edges)
+        self.edges = cast("tuple[int, int]", tuple(edges))  # a (lead, trail) pair, as given
 
     def check(self, model):
         if self.ratio.shape[:2] != (self.num_layers, self.num_heads):
@@ -95,7 +96,7 @@ class PositionCalibration(Intervention):
         B, H, _, Nk = weights.shape
         keep = torch.ones(B, Nk, dtype=torch.bool) if keep is None else keep
         bins = key_bins(keep, self.bins, self.edges)
-        for h in self.heads.get(layer, ()):
+        for h in self.bound_heads().get(layer, ()):
             r = self.ratio[layer, h][bins.clamp(min=0)]  # (B, Nk)
             w = weights[:, h] / r.unsqueeze(1) ** self.strength
             weights[:, h] = w / w.sum(-1, keepdim=True).clamp(min=torch.finfo(w.dtype).tiny)
@@ -131,7 +132,8 @@ def measure_position_ratio(model, tokenizer, texts, bins: int, kind: str, edges:
 
     if isinstance(texts, str) or not isinstance(texts, (list, tuple)) or not texts:
         raise ValueError("texts: expected a non-empty list of reference texts (or of token-id lists)")
-    mass, share = None, torch.zeros(bins, dtype=torch.float64)
+    mass: Tensor | None = None
+    share = torch.zeros(bins, dtype=torch.float64)
     for i, text in enumerate(texts):
         if isinstance(text, str):
             if tokenizer is None:
@@ -155,6 +157,7 @@ def measure_position_ratio(model, tokenizer, texts, bins: int, kind: str, edges:
         mass = m if mass is None else mass + m
         content = segs[0][segs[0] >= 0]
         share += torch.bincount(content, minlength=bins).double() / content.numel()
+    assert mass is not None  # texts is non-empty (checked above)
     mass, share = mass / len(texts), share / len(texts)
     return (mass / share).clamp(min=1e-6)
 

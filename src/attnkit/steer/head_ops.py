@@ -45,7 +45,7 @@ class Ablate(Intervention):
 
     def prepare(self, model) -> None:
         if self.mode == "mean":
-            self.means = _mean_outputs(model, self.reference_inputs, set(self.heads))
+            self.means = _mean_outputs(model, self.reference_inputs, set(self.bound_heads()))
 
     def output_for(self, layer, out, keep):
         flags = self.selected(layer, out.shape[1], out.device)
@@ -171,7 +171,9 @@ class _Recorder:
     real query rows, and changes nothing."""
 
     def __init__(self, layers: set):
-        self.layers, self.sums, self.counts = layers, {}, {}
+        self.layers = layers
+        self.sums: dict[int, Tensor] = {}
+        self.counts: dict[int, float] = {}
 
     def scores(self, layer, query, key, keep):
         return []

@@ -54,11 +54,12 @@ class QueryKeyMass(Meter):
 
     def per_key(self) -> Tensor:
         """(B, Nk): sum over layers and heads of the mean weight of the query rows on each key."""
-        if not self._mass:
+        shape = self._shape  # set by the first observed call
+        if not self._mass or shape is None:
             raise ValueError("layers: no attention call was observed (no layer selected, or no query row)")
-        total = torch.zeros(self._shape, dtype=torch.float64)
+        total = torch.zeros(shape, dtype=torch.float64)
         for layer, mass in self._mass.items():
-            total += mass / (self._rows_seen[layer] / self._shape[0])
+            total += mass / (self._rows_seen[layer] / shape[0])
         return total
 
     def rows(self):

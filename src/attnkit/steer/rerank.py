@@ -36,12 +36,14 @@ rows are computed against the cached keys (Nq x Nk), never the N x N matrix.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar, cast
 
 import torch
 
 from .query_rows import prefill, query_key_mass
 
 Tensor = torch.Tensor
+T = TypeVar("T")
 
 METHODS = ("icr", "sorting", "basin")
 
@@ -162,14 +164,14 @@ def basin_slots(n: int) -> list[int]:
     return out
 
 
-def basin_order(ranked: Sequence[int], positions: Sequence[int] | None = None) -> list[int]:
+def basin_order(ranked: Sequence[T], positions: Sequence[int] | None = None) -> list[T]:
     """The arrangement that puts ``ranked[r]`` (r-th most relevant) in the r-th most
     attended slot (``positions``, default ``basin_slots``)."""
     slots = list(positions) if positions is not None else basin_slots(len(ranked))
-    out = [None] * len(ranked)
+    out: list[T | None] = [None] * len(ranked)
     for doc, slot in zip(ranked, slots):
         out[slot] = doc
-    return out
+    return cast("list[T]", out)  # every slot filled: the slots are a permutation of 0..n-1
 
 
 def slot_attention(
@@ -193,7 +195,7 @@ def slot_attention(
         raise ValueError("examples: expected a non-empty list of (query, documents) pairs")
     pm = _causal(model, tokenizer)
     _check_indices(pm, layers, heads)
-    totals = None
+    totals: list[float] | None = None
     for i, example in enumerate(examples):
         if not isinstance(example, (tuple, list)) or len(example) != 2:
             raise ValueError(f"examples: example {i} must be a (query, documents) pair")
@@ -217,6 +219,7 @@ def slot_attention(
             heads=heads,
         )
         totals = scores if totals is None else [a + b for a, b in zip(totals, scores)]
+    assert totals is not None  # examples is non-empty (checked above)
     return [t / len(examples) for t in totals]
 
 
