@@ -58,6 +58,8 @@ def _shard_inputs(module, args, kwargs, *, group, layout: str):
     """Check the shards together (lengths form the layout, no rank is padded) and give
     every rank without ``position_ids`` the global positions of its tokens."""
     g = resolve_group(group)
+    bound: inspect.BoundArguments | None
+    error: ValueError | None
     try:
         bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
     except TypeError as err:
@@ -66,6 +68,7 @@ def _shard_inputs(module, args, kwargs, *, group, layout: str):
         n_local, error = _local_length(bound.arguments)
         error = error or _mask_error(bound.arguments.get("attention_mask"))
     lengths = [row[0] for row in agree(error, [n_local], g, "context_parallel's input check")]
+    assert bound is not None  # a rank that could not bind its call passed an error, and agree raised it
     lay = layout_for(sum(lengths), g.world, layout)
     expected = [lay.local_length(r) for r in range(g.world)]
     if lengths != expected:

@@ -106,7 +106,7 @@ class Switch:
     def sinks_for(self, layer: int | None, num_heads: int, device) -> Tensor | None:
         sinks = self.sinks
         if isinstance(sinks, Mapping):
-            sinks = sinks.get(layer)
+            sinks = None if layer is None else sinks.get(layer)  # the mapping's keys are layer indices
         if sinks is None:
             return None
         if sinks.shape != (num_heads,):
@@ -116,10 +116,12 @@ class Switch:
         return sinks.to(device)
 
     def head_flags(self, num_heads: int, device) -> Tensor:
-        if max(self.heads) >= num_heads:
-            raise ValueError(f"heads: {list(self.heads)} names a head >= the layer's {num_heads} query heads")
+        heads = self.heads
+        assert heads is not None  # asked only of a switch made with heads=
+        if max(heads) >= num_heads:
+            raise ValueError(f"heads: {list(heads)} names a head >= the layer's {num_heads} query heads")
         flags = torch.zeros(num_heads, dtype=torch.bool, device=device)
-        flags[list(self.heads)] = True
+        flags[list(heads)] = True
         return flags
 
     def layer_of(self, module: nn.Module) -> int:
@@ -218,7 +220,7 @@ def use(
             from .context_parallel import install
 
             unhook = install(model, context_parallel, context_layout)  # global position_ids, collective checks
-        model.set_attn_implementation(NAME)
+        model.set_attn_implementation(NAME)  # type: ignore[operator]  # nn.Module.__getattr__: Tensor | Module
         for m in modules:
             _ACTIVE[m] = switch
         yield switch
@@ -244,7 +246,7 @@ def switched_modules(model: nn.Module) -> list[nn.Module]:
     from transformers import PreTrainedModel
 
     config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # type: ignore[operator]  # nn.Module.__getattr__
     if text is config:
         return list(model.modules())
     skip: set[int] = set()
