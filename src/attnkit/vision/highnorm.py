@@ -112,7 +112,7 @@ def high_norm(model, pixel_values: Tensor, factor: float = 3.0) -> HighNorm:
 
 def _sequence_length(model, pixel_values: Tensor) -> int:
     emb, _, _ = vit_parts(model)
-    seen = {}
+    seen: dict[str, int] = {}
     handle = emb.register_forward_hook(
         lambda mod, args, out: seen.__setitem__("n", (out[0] if isinstance(out, tuple) else out).shape[1])
     )

@@ -281,7 +281,7 @@ def _train(settings: Settings, on_eval):
             "cell": torch.nn.Linear(settings.width, shapes.GRID * shapes.GRID),
         }
     )
-    captured = {}
+    captured: dict[str, torch.Tensor] = {}
     hook = model.model.multi_modal_projector.register_forward_hook(lambda mod, inp, out: captured.__setitem__("features", out))
     cells = torch.arange(IMAGE_TOKENS)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2] + [p for p in aux.parameters() if p.dim() >= 2]

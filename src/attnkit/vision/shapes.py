@@ -25,6 +25,7 @@ seeds and is measured on others (``STREAMS``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -141,7 +142,7 @@ def question(rng: np.random.Generator, objects, kind: str) -> tuple[str, str, bo
     raise ValueError(f"kind: expected one of {', '.join(KINDS)}, got {kind!r}")
 
 
-def examples(n: int, seed: int, kinds=KINDS, noise: bool = True) -> list[Example]:
+def examples(n: int, seed: int | Sequence[int], kinds=KINDS, noise: bool = True) -> list[Example]:
     """``n`` examples from the stream ``seed``, the question kinds cycling through ``kinds``
     (so each kind has an equal share); the same seed gives the same examples."""
     if n < 0:
