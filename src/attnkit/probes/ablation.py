@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 import re
 import time
+from collections.abc import Sequence
 
 from ..validate import integer
 from .result import ProbeResult
@@ -32,11 +33,11 @@ def head_ablation(
     model=None,
     tokenizer=None,
     *,
-    ablate: list[str] = ("top2-retrieval", "random2"),
+    ablate: Sequence[str] = ("top2-retrieval", "random2"),
     task: str = "needle",
     draws: int = 5,
     lengths: list[int] | None = None,
-    depths: list[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
+    depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
     pairs: list[int] | None = None,
     samples: int = 10,
     score_samples: int = 64,
@@ -76,7 +77,7 @@ def head_ablation(
         scored = heads(pm, None, scores=needed, samples=score_samples, seed=seed, batch_size=batch_size)
         ranking = {score: top_heads(scored, score, pm.layers * pm.heads) for score in needed}
     every = [[layer, head] for layer in range(pm.layers) for head in range(pm.heads)]
-    runs = [("none", 0, [])]
+    runs: list[tuple[str, int, list[list[int]]]] = [("none", 0, [])]
     for text, (k, score) in zip(_texts(ablate), specs):
         if score:
             runs.append((text, 0, ranking[score][:k]))

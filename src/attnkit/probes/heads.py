@@ -154,7 +154,7 @@ def _forward(model, ids: Tensor, observers) -> None:
     from .. import hf
 
     accepted = set(inspect.signature(model.forward).parameters)
-    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    kwargs: dict[str, object] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if "logits_to_keep" in accepted:
         kwargs["logits_to_keep"] = 1  # the logits are never read
     if "use_cache" in accepted:
@@ -167,7 +167,7 @@ def _pattern_scores(
     pm, prompts: list[list[int]], offset: int, length: int, repeats: int, names, batch_size: int, progress
 ) -> dict[str, Tensor]:
     """(L, H) mean weight on each pattern's targets over every row that has one."""
-    sums = {name: None for name in names}
+    sums: dict[str, Tensor] = {}  # every name's, from the first batch on
     counts = dict.fromkeys(names, 0.0)
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     for i, chunk in enumerate(batches):
@@ -178,7 +178,7 @@ def _pattern_scores(
         for name in names:
             rows = float((targets[name] >= 0).any(-1).sum())  # the rows the meter averaged over
             part = meter.score(name) * rows
-            sums[name] = part if sums[name] is None else sums[name] + part
+            sums[name] = sums[name] + part if name in sums else part
             counts[name] += rows
         if progress is not None:
             progress(f"heads: patterns, batch {i + 1}/{len(batches)}")
@@ -245,7 +245,9 @@ def retrieval_scores(pm, prompts, spans, answers, batch_size: int, progress) -> 
     and what was generated, with ``standard_error`` (L, H): the scores' standard error
     over the prompts (sample standard deviation / sqrt(prompts))."""
     steps = len(answers[0])
-    total, squares, correct, generated = None, None, 0, []
+    total: Tensor | None = None
+    squares: Tensor | None = None
+    correct, generated = 0, []
     batches = range(0, len(prompts), batch_size)
     for i, lo in enumerate(batches):
         chunk, chunk_spans = prompts[lo : lo + batch_size], spans[lo : lo + batch_size]
@@ -270,6 +272,7 @@ def retrieval_scores(pm, prompts, spans, answers, batch_size: int, progress) -> 
         generated += gen.tokens.tolist()
         if progress is not None:
             progress(f"heads: retrieval, batch {i + 1}/{len(batches)}")
+    assert total is not None and squares is not None  # at least one prompt, so one batch ran
     n = len(prompts)
     mean = total / n
     variance = ((squares - n * mean.square()) / (n - 1)).clamp_min(0) if n > 1 else torch.full_like(mean, float("nan"))
@@ -356,7 +359,7 @@ def heads(
         pm.check_length(len(prefix) + length * repeats, "length")
     if "retrieval" in names:
         retrieval_rng = random.Random(f"{seed}-retrieval")  # the same needles whatever else is scored
-        if arena_needle:
+        if arena_needle and task is not None:  # (an arena needle model has a task)
             context = int(params["seq_len"]) if context is None else context
             if needle is not None:
                 raise ValueError("needle: the arena needle task's answer is one value token; leave --needle unset")

@@ -191,7 +191,9 @@ def text_items(pm, updates, keys, samples, seed) -> list[Item]:
         for sample in range(samples):
             rng = random.Random(f"interference:{seed}:{n}:{sample}")
             asked, stream = _stream(rng, list(_KEYS), numbers, keys, n)
-            ids, last, stale = list(head), None, []
+            ids = list(head)
+            last: tuple[int, int] | None = None
+            stale: list[tuple[int, int]] = []
             for k, v in stream:
                 ids += encode(tok, f"\n{k}:")
                 value = encode(tok, f" {v}")
@@ -226,7 +228,9 @@ def arena_items(sym, updates, keys, samples, seed) -> list[Item]:
         for sample in range(samples):
             rng = random.Random(f"interference-arena:{seed}:{n}:{sample}")
             asked, stream = _stream(rng, sym["keys"], sym["values"], keys, n)
-            tokens, last, stale = [], None, []
+            tokens: list[str] = []
+            last: tuple[int, int] | None = None
+            stale: list[tuple[int, int]] = []
             for k, v in stream:
                 if k == asked:
                     stale += [last] if last is not None else []

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 
 from .result import ProbeResult
 from .retrieval import check_fractions, check_run, examples, run_items
@@ -44,11 +45,11 @@ def kv_curves(
     tokenizer=None,
     *,
     task: str = "needle",
-    policies: list[str] = DEFAULT_POLICIES,
-    budgets: list[float] = DEFAULT_BUDGETS,
+    policies: Sequence[str] = DEFAULT_POLICIES,
+    budgets: Sequence[float] = DEFAULT_BUDGETS,
     protocol: str = "agnostic",
     lengths: list[int] | None = None,
-    depths: list[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
+    depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
     pairs: list[int] | None = None,
     samples: int = 20,
     seed: int = 0,

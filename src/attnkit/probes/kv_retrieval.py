@@ -172,12 +172,14 @@ def text_items(pm, pairs, depths, samples, seed) -> list[Item]:
             rest = kv[1:]
             for depth, index in _positions(n, depths):
                 order = rest[:index] + [gold] + rest[index:]
-                ids, span = list(head) + encode(tok, "{"), None
+                ids = list(head) + encode(tok, "{")
+                span: tuple[int, int] | None = None
                 for j, (k, v) in enumerate(order):
                     piece = encode(tok, (", " if j else "") + f"{json.dumps(k)}: {json.dumps(v)}")
                     if j == index:
                         span = (len(ids), len(ids) + len(piece))
                     ids += piece
+                assert span is not None  # order[index] is the gold pair
                 question = encode(tok, "}\n" + f"Key: {json.dumps(gold[0])}\nValue:")
                 ids += question
                 items.append(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,7 +30,7 @@ class ProbeModel:
     organism, or None for a natural-language model) and ``name``."""
 
     model: torch.nn.Module
-    tokenizer: object
+    tokenizer: Any  # a transformers tokenizer, or a processor (kind "vision")
     kind: str
     max_positions: int | None
     task: dict | None = None
@@ -110,7 +111,7 @@ def read_task(path: str) -> dict | None:
     return task
 
 
-def load_probe_model(path: str | None = None, *, kind: str | None = None) -> ProbeModel:
+def load_probe_model(path: str | os.PathLike | None = None, *, kind: str | None = None) -> ProbeModel:
     """Load a local transformers model directory (or a model organism by name, see
     ``attnkit.organisms``) offline (float32, eval mode), as a causal LM when it is one,
     else as the bare encoder; a vision-language model (a config with vision_config and

@@ -126,7 +126,7 @@ def needle(
                 )
         lengths = check_ints(pm.task.get("eval_lengths") if lengths is None else lengths, "lengths", 4)
         items = arena_items(pm, lengths, depths, samples, seed)
-        new_tokens = max_new_tokens or len(items[0].answer_ids)
+        new_tokens = max_new_tokens or len(items[0].answer_ids or ())  # arena items carry their answer's ids
     else:
         default = lengths is None
         lengths = check_ints(_default_lengths(pm) if default else lengths, "lengths")

@@ -241,16 +241,17 @@ def position_bias(
     pm.check_length(len(pm.tokenizer(joiner.join(parts))["input_ids"]), "text")
 
     # Each segment alone: its embedding does not depend on the permutation.
-    alone = []
+    embedded = []
     for lo in range(0, len(parts), batch_size):
         enc, _, _ = _encode(pm.tokenizer, parts[lo : lo + batch_size])
         pm.check_length(enc["input_ids"].shape[1], "text")
-        alone.append(_embed(pm.model, enc, pooling))
-    alone = torch.cat(alone)
+        embedded.append(_embed(pm.model, enc, pooling))
+    alone = torch.cat(embedded)
 
     result = ProbeResult("position-bias")
     S = len(parts)
-    mass_sum, share_sum = None, torch.zeros(S, dtype=torch.float64)
+    mass_sum: Tensor | None = None
+    share_sum = torch.zeros(S, dtype=torch.float64)
     batches = list(range(0, samples, batch_size))
     for _step, lo in enumerate(batches):
         chunk = orders[lo : lo + batch_size]
@@ -286,6 +287,7 @@ def position_bias(
         if progress is not None:
             progress(f"position-bias: permutations {lo + len(chunk)}/{samples}")
 
+    assert mass_sum is not None  # samples >= 1: at least one batch ran
     mass = mass_sum / samples  # (L, S)
     for p in range(S):
         result.add("attention_mass", float(mass[:, p].mean()), position=p)

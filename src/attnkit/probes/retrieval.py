@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -298,9 +299,11 @@ def run_items(
             rows = gen.steps[b]  # answer rows observed: the last prompt row and rows - 1 generated
             length = len(item.ids)  # a row at offset r past the prompt's end sees length + r keys
             visible = sum(1.0 / (length + r) for r in range(rows)) / rows
-            mass, uniform = {}, {}
+            mass: dict[str, torch.Tensor] = {}
+            uniform: dict[str, float] = {}
             for name, ranges in item.spans.items():
-                mass[name] = sum(per_name[f"{name}#{j}"][b] for j in range(len(ranges)))
+                # a span has at least one range (probes leave empty ones out), so the sum is a tensor
+                mass[name] = cast(torch.Tensor, sum(per_name[f"{name}#{j}"][b] for j in range(len(ranges))))
                 uniform[name] = sum(e - s for s, e in ranges) * visible
             tokens = gen.tokens[b, : gen.steps[b]].tolist()
             output = gen.texts[b] if pm.task is None else _decoded(pm, tokens)

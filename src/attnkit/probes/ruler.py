@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import numbers
 import time
+from typing import cast
 
 import torch
 
@@ -185,12 +186,13 @@ def _run_cell(
                 )
         if meter is not None:
             # the needles' spans are disjoint, so the mass on their union is the sum
-            mass = sum(meter.per_example(name) for name in spans).sum(0)  # (L, H) summed over the batch
+            # (L, H) summed over the batch; a sample with spans has at least one (``batch[0].spans``)
+            mass = cast(torch.Tensor, sum(meter.per_example(name) for name in spans)).sum(0)
             mass_sum = mass if mass_sum is None else mass_sum + mass
             layers = meter.layers_seen
     accuracy = sum(scores) / len(scores)
     result.add("accuracy", accuracy, task=task, length=length)
-    if mass_sum is not None:
+    if mass_sum is not None and layers is not None:  # set together, by a batch with a meter
         mean = mass_sum / samples
         for i, layer in enumerate(layers):
             for head in range(mean.shape[1]):

@@ -21,7 +21,7 @@ def task_items(pm, task: str, lengths, depths, pairs, samples: int, seed: int):
         if pm.task is not None:
             lengths = check_ints(pm.task.get("eval_lengths") if lengths is None else lengths, "lengths", 4)
             items = needle.arena_items(pm, lengths, depths, samples, seed)
-            return items, ("length", "depth"), len(items[0].answer_ids)
+            return items, ("length", "depth"), len(items[0].answer_ids or ())
         lengths = check_ints([1024] if lengths is None else lengths, "lengths", 16)
         items, needed = needle.text_items(pm, lengths, depths, samples, seed)
         return items, ("length", "depth"), needed
@@ -42,7 +42,7 @@ def task_items(pm, task: str, lengths, depths, pairs, samples: int, seed: int):
     if lengths is not None:
         raise ValueError("lengths: a natural-language kv-retrieval prompt's length follows from --pairs")
     items = kv_retrieval.text_items(pm, check_ints([10] if pairs is None else pairs, "pairs", 1), depths, samples, seed)
-    return items, ("pairs", "position"), max(len(it.answer_ids) for it in items)
+    return items, ("pairs", "position"), max(len(it.answer_ids or ()) for it in items)
 
 
 __all__ = ["TASKS", "task_items"]

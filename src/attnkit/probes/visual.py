@@ -22,6 +22,7 @@ attention on the image (e.g. Liu et al., arXiv 2402.18476; Zhu et al., arXiv
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 
 from .model import as_probe_model
 from .result import ProbeResult
@@ -89,11 +90,11 @@ def visual(
     model,
     tokenizer=None,
     samples: int = 60,
-    kinds: list[str] = ("presence", "colour", "position"),
+    kinds: Sequence[str] = ("presence", "colour", "position"),
     seed: int = 0,
     batch_size: int = 30,
     share: bool = True,
-    amplify: list[float] = (),
+    amplify: Sequence[float] = (),
     max_new_tokens: int = 4,
     progress=None,
 ) -> ProbeResult:
@@ -186,6 +187,11 @@ def _share_bins(examples, shares) -> dict[int, str]:
     return out
 
 
+def _in_bin(bins: dict, b: str) -> Callable[[int], bool]:
+    """Whether example ``i``'s visual share fell in bin ``b`` of ``bins``."""
+    return lambda i: bins.get(i) == b
+
+
 def _add_rows(result, examples, said, shares, kinds, alpha, bins) -> None:
     import math
 
@@ -195,12 +201,13 @@ def _add_rows(result, examples, said, shares, kinds, alpha, bins) -> None:
         result.add("accuracy", sum(right) / len(right), kind=kind, group="all", alpha=alpha)
         result.add("counted", len(right), kind=kind, group="all", alpha=alpha)
         if kind == "presence":
-            groups = [
+            groups: list[tuple[str, Callable[[int], bool]]] = [
                 ("present", lambda i: not examples[i].absent),
                 ("absent", lambda i: examples[i].absent),
                 ("absent near miss", lambda i: examples[i].absent and examples[i].near_miss),
             ]
-            groups += [(f"absent, share {b}", (lambda i, b=b: bins.get(i) == b)) for b in ("low", "mid", "high")] if bins else []
+            if bins:
+                groups += [(f"absent, share {b}", _in_bin(bins, b)) for b in ("low", "mid", "high")]
             for group, select in groups:
                 yes = [said[i] == "yes" for i in picked if select(i)]
                 if yes:
@@ -260,6 +267,7 @@ def _ask(pm, chunk, texts, organism: bool, share: bool, max_new_tokens: int, alp
         if organism:  # its answer is the next token
             from ..vision.organism import VOCAB
 
+            assert logits is not None  # an organism's logits come from one of the forwards above
             words = [VOCAB[j] if j < len(VOCAB) else "" for j in logits.argmax(-1).tolist()]
         else:
             out = _generate(model, inputs, max_new_tokens, spans, alpha)

@@ -24,7 +24,7 @@ class Intervention:
 
     name = "intervention"
 
-    def __init__(self, heads):
+    def __init__(self, heads) -> None:
         self.heads_spec = heads
         self.heads: dict[int, tuple[int, ...]] | None = None  # resolved by ``bind``
         self.num_layers: int | None = None

@@ -101,7 +101,8 @@ DRAW = {"words": word_key, "numbers": number_value, "uuids": uuid_value}
 
 def distinct(kind: str, n: int, rng: random.Random, exclude=()) -> list[str]:
     """``n`` different draws of ``kind`` ("words", "numbers", "uuids"), none in ``exclude``."""
-    seen, out = set(exclude), []
+    seen = set(exclude)
+    out: list[str] = []
     while len(out) < n:
         value = DRAW[kind](rng)
         if value not in seen:

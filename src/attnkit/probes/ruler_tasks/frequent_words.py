@@ -52,7 +52,8 @@ def _unambiguous(counts: Counter, top: int) -> bool:
 
 def _draw_text(tokenizer, words, weights, room: int, piece: dict, rng: random.Random) -> list[str]:
     """Zipf draws until the next word would not fit in ``room`` tokens."""
-    text, used = [], 0
+    text: list[str] = []
+    used = 0
     while True:
         w = rng.choices(words, cum_weights=weights)[0]
         ids = piece.get(w)
