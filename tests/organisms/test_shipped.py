@@ -74,7 +74,7 @@ def test_probes_and_inspect_load_an_organism_by_name(data):
     assert loaded.kind == "causal" and loaded.task["task"] == "needle" and loaded.max_positions == 64
     model, tokenizer = load_local_model(NAME)
     assert model.config.max_position_embeddings == 64
-    with pytest.raises(FileNotFoundError, match="^--model: no such directory or organism: 'needle-9k'"):
+    with pytest.raises(FileNotFoundError, match="^model: no such directory or organism: 'needle-9k'"):
         load_probe_model("needle-9k")
 
 

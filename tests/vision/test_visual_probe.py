@@ -142,7 +142,7 @@ def test_bad_input_is_named(shipped):
     with pytest.raises(ValueError, match="^amplify: "):
         run("visual", shipped, amplify=[0.0])
     if "needle-32" in organisms.shipped():
-        with pytest.raises(ValueError, match="^--model: the visual probe needs a vision-language model"):
+        with pytest.raises(ValueError, match="^model: the visual probe needs a vision-language model"):
             run("visual", "needle-32", samples=2)
 
 
