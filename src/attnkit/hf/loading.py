@@ -1,5 +1,5 @@
 """Loading a local transformers model directory, offline and in float32: the one loader
-behind ``attnkit inspect`` (``inspect.loading``) and the probes (``probes.model``).
+behind ``attnkit inspect`` (``inspection.loading``) and the probes (``probes.model``).
 
 ``name`` is what errors are prefixed with (``"model"`` for a Python argument, ``"--model"``
 where the command line asked). Callers check for transformers first (``extras.require``)
