@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -74,7 +75,7 @@ class Call:
     """What ``before_attention`` prepared for one layer's call, used by ``update`` and
     ``after_attention``."""
 
-    rope: Tensor  # (B, Nq) the RoPE positions of the call's tokens
+    rope: Tensor | None  # (B, Nq) the RoPE positions of the call's tokens (None once update took them)
     read: Read = Read.ALL_SLOTS
     slots: Tensor | None = None  # Read.SPARSE_SLOTS: the slots to gather
     step: StepCall | None = None  # the call runs in step_attention
@@ -87,6 +88,8 @@ class Call:
 class PolicyCache(Cache, HookedCache):
     """A cache for ``model.generate(..., past_key_values=cache)`` (or ``cache=``) that keeps
     what ``policy`` selects within ``budget``. Build it with ``attnkit.kv.policy_cache``."""
+
+    layers: list[PolicyLayer]  # type: ignore[assignment]  # it holds PolicyLayers only; Cache's list type is invariant
 
     def __init__(self, model, policy: Policy, budget_spec: tuple[str, float], num_layers: int):
         super().__init__(layers=[PolicyLayer() for _ in range(num_layers)])
@@ -109,7 +112,8 @@ class PolicyCache(Cache, HookedCache):
         # the layout (re-rotated keys are turned every step anyway). Such a layer's next
         # token may also take the evicted slot.
         self._masks_evictions = policy.decodes and not policy.state_outside and not policy.rerotates_keys
-        self._unobserve = None  # undoes the observing switch of a forward whose weights attnkit observes
+        # undoes the observing switch of a forward whose weights attnkit observes
+        self._unobserve: Callable[[], object] | None = None
         # the weights a policy reads are computed by the cache itself (weights.py) when the
         # model allows it; the forward then stays on the model's own attention
         modules = attention_modules(model)
@@ -152,10 +156,13 @@ class PolicyCache(Cache, HookedCache):
         )
         step = call.step
         if read is Read.PACKED_IN_PLACE:
+            assert step is not None  # _route entered step_attention for it
             step.attend = steps.packed_attend(layer._packed)
         elif read is Read.SPARSE_IN_PLACE:
+            assert step is not None  # _route entered step_attention for it
             step.attend = attend
         elif step is not None and step.attend is None and not layer.full:
+            assert layer.valid is not None  # appended to above
             step.hide = ~layer.valid  # step_attention reads every slot: the empty ones are hidden there
         return out
 
@@ -203,6 +210,7 @@ class PolicyCache(Cache, HookedCache):
     def kept_positions(self, layer: int) -> list[list[list[int]]]:
         """Token positions (indices in the padded sequence) kept by each row and KV head."""
         lay = self.layers[layer]
+        assert lay.pos is not None and lay.valid is not None  # a layer that has been filled
         return [
             [sorted(lay.pos[b, h][lay.valid[b, h]].tolist()) for h in range(lay.pos.shape[1])] for b in range(lay.pos.shape[0])
         ]
@@ -210,6 +218,7 @@ class PolicyCache(Cache, HookedCache):
     def kept_mask(self, layer: int, length: int | None = None) -> Tensor:
         """(B, Hkv, length) bool: which positions ``layer`` holds (length: tokens seen)."""
         lay = self.layers[layer]
+        assert lay.pos is not None and lay.valid is not None  # a layer that has been filled
         n = lay.seen if length is None else length
         out = torch.zeros(*lay.pos.shape[:2], n + 1, dtype=torch.bool)
         out.scatter_(2, torch.where(lay.valid, lay.pos, n).cpu(), True)
@@ -284,6 +293,7 @@ class PolicyCache(Cache, HookedCache):
             return
         call.weighed = True
         if not self._computes_weights:
+            assert self.scorer is not None  # asked only for a policy that reads weights
             self.scorer.wanted[module.layer_idx] = rows
         elif phase == "decode" and steps.runs_in_step_attention(module, Nq, self._all_real(layer.seen, 1)):
             call.step = self._switch.enter(module, kwargs)  # the step's own softmax gives its weights
@@ -418,6 +428,7 @@ class PolicyCache(Cache, HookedCache):
             if phase == "prefill" and self.policy.packs_heads:
                 layer.pack()  # nothing is evicted from here on: hold the kept entries without padding
         if self.policy.rerotates_keys:
+            assert self._inv_freq is not None  # policy_cache refuses a re-rotating policy for a model without RoPE
             target = torch.where(layer.valid, layer.valid.cumsum(-1) - 1, layer.rope)
             layer.keys = rotate(layer.keys, target - layer.rope, self._inv_freq)
             layer.rope = torch.where(layer.valid, target, -1)
@@ -430,12 +441,14 @@ class PolicyCache(Cache, HookedCache):
             mass = call.step.mass
         elif call.queries is not None:
             q, q_pos = call.queries
+            keys, valid, pos = layer.keys, layer.valid, layer.pos
+            assert keys is not None and valid is not None and pos is not None  # the call appended to the layer
             mass = received_mass(
                 q,
                 q_pos,
-                layer.keys,
-                layer.valid,
-                layer.pos,
+                keys,
+                valid,
+                pos,
                 float(module.scaling),
                 sliding_window(module),
                 phase == "prefill",
@@ -443,6 +456,7 @@ class PolicyCache(Cache, HookedCache):
                 appended=phase == "decode",
             )
         else:
+            assert self.scorer is not None  # weighed calls are those of a policy that reads weights
             mass = self.scorer.mass.pop(idx, None)
         if mass is None:
             raise ValueError(

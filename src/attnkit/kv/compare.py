@@ -15,7 +15,8 @@ from . import policy_cache
 def dynamic_cache_bytes(cache: DynamicCache) -> int:
     total = 0
     for layer in cache.layers:
-        for t in (layer.keys, layer.values):
+        # attention layers: transformers' union also names linear-attention layers (no keys), which these models lack
+        for t in (layer.keys, layer.values):  # type: ignore[union-attr]
             if t is not None:
                 total += t.numel() * t.element_size()
     return total

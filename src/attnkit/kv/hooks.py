@@ -9,6 +9,8 @@ called). They act only on forwards whose cache is a ``HookedCache``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .model_parts import attention_modules
 from .step_attention import register as register_step_attention
 
@@ -94,7 +96,7 @@ def outer_switch(module):
     return active_switch(module)[0]
 
 
-def observe(model, scorer) -> callable:
+def observe(model, scorer) -> Callable[[], object]:
     """Run the model's attention through attnkit with ``scorer`` watching; returns the
     function that undoes it. Inside an ``attnkit.hf.use`` block the scorer joins it."""
     from ..hf.switch import active_switch, use

@@ -40,7 +40,7 @@ class Room:
 
     __slots__ = ("storage",)
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.storage: Tensor | None = None
 
     def append(self, held: Tensor, new: Tensor) -> Tensor:
@@ -68,6 +68,7 @@ class Room:
             room = held.new_empty(*held.shape[:2], L + N + headroom(L + N), *held.shape[3:])
             room[:, :, :L] = held
             self.storage = room
+        assert room is not None  # reusable, or just allocated
         room[:, :, L : L + N] = new
         return room[:, :, : L + N]
 
@@ -107,8 +108,10 @@ class PolicyLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
     _packed: PackedKV | None = None
+    _keys: Tensor | None
+    _values: Tensor | None
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._packed = None
         super().__init__()
         self.valid: Tensor | None = None
@@ -116,7 +119,7 @@ class PolicyLayer(CacheLayerMixin):
         self.rope: Tensor | None = None
         #: which of ``rope`` and ``score`` the layer keeps (the cache drops what its policy
         #: never reads: two fewer writes per token); the others stay None
-        self.optional = ("rope", "score")
+        self.optional: tuple[str, ...] = ("rope", "score")
         #: a per-entry score a policy accumulates across calls, aligned with the layout
         self.score: Tensor | None = None
         #: entries each (row, KV head) may keep, fixed at prefill, (B, Hkv) long
@@ -130,7 +133,7 @@ class PolicyLayer(CacheLayerMixin):
         self.full = True
         #: the slots are in position order (False once a token filled an evicted slot)
         self.ordered = True
-        self._kept_range = None
+        self._kept_range: tuple[Tensor, int, tuple[int, int]] | None = None
         #: a token naming the arrangement of the slots: a new one whenever entries are
         #: appended, gathered, cropped or reordered (not when a token fills a hole or an
         #: entry is evicted in place), so that state kept about the arrangement (a rolling
@@ -167,9 +170,11 @@ class PolicyLayer(CacheLayerMixin):
         """Hold the keys and values without padding (``PackedKV``) when some slots are
         empty; returns whether the layer is packed. Reading ``keys``/``values`` then
         builds the padded tensors; assigning them unpacks the layer."""
-        if self._packed is None and self.is_initialized and not bool(self.valid.all()):
-            self._packed = PackedKV(self._keys, self._values, self.valid)
-            self._keys = self._values = None
+        if self._packed is None and self.is_initialized:
+            assert self._keys is not None and self._values is not None and self.valid is not None  # initialised, unpacked
+            if not bool(self.valid.all()):
+                self._packed = PackedKV(self._keys, self._values, self.valid)
+                self._keys = self._values = None
         return self._packed is not None
 
     def unpack(self) -> None:
@@ -200,8 +205,10 @@ class PolicyLayer(CacheLayerMixin):
         the previous step evicted); the layer is then full. ``slot``: the hole, when it is
         the same known slot in every (row, head) (a rolling window's ring). Returns every
         slot."""
-        B, H = self.valid.shape[:2]
         keys, values = self._keys, self._values
+        # a layer with one hole per head: initialised, unpacked (one_hole_each)
+        assert keys is not None and values is not None and self.valid is not None and self.pos is not None
+        B, H = self.valid.shape[:2]
         rope = rope.to(self.device, torch.long)[:, None, :].expand(B, H, 1)
         if slot is not None:
             h = slot
@@ -218,15 +225,15 @@ class PolicyLayer(CacheLayerMixin):
                 keys, values, self.valid, self.pos, self.rope, self.score, key_states, value_states, rope[:, 0, 0], self.seen
             )
         else:
-            slot = (~self.valid).to(torch.uint8).argmax(-1, keepdim=True)  # (B, H, 1): the hole
-            keys.scatter_(2, slot[..., None].expand(B, H, 1, keys.shape[-1]), key_states)
-            values.scatter_(2, slot[..., None].expand(B, H, 1, values.shape[-1]), value_states)
-            self.valid.scatter_(2, slot, True)
-            self.pos.scatter_(2, slot, self.seen)
+            hole = (~self.valid).to(torch.uint8).argmax(-1, keepdim=True)  # (B, H, 1): the hole
+            keys.scatter_(2, hole[..., None].expand(B, H, 1, keys.shape[-1]), key_states)
+            values.scatter_(2, hole[..., None].expand(B, H, 1, values.shape[-1]), value_states)
+            self.valid.scatter_(2, hole, True)
+            self.pos.scatter_(2, hole, self.seen)
             if self.rope is not None:
-                self.rope.scatter_(2, slot, rope)
+                self.rope.scatter_(2, hole, rope)
             if self.score is not None:
-                self.score.scatter_(2, slot, 0.0)
+                self.score.scatter_(2, hole, 0.0)
         self.seen += 1
         self.full = True
         self.ordered = False
@@ -238,6 +245,7 @@ class PolicyLayer(CacheLayerMixin):
     def evict_slot(self, h: int) -> None:
         """Evict slot ``h`` of every (row, head), in place, from a full layer: each then
         holds one hole (``fill`` takes it next)."""
+        assert self.valid is not None  # a full layer is initialised
         self.valid[:, :, h] = False
         self.full = False
         self.memo = {}
@@ -253,6 +261,7 @@ class PolicyLayer(CacheLayerMixin):
         """(fewest, most) entries kept by any (row, head); remembered for the ``valid``
         tensor it was counted on (a decoding step asks twice between two changes)."""
         valid = self.valid
+        assert valid is not None  # asked of an initialised layer
         seen = self._kept_range
         if seen is not None and seen[0] is valid and seen[1] == valid._version:
             return seen[2]
@@ -284,19 +293,21 @@ class PolicyLayer(CacheLayerMixin):
         attention that reads them where they lie)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        assert self.valid is not None and self.pos is not None  # initialised
         B, H, N = key_states.shape[:3]
         dev = self.device
         pos = torch.arange(self.seen, self.seen + N, device=dev).expand(B, H, N)
         rooms = self.rooms
         self.layout = next(_LAYOUTS)
-        known = self._kept_range
-        known = known[2] if known is not None and known[0] is self.valid and known[1] == self.valid._version else None
+        counted = self._kept_range
+        known = counted[2] if counted is not None and counted[0] is self.valid and counted[1] == self.valid._version else None
         if self._packed is not None:
             packed = self._packed
             packed.append(key_states, value_states)
             # the padded layout for this call's attention only
             keys, values = packed.materialise() if materialise else (packed.k, packed.v)
         else:
+            assert self._keys is not None and self._values is not None  # initialised, unpacked
             self._keys = keys = rooms["keys"].append(self._keys, key_states)
             self._values = values = rooms["values"].append(self._values, value_states)
         self.valid = rooms["valid"].append(self.valid, real.to(dev, torch.bool)[:, None, :].expand(B, H, N))
@@ -335,7 +346,7 @@ class PolicyLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         optional = self.optional
-        self.__init__()
+        type(self).__init__(self)
         self.optional = optional
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -350,6 +361,7 @@ class PolicyLayer(CacheLayerMixin):
             )
         if tokens_to_remove == 0 or not self.is_initialized:
             return
+        assert self.valid is not None and self.pos is not None  # initialised
         self.memo = {}
         self.layout = next(_LAYOUTS)
         packed = self._packed is not None
@@ -404,21 +416,27 @@ class PolicyLayer(CacheLayerMixin):
 
     def lengths(self) -> Tensor:
         """Entries kept per (row, KV head), (B, Hkv)."""
+        assert self.valid is not None  # asked of an initialised layer
         return self.valid.sum(-1)
 
     def compact(self, keep: Tensor) -> Tensor:
         """Keep the entries ``keep`` (B, Hkv, L) marks (never an invalid one) and gather
         them, in position order, into new tensors just long enough for the longest head.
         Returns the gather indices (B, Hkv, L'), for state kept beside the cache."""
+        assert self.valid is not None and self.pos is not None  # compacts an initialised layer
         keep = keep & self.valid
         counts = keep.sum(-1)
         new_len = int(counts.max()) if counts.numel() else 0
         # kept entries first, in position order (distinct among kept entries)
         order = torch.sort(torch.where(keep, self.pos, torch.iinfo(self.pos.dtype).max), dim=-1).indices[..., :new_len]
-        idx4 = order[..., None].expand(*order.shape, self.keys.shape[-1])
+        keys = self.keys
+        assert keys is not None  # an initialised layer
+        idx4 = order[..., None].expand(*order.shape, keys.shape[-1])
         self.memo = {}
-        self.keys = self.keys.gather(2, idx4).contiguous()
-        self.values = self.values.gather(2, order[..., None].expand(*order.shape, self.values.shape[-1])).contiguous()
+        self.keys = keys.gather(2, idx4).contiguous()
+        values = self.values
+        assert values is not None  # an initialised layer
+        self.values = values.gather(2, order[..., None].expand(*order.shape, values.shape[-1])).contiguous()
         self.valid = torch.arange(new_len, device=self.device)[None, None, :] < counts[..., None]
         self.full = bool((counts == new_len).all())
         self.ordered = True
@@ -441,6 +459,7 @@ class PolicyLayer(CacheLayerMixin):
         evicts about one entry per head, so gathering every step would copy the whole
         layer per token; this copies it once per ``slack`` tokens. Returns the gather
         indices when it compacted, else None (the layout is unchanged)."""
+        assert self.valid is not None  # drops from an initialised layer
         self.valid = self.valid & keep
         return self.settle(slack)
 
@@ -448,6 +467,7 @@ class PolicyLayer(CacheLayerMixin):
         """After entries stopped being valid (``drop``, or in place by the C++ step, which
         counts the ``kept`` (fewest, most) entries): gather the layer if more than ``slack``
         slots of its longest head are holes. Returns the gather indices, or None."""
+        assert self.valid is not None  # settles an initialised layer
         self.memo = {}
         if kept is not None:
             self._kept_range = (self.valid, self.valid._version, kept)
@@ -472,4 +492,5 @@ class PolicyLayer(CacheLayerMixin):
             return 0
         if self._packed is not None:
             return self._packed.kv_nbytes()
+        assert self._keys is not None and self._values is not None  # initialised, unpacked
         return self.rooms["keys"].nbytes(self._keys) + self.rooms["values"].nbytes(self._values)

@@ -16,7 +16,7 @@ The full cache (``policy="full"``) runs the same protocol with transformers'
 
 from __future__ import annotations
 
-import inspect as _pyinspect
+import inspect
 import time
 from dataclasses import dataclass
 
@@ -152,7 +152,7 @@ def ask(
         )
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
-    accepted = set(_pyinspect.signature(model.forward).parameters)
+    accepted = set(inspect.signature(model.forward).parameters)
     cache_arg = "cache" if "cache" in accepted else "past_key_values"
     cache = setting.cache(model)
     context = P if setting.protocol == "aware" else P - question
@@ -165,10 +165,12 @@ def ask(
         kwargs["logits_to_keep"] = 1
     model(**kwargs)
     steps = [input_ids[:, t] for t in range(P - question, P)] + [None] * max_new_tokens
-    produced, seconds, nll = [], 0.0, torch.zeros(B, dtype=torch.float64)
+    produced: list[torch.Tensor] = []
+    seconds, nll = 0.0, torch.zeros(B, dtype=torch.float64)
     out = None
     for token in steps:
         if token is None:
+            assert out is not None  # the question's tokens (at least one) ran before
             logits = out.logits[:, -1]
             if forced is None:
                 token = logits.argmax(-1)

@@ -15,9 +15,10 @@ Tensor = torch.Tensor
 class ReceivedMass(Observer):
     """Sum of the weights of the requested query rows on every key, per layer."""
 
-    def __init__(self):
-        self.wanted: dict[int, tuple[int, int]] = {}  # layer -> (lo, hi) query rows of its next call
-        self.mass: dict[int, Tensor] = {}  # layer -> (B, Hq, Nk) of its last call
+    def __init__(self) -> None:
+        # keyed by CallInfo.layer (None for a call no layer index names)
+        self.wanted: dict[int | None, tuple[int, int]] = {}  # layer -> (lo, hi) query rows of its next call
+        self.mass: dict[int | None, Tensor] = {}  # layer -> (B, Hq, Nk) of its last call
         self._acc: Tensor | None = None
         self._rows: tuple[int, int] | None = None
 
@@ -35,6 +36,7 @@ class ReceivedMass(Observer):
 
     def update(self, tile: AttentionTile) -> None:
         q0, k0, b0 = tile.starts
+        assert self._rows is not None  # begin ran for this call
         lo, hi = self._rows
         a, b = max(lo - q0, 0), min(hi - q0, len(tile.q_pos))
         if a >= b:

@@ -12,12 +12,16 @@ right after (and at the end of the forward, whatever happens in between).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..kernels.cpu import kv as native_kv
 
 Tensor = torch.Tensor
 NAME = "attnkit_kv_step"
+#: a C++ step's attention over the cache's own storage: (query, key, value, scaling) -> output
+Attend = Callable[[Tensor, Tensor, Tensor, float], Tensor]
 _registered = False
 
 
@@ -36,12 +40,12 @@ class StepCall:
 
     __slots__ = ("attend", "hide", "mass")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.hide: Tensor | None = None  # (B, Hkv, L) slots the query must not see, set by the cache's update
         self.mass: Tensor | None = None  # (B, Hq, L) the step's softmax weights, set here
         #: set by the cache's update when the call runs one of kernels.cpu.kv's C++ steps (packed
         #: heads, Quest's pages, a prefill with its mass): (query, key, value, scaling) -> output
-        self.attend = None
+        self.attend: Attend | None = None
 
 
 def step_attention(
@@ -59,6 +63,7 @@ def step_attention(
     the keys per query head: (B, 1, Hq, Dv) as transformers' attention functions return,
     and the weights left in ``attnkit_kv_step.mass``."""
     call = attnkit_kv_step
+    assert call is not None  # the cache names this function only for a call it gave a StepCall
     if call.attend is not None:  # the key and value the module passes are the cache's own storage
         return call.attend(query, key, value, query.shape[-1] ** -0.5 if scaling is None else scaling), None
     B, Hq, _, D = query.shape

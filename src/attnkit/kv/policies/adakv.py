@@ -21,6 +21,7 @@ class AdaKV(SnapKV):
     name = "adakv"
     paper = "arXiv:2407.11550"
     params = {"window": 32, "kernel": 5, "pooling": "max", "floor": 0.2}
+    floor: float
 
     def check(self) -> None:
         super().check()

@@ -19,6 +19,7 @@ class H2O(Policy):
     name = "h2o"
     paper = "arXiv:2306.14048"
     params = {"recent": 0.5}
+    recent: float
     needs_weights = True
     decodes = True
     keeps_score = True
@@ -37,6 +38,7 @@ class H2O(Policy):
         return torch.floor(capacity.to(torch.float64) * self.recent).to(torch.long)
 
     def select(self, step: Step) -> torch.Tensor:
+        assert step.mass is not None  # needs_weights: the cache hands over the call's weights
         step.score += group_mean(step.mass, step.keys.shape[1]).to(torch.float64)
         r = self._recent(step.capacity)
         recent = last(step.valid, r, step.order)

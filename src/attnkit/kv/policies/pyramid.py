@@ -25,6 +25,7 @@ class PyramidKV(SnapKV):
     name = "pyramid"
     paper = "arXiv:2406.02069"
     params = {"window": 32, "kernel": 5, "pooling": "max", "beta": 20}
+    beta: float
 
     def check(self) -> None:
         super().check()

@@ -100,6 +100,7 @@ def layer_extremes(layer, page_size: int, room: bool = False) -> tuple[Tensor, T
     L = layer.length
     P = math.ceil(L / page_size)
     memo = layer.memo.get("quest_pages")
+    stored: list[Tensor] | None
     if memo is None or memo[3] != page_size or memo[4] > L:
         stored, p0 = None, 0
     else:
@@ -110,6 +111,7 @@ def layer_extremes(layer, page_size: int, room: bool = False) -> tuple[Tensor, T
         tail = _pages_from(layer, p0, P, page_size)
     if stored is None or stored[0].shape[2] < P + 1:  # room for the page after the slots, and a few more
         like = tail if stored is None else stored
+        assert like is not None  # without stored pages, tail holds them all
         grown = [t.new_empty(*t.shape[:2], P + 1 + P // 16, *t.shape[3:]) for t in like]
         for new, old in zip(grown, stored or ()):
             new[:, :, :p0] = old[:, :, :p0]
@@ -118,7 +120,8 @@ def layer_extremes(layer, page_size: int, room: bool = False) -> tuple[Tensor, T
         for into, part in zip(stored, tail):
             into[:, :, p0:P] = part
     layer.memo["quest_pages"] = (*stored, page_size, L)
-    return tuple(stored) if room else tuple(t[:, :, :P] for t in stored)
+    kmin, kmax, has = stored
+    return (kmin, kmax, has) if room else (kmin[:, :, :P], kmax[:, :, :P], has[:, :, :P])
 
 
 def _first_open_page(layer, upto: int, page_size: int) -> int:
@@ -195,6 +198,9 @@ class Quest(Policy):
     name = "quest"
     paper = "arXiv:2406.10774"
     params = {"page_size": 16, "dense_layers": 2, "heads": "query"}
+    page_size: int
+    dense_layers: int
+    heads: str
     recomputes_queries = True  # the pages are chosen by each step's query
     sparse_reads = True
     sparse_reads_in_place = True  # kernels.cpu.kv.quest_attention
@@ -262,7 +268,7 @@ class Quest(Policy):
         read = read[..., : read.shape[-1] - (P * size - L)]
         return torch.cat([read, torch.full((B, H, 1), L, dtype=read.dtype, device=read.device)], -1)
 
-    def read_in_place(self, layer, budget):
+    def read_in_place(self, layer, budget: tuple[str, float]):
         """The step in C++ (``kernels.cpu.kv.quest_attention``): pages chosen by their
         bounds from the model's own query, attention over them and the new token, the new
         key folded into the pages' extremes (kept in ``layer.memo``, which then covers

@@ -57,6 +57,7 @@ class Selective(Policy):
 
     def select(self, step: Step) -> Tensor:
         extra = step.extra
+        assert extra is not None  # what before gathered for this call
         selector = extra["switch"].mechanisms[step.layer].selector_head
         valid = step.valid[:, 0]  # one set per row: every head keeps the same entries
         held = torch.zeros_like(valid)

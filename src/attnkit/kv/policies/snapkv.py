@@ -68,6 +68,9 @@ class SnapKV(Policy):
     name = "snapkv"
     paper = "arXiv:2404.14469"
     params = {"window": 32, "kernel": 5, "pooling": "max"}
+    window: int
+    kernel: int
+    pooling: str
     needs_weights = True
     packs_heads = True
 

@@ -23,6 +23,8 @@ class Streaming(Policy):
     name = "streaming"
     paper = "arXiv:2309.17453"
     params = {"sinks": 4, "positions": "original"}
+    sinks: int
+    positions: str
     decodes = True
     rolling = True
 
@@ -32,7 +34,7 @@ class Streaming(Policy):
             raise ValueError(f"positions: expected 'original' or 'cache', got {self.positions!r}")
 
     @property
-    def rerotates_keys(self) -> bool:
+    def rerotates_keys(self) -> bool:  # type: ignore[override]  # Policy's class flag, here read from ``positions``
         return self.positions == "cache"
 
     def select(self, step: Step) -> torch.Tensor:

@@ -26,6 +26,7 @@ class TOVA(Policy):
         return (q_len - 1, q_len)
 
     def select(self, step: Step) -> torch.Tensor:
+        assert step.mass is not None  # needs_weights: the cache hands over the call's weights
         score = step.mass.to(torch.float64).mean(1, keepdim=True).expand(-1, step.keys.shape[1], -1)
         return top(score, step.valid, step.capacity, step.order)
 
