@@ -8,11 +8,21 @@ attention lambda, talking-heads matrices, an adaptive span — train with the mo
 - ``reference(q, k, v, **call)``: the paper's formula written as literally as possible,
   O(N^2) where the paper is; the oracle its fast path is tested against;
 - ``forward(q, k, v, **call)``: the fast path built on ``attnkit.kernels``. The base
-  class's ``forward`` is a template: options checked, request made, ``reference`` run
-  for ``backend="reference"`` or else ``fast_path``, observers fed (``observe_call``),
-  the output checked. A mechanism on the tile engine fills in ``fast_path`` and
-  ``observe_call`` (and declares ``backends``, ``has_lse``, ``takes_sinks``) instead of
-  writing that preamble; one whose call differs overrides ``forward`` itself.
+  class's ``forward`` is a template: options checked, request made (``call_request``),
+  ``reference`` run for ``backend="reference"`` (``reference_result``) or else
+  ``fast_path``, observers fed (``observe_call``), the output checked. A mechanism
+  fills in those hooks (and declares ``backends``, ``has_lse``, ``takes_sinks``) instead
+  of writing that preamble; one whose call differs overrides ``forward`` itself and says
+  why. Two extensions of the template serve mechanisms with more to a call:
+
+  - ``call_keywords``: the mechanism's own keyword arguments (forgetting attention's
+    gates, ``initial_state`` / ``return_state`` of a ``cache_state`` mechanism); the
+    template takes those names besides ``attnkit.attention``'s, hands the ones given to
+    every hook by name, and then returns ``call_result`` (which adds the state);
+  - a run (``fast_path``, ``reference_result``) returns ``(out, lse or None)`` and may
+    add a third item, what it found that ``observe_call`` and ``call_result`` need (the
+    keys top-k kept, the selection state selective attention accumulated); they then
+    receive it after their usual arguments.
 
 Both take the SDPA layout — q (B, Hq, Nq, D), k (B, Hkv, Nk, D), v (B, Hkv, Nk, Dv) —
 and the keyword arguments of ``attnkit.attention`` that make sense for them (``mask``,
@@ -74,6 +84,8 @@ class Mechanism(nn.Module):
     has_lse: bool = True
     #: whether attention sinks are supported
     takes_sinks: bool = False
+    #: the template's keyword arguments beyond ``attnkit.attention``'s (see above)
+    call_keywords: tuple[str, ...] = ()
 
     def forward(
         self,
@@ -90,10 +102,16 @@ class Mechanism(nn.Module):
         check_finite=True,
         observers=None,
         layer=None,
+        **own,
     ):
         """The template: check the options, make the request (``call_request``), run the
         literal ``reference`` for ``backend="reference"`` or else ``fast_path``, feed
-        ``observers`` (``observe_call``), refuse a non-finite output (``check_finite``)."""
+        ``observers`` (``observe_call``), refuse a non-finite output (``check_finite``).
+        ``own``: those of the mechanism's ``call_keywords`` given; with them, the call
+        returns ``call_result``."""
+        for name in own:
+            if name not in self.call_keywords:  # as Python words it for a keyword forward does not take
+                raise TypeError(f"Mechanism.forward() got an unexpected keyword argument {name!r}")
         check_options(
             self.name,
             sinks=sinks,
@@ -103,34 +121,43 @@ class Mechanism(nn.Module):
             lse=self.has_lse,
             allow_sinks=self.takes_sinks,
         )
-        req = self.call_request(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks)
+        req = self.call_request(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks, **own)
         if backend == "reference":
-            out, lse = self.reference_result(req, q, k, v, mask=mask, score=score, scale=scale, sinks=sinks)
+            ran = self.reference_result(req, q, k, v, mask=mask, score=score, scale=scale, sinks=sinks, **own)
         else:
-            out, lse = self.fast_path(req, backend)
+            ran = self.fast_path(req, backend, **own)
+        out, lse, found = ran[0], ran[1], ran[2:]  # found: () or (what the run leaves for the hooks after it,)
         if observers:
-            self.observe_call(req, lse, observers, layer)
+            self.observe_call(req, lse, observers, layer, *found, **own)
         finish(req, out, check_finite)
+        if own:
+            return self.call_result(req, out, lse, return_lse, *found, **own)
         return (out, lse) if return_lse else out
 
-    def call_request(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None) -> Request:
+    def call_request(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, **own) -> Request:
         """The kernels' request for a call (a mechanism that adds its own mask overrides this)."""
         return make_request(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks)
 
-    def reference_result(self, req: Request, q, k, v, *, mask=None, score=None, scale=None, sinks=None):
+    def reference_result(self, req: Request, q, k, v, *, mask=None, score=None, scale=None, sinks=None, **own):
         """(out, lse or None) of ``reference`` for the template's ``backend="reference"``."""
-        call = dict(mask=mask, score=score, scale=scale, **({"sinks": sinks} if sinks is not None else {}))
+        call = dict(mask=mask, score=score, scale=scale, **({"sinks": sinks} if sinks is not None else {}), **own)
         if self.has_lse:
             return self.reference(q, k, v, return_lse=True, **call)
         return self.reference(q, k, v, **call), None
 
-    def fast_path(self, req: Request, backend: str):
-        """The fast path of the template ``forward``: (out, lse or None)."""
+    def fast_path(self, req: Request, backend: str, **own):
+        """The fast path of the template ``forward``: (out, lse or None), and optionally
+        what it found for ``observe_call`` and ``call_result``."""
         raise NotImplementedError(f"{type(self).__name__} has no fast_path; it overrides forward instead")
 
-    def observe_call(self, req: Request, lse, observers, layer) -> None:
+    def observe_call(self, req: Request, lse, observers, layer, found=None, **own) -> None:
         """Feed ``observers`` the weights the call applied (template ``forward``)."""
         raise ValueError(f"observers: mechanism {self.name!r} cannot feed observers")
+
+    def call_result(self, req: Request, out, lse, return_lse: bool, found=None, **own):
+        """What a template call given own keywords returns (``return_state=True`` adds a
+        state); without them, and by default, ``(out, lse)`` for ``return_lse``, else ``out``."""
+        return (out, lse) if return_lse else out
 
     def initial_state_for(self, state, new_tokens: int):
         """``cache_state`` mechanisms: the ``initial_state`` of a call adding ``new_tokens``

@@ -33,7 +33,7 @@ class MixedSoftmaxMechanism(Mechanism):
         """(out, lse) by the paper's dense formula."""
         raise NotImplementedError
 
-    def call_request(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None) -> Request:
+    def call_request(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, **own) -> Request:
         req = request(q, k, v, mask=mask, score=score, scale=scale)
         self._check(req)
         return req

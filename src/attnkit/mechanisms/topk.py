@@ -41,7 +41,7 @@ from ..kernels.engine import (
     run_kernel,
     safe_lse,
 )
-from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish, request
+from ..kernels.mechanism_call import dense_logits, dense_values, request
 from ..kernels.plan import FULL_SEG
 from ..kernels.request import Request
 from ..mods.masks import Causal, band_of
@@ -248,38 +248,22 @@ class TopK(Mechanism):
     def extra_repr(self) -> str:
         return super().extra_repr() + f", k={self.k}"
 
-    def forward(
-        self,
-        q,
-        k,
-        v,
-        *,
-        mask=None,
-        score=None,
-        scale=None,
-        sinks=None,
-        return_lse=False,
-        backend="auto",
-        check_finite=True,
-        observers=None,
-        layer=None,
-    ):
-        check_options(self.name, sinks=sinks, backend=backend)
-        req = request(q, k, v, mask=mask, score=score, scale=scale)
-        if backend == "reference":
-            out, lse = self.reference(q, k, v, mask=mask, score=score, scale=scale, return_lse=True)
-        elif req.q_len == 0 or req.k_len == 0:
-            out, lse = empty_result(req)
-        else:
-            params = [p for p in (req.score.parameters() if req.score is not None else []) if p.requires_grad]
-            out, lse, chosen, weights, kept, visible = _TopKAttention.apply(
-                self.k, req, len(params), req.q, req.k, req.v, *params
-            )
-            _kept_report(self, kept, visible)
-            if observers:
-                call = _call_info(req, layer, self.name)
-                feed(observers, call, no_grad_steps(_topk_tiles(req, chosen, weights, call)))
-        return _result(req, out, lse, return_lse, check_finite)
+    def fast_path(self, req, backend):
+        """(out, lse) and, for observers, the kept keys and their weights of every row."""
+        if req.q_len == 0 or req.k_len == 0:
+            return empty_result(req)
+        params = [p for p in (req.score.parameters() if req.score is not None else []) if p.requires_grad]
+        out, lse, chosen, weights, kept, visible = _TopKAttention.apply(self.k, req, len(params), req.q, req.k, req.v, *params)
+        _kept_report(self, kept, visible)
+        return out, lse, (chosen, weights)
+
+    def observe_call(self, req, lse, observers, layer, found=None):
+        """The fast path's kept weights; the reference and an empty call feed no observers."""
+        if found is None:
+            return
+        chosen, weights = found
+        call = _call_info(req, layer, self.name)
+        feed(observers, call, no_grad_steps(_topk_tiles(req, chosen, weights, call)))
 
     def reference(self, q, k, v, *, mask=None, score=None, scale=None, return_lse=False, **_):
         """Keep ``topk(s, k)`` of every row (masked logits are -inf and never win over a
@@ -309,11 +293,6 @@ def _topk_tiles(req: Request, chosen: Tensor, weights: Tensor, call: CallInfo):
             inside = (pos >= k0) & (pos < k1)
             w = blk.zeros(k1 - k0).scatter_add_(-1, (pos - k0).clamp(0, k1 - k0 - 1), p * inside)
             yield AttentionTile(call, blk.rows, blk.q_positions, torch.arange(k0, k1), w, blk.logits(kind, k0, k1))
-
-
-def _result(req: Request, out: Tensor, lse: Tensor, return_lse: bool, check_finite: bool):
-    finish(req, out, check_finite)
-    return (out, lse) if return_lse else out
 
 
 # --------------------------------------------------------------------------- Top-θ
@@ -436,38 +415,30 @@ class TopTheta(Mechanism):
             )
         return theta
 
-    def forward(
-        self,
-        q,
-        k,
-        v,
-        *,
-        mask=None,
-        score=None,
-        scale=None,
-        sinks=None,
-        return_lse=False,
-        backend="auto",
-        check_finite=True,
-        observers=None,
-        layer=None,
-    ):
-        """``return_lse`` returns the log of the (compensated) softmax denominator."""
-        check_options(self.name, sinks=sinks, backend=backend)
+    def call_request(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None):
         req = request(q, k, v, mask=mask, score=score, scale=scale)
-        theta = self._check(req)
-        if backend == "reference":
-            out, lse = self.reference(q, k, v, mask=mask, score=score, scale=scale, return_lse=True)
-            return _result(req, out, lse, return_lse, check_finite)
+        self._check(req)
+        return req
+
+    def fast_path(self, req, backend):
+        """(out, lse) with ``lse`` the log of the (compensated) softmax denominator and, for
+        observers, the kernel, its statistics and each row's kept mass."""
+        theta = self.thresholds
+        assert theta is not None  # call_request checked
         kernel = TopThetaKernel(theta)
         out, stats = run_kernel(req, kernel)
         _kept_report(self, stats["kept"], stats["visible"])
         out, lse, kept_mass = self._compensate(req, theta, out, stats["lse"], stats["kept"], stats["visible"])
-        if observers:
-            call = _call_info(req, layer, self.name)
-            tiles = kernel_tiles(req, kernel, {"lse": stats["lse"]}, call)
-            feed(observers, call, self._compensated_tiles(req, tiles, kept_mass, stats["visible"]))
-        return _result(req, out, lse, return_lse, check_finite)
+        return out, lse, (kernel, stats, kept_mass)
+
+    def observe_call(self, req, lse, observers, layer, found=None):
+        """The weights the output is made of (``_compensated_tiles``); the reference feeds no observers."""
+        if found is None:
+            return
+        kernel, stats, kept_mass = found
+        call = _call_info(req, layer, self.name)
+        tiles = kernel_tiles(req, kernel, {"lse": stats["lse"]}, call)
+        feed(observers, call, self._compensated_tiles(req, tiles, kept_mass, stats["visible"]))
 
     def _compensated_tiles(self, req: Request, tiles, kept_mass: Tensor, visible: Tensor):
         """The weights the output is made of: kept weights times the kept mass, plus (V-mean
