@@ -30,7 +30,7 @@ from torch import nn
 
 from ..kernels import chunked_attention, empty_result, make_request
 from ..kernels.engine import dense_index
-from ..kernels.mechanism_call import check_options, finish, observe_softmax_as, request
+from ..kernels.mechanism_call import observe_softmax_as, request
 from ..kernels.request import Request
 from ..mods import alibi_slopes
 from .base import Mechanism, register
@@ -45,6 +45,9 @@ class Forgetting(Mechanism):
     or learned per head (``num_heads=``)."""
 
     paper = "arXiv:2503.02130"
+    takes_sinks = True
+    #: the gates of a call (without them, the learned ones: ``num_heads=``)
+    call_keywords = ("forget", "log_forget")
 
     def __init__(self, num_heads: int | None = None):
         super().__init__()
@@ -119,44 +122,19 @@ class Forgetting(Mechanism):
             q2, k2, v.to(dtype), mask=req.mask, score=req.score, scale=req.scale, sinks=req.sinks, return_lse=True
         )
 
-    def forward(
-        self,
-        q,
-        k,
-        v,
-        *,
-        mask=None,
-        score=None,
-        scale=None,
-        sinks=None,
-        return_lse=False,
-        backend="auto",
-        check_finite=True,
-        observers=None,
-        layer=None,
-        forget=None,
-        log_forget=None,
-    ):
-        check_options(self.name, sinks=sinks, backend=backend, allow_sinks=True)
-        req = request(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks)
-        if backend == "reference":
-            out, lse = self.reference(
-                q, k, v, mask=mask, score=score, scale=scale, sinks=sinks, return_lse=True, forget=forget, log_forget=log_forget
-            )
-            aug = None
-        elif req.q_len == 0 or req.k_len == 0:
+    def fast_path(self, req, backend, forget=None, log_forget=None):
+        """(out, lse) and the request it ran: the call as plain softmax attention (``_augmented``)."""
+        if req.q_len == 0 or req.k_len == 0:
             self.log_gates(req, forget, log_forget)  # still checked
-            out, lse = empty_result(req)
-            aug = req
-        else:
-            aug = self._augmented(req, self.log_gates(req, forget, log_forget))
-            out, lse = chunked_attention(aug)
-            out = out.to(q.dtype)
-        if observers:
-            aug = aug or self._augmented(req, self.log_gates(req, forget, log_forget))
-            observe_softmax_as(aug, lse, observers, layer, self.name)
-        finish(req, out, check_finite)
-        return (out, lse) if return_lse else out
+            return (*empty_result(req), req)
+        aug = self._augmented(req, self.log_gates(req, forget, log_forget))
+        out, lse = chunked_attention(aug)
+        return out.to(req.q.dtype), lse, aug
+
+    def observe_call(self, req, lse, observers, layer, found=None, forget=None, log_forget=None):
+        # the request the fast path ran, or (after the reference) the same made here
+        aug = found or self._augmented(req, self.log_gates(req, forget, log_forget))
+        observe_softmax_as(aug, lse, observers, layer, self.name)
 
     def reference(
         self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, return_lse=False, forget=None, log_forget=None, **_

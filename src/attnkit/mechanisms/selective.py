@@ -43,7 +43,7 @@ from ..kernels.engine import (
     safe_lse,
     softmax_backward_terms,
 )
-from ..kernels.mechanism_call import check_options, dense_logits, dense_values, finish, request
+from ..kernels.mechanism_call import dense_logits, dense_values, request
 from ..kernels.request import Request
 from .base import Mechanism, register
 from .key_masks import split_key_masks
@@ -144,6 +144,10 @@ class Selective(Mechanism):
     paper = "arXiv:2410.02703"
     # F of earlier queries travels beside the KV cache (initial_state / return_state).
     cache_state = True
+    #: ``initial_state`` (B, Nk): F accumulated by queries before this call (e.g. while
+    #: decoding with a KV cache; a constant). ``return_state=True`` also returns the F the
+    #: next query will see, (B, Nk) float64.
+    call_keywords = ("initial_state", "return_state")
 
     def __init__(self, selector_head: int = 0):
         super().__init__()
@@ -174,50 +178,30 @@ class Selective(Mechanism):
                     f"by earlier queries, got {getattr(initial_state, 'shape', initial_state)!r}"
                 )
 
-    def forward(
-        self,
-        q,
-        k,
-        v,
-        *,
-        mask=None,
-        score=None,
-        scale=None,
-        sinks=None,
-        return_lse=False,
-        backend="auto",
-        check_finite=True,
-        observers=None,
-        layer=None,
-        initial_state=None,
-        return_state=False,
-    ):
-        """``initial_state`` (B, Nk): F accumulated by queries before this call (e.g. while
-        decoding with a KV cache; a constant). ``return_state=True`` also returns the F the
-        next query will see, (B, Nk) float64."""
-        check_options(self.name, sinks=sinks, backend=backend)
+    def call_request(self, q, k, v, *, mask=None, score=None, scale=None, sinks=None, initial_state=None, **_):
         req = request(q, k, v, mask=mask, score=score, scale=scale)
         self._check(req, initial_state)
-        if backend == "reference" or torch.compiler.is_compiling():
+        return req
+
+    def reference_result(self, req, q, k, v, *, initial_state=None, **_):
+        return self._dense(req, initial_state)
+
+    def fast_path(self, req, backend, initial_state=None, **_):
+        """(out, lse, F the next query will see)."""
+        if torch.compiler.is_compiling():
             # Compiled: the dense form. The tiled kernel keeps F in its own attributes from
             # block to block and from the forward to the backward, state that Dynamo refuses
             # to let an autograd.Function mutate.
-            out, lse, state = self._dense(req, initial_state)
-        else:
-            kernel = SelectiveKernel(self.selector_head, initial_state, first_keys(req))
-            out, stats = run_kernel(req, kernel)
-            lse = stats["lse"]
-            state = kernel.total if kernel.total is not None else _initial(req, initial_state)
-        if observers:
-            observe_kernel(
-                req,
-                SelectiveKernel(self.selector_head, initial_state, first_keys(req)),
-                {"lse": lse},
-                observers,
-                layer,
-                self.name,
-            )
-        finish(req, out, check_finite)
+            return self._dense(req, initial_state)
+        kernel = SelectiveKernel(self.selector_head, initial_state, first_keys(req))
+        out, stats = run_kernel(req, kernel)
+        return out, stats["lse"], kernel.total if kernel.total is not None else _initial(req, initial_state)
+
+    def observe_call(self, req, lse, observers, layer, state=None, initial_state=None, **_):
+        kernel = SelectiveKernel(self.selector_head, initial_state, first_keys(req))
+        observe_kernel(req, kernel, {"lse": lse}, observers, layer, self.name)
+
+    def call_result(self, req, out, lse, return_lse, state=None, return_state=False, **_):
         result = (out, lse) if return_lse else (out,)
         if return_state:
             result += (state,)
