@@ -186,6 +186,7 @@ class AdaptiveSpan(Mechanism):
             out, lse = add_sinks(out, lse, sinks)
         return out, lse
 
+    # not the template: the fast path re-requests the call as given (the user's mask and score) with other span bands
     def forward(
         self,
         q,

@@ -195,6 +195,7 @@ class BlockSparsePrefill(Mechanism):
             )
         return req
 
+    # not the template: its own checks and messages (causal mask only, no score or sinks, 'auto' or 'reference')
     def forward(
         self,
         q,

@@ -95,6 +95,7 @@ class Differential(Mechanism):
             make_request(q2, k2, v, mask=mask, score=score, scale=scale, return_lse=True),
         )
 
+    # not the template: two requests (one per half of q and k), run as one call whose lse is made only for observers
     def forward(
         self,
         q,

@@ -286,6 +286,7 @@ class HyperAttention(Mechanism):
 
     # ------------------------------------------------------------------ fast path
 
+    # not the template: its own checks and messages (no mask or causal, no score or sinks, 'auto' or 'reference')
     def forward(
         self,
         q,

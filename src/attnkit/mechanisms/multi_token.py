@@ -120,6 +120,7 @@ class MultiToken(MixedSoftmaxMechanism):
         if req.heads != self.num_heads:
             raise ValueError(f"multi_token: kernels for {self.num_heads} heads but the call has Hq={req.heads}")
 
+    # wraps the template: initial_state is checked before its options and runs again as the call's first rows
     def forward(self, q, k, v, *, initial_state=None, return_state=False, return_lse=False, **call):
         """``initial_state`` (B, Hq, m, D), m <= cq - 1: the last queries before this call
         (decoding with a KV cache), which the convolution over queries looks back to; they

@@ -658,6 +658,7 @@ class NativeSparseAttention(Mechanism):
 
     # ------------------------------------------------------------------ fast path
 
+    # not the template: its own checks and messages (causal, right padding only, no score, sinks or lse) and gates
     def forward(
         self,
         q,

@@ -386,6 +386,7 @@ class NeighborhoodAttention(Mechanism):
         out = torch.matmul(p, req.v.to(cd).repeat_interleave(req.heads // req.kv_heads, 1)).to(req.q.dtype)
         return out, lse
 
+    # not the template: its own visibility and checks (masks other than causal or padding refused), its messages
     def forward(
         self,
         q,

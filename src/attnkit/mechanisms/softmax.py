@@ -11,6 +11,7 @@ from .base import Mechanism, register
 class Softmax(Mechanism):
     paper = "arXiv:1706.03762"
 
+    # not the template: the call is kernels/run.py's exact softmax attention (every backend, sinks, its observed path)
     def forward(self, q, k, v, **call):
         return softmax_attention(q, k, v, **call)
 

@@ -126,6 +126,7 @@ class LinearAttention(Mechanism):
 
     # ------------------------------------------------------------------ calls
 
+    # not the template: a recurrence, no Request: its forms as backends, its own option errors, a LinearState back
     def forward(
         self,
         q,
