@@ -35,3 +35,33 @@ def test_lse_gradient_enters_through_the_extra_column():
         assert_close(c, d)
     # the lse term matters here: without it the gradients differ
     assert (want[0] - want_no_lse[0]).abs().max() > 1e-2
+
+
+def test_key_offsets_of_minus_inf_stay_on_the_op_and_hide_whole_causal_rows(monkeypatch):
+    """Per-key offsets with -inf (keys hidden from every query, as an ablation of image
+    keys hides them) go to the op with its causal mask; the rows of a causal segment whose
+    visible keys are all hidden are reported dead. Values and gradients equal the float64
+    reference, the first rows (which see only hidden keys) included in the values."""
+    import attnkit
+    import attnkit.kernels.fused as fused
+    from attnkit.steer.mods import KeyBias
+
+    calls = []
+    original = fused._dead_causal
+    monkeypatch.setattr(fused, "_dead_causal", lambda *a: calls.append(1) or original(*a))
+    torch.manual_seed(0)
+    B, H, N = 2, 3, 300
+    q, k, v = (torch.randn(B, H, N, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    table = torch.zeros(B, H, N, dtype=torch.float64)
+    table[:, :, :5] = -math.inf  # rows 0..4 see no key
+    table[:, :, 100:250] = -math.inf  # a span in the middle, as an image's keys
+    table[1, 1] = 0.0  # one head of one row hides nothing
+    call = dict(mask=attnkit.causal(), score=KeyBias(table))
+    out = attnkit.attention(q, k, v, backend="chunked", **call)
+    ref = attnkit.attention(q, k, v, backend="reference", **call)
+    assert calls  # the op path, not dense tiles
+    assert_close(out, ref)
+    grads = torch.autograd.grad(out[:, :, 5:].sum(), (q, k, v))
+    want = torch.autograd.grad(ref[:, :, 5:].sum(), (q, k, v))
+    for got, exp in zip(grads, want):
+        assert_close(got, exp)

@@ -113,13 +113,18 @@ def segment_inputs(
     if seg.kind in (FULL_SEG, CAUSAL_SEG) and affine.key_only:
         # A per-key offset row: the op broadcasts it over the queries and applies it with
         # its own causal mask (checked against the dense formula), so no dense tile is
-        # formed. A -inf offset could hide a causal row wholly: left to the dense path.
+        # formed. A -inf offset (keys hidden, as an ablation hides them) can hide a row
+        # wholly: those rows are found from the offsets alone and reported dead.
         parts = affine.separable_bias(tile.b.view(-1), tile.h_flat, tile.q_flat, tile.k_flat, "left")
         assert parts is not None  # key-only biases separate on either side of the diagonal
         row, col = parts
-        if not torch.compiler.is_compiling() and not bool(torch.isneginf(col).any()):  # compiled: the dense path
+        if not torch.compiler.is_compiling():  # compiled: the dense path (no data branch)
             per_key = col[None, :, None, :] if col.dim() == 2 else col[:, :, None, :]
-            return SegmentInputs(attn_mask=per_key.to(mask_dtype), is_causal=seg.kind == CAUSAL_SEG)
+            dead = None
+            if bool(torch.isneginf(col).any()):
+                rows = block.q1 - block.q0
+                dead = _dead_causal(col, rows) if seg.kind == CAUSAL_SEG else _dead_separable(row, col)
+            return SegmentInputs(attn_mask=per_key.to(mask_dtype), is_causal=seg.kind == CAUSAL_SEG, dead_rows=dead)
     if seg.kind == FULL_SEG:
         q_first, q_last = q_start + block.q0, q_start + block.q1 - 1
         side = "left" if seg.k1 - 1 <= q_first else "right" if seg.k0 >= q_last else None
@@ -148,6 +153,16 @@ def _dead_separable(row: Tensor, col: Tensor) -> Tensor | None:
     dead = torch.isneginf(row) | torch.isneginf(col).all(dim=-1, keepdim=True)
     dead = dead if dead.dim() == 3 else dead[None]
     return dead if torch.compiler.is_compiling() or bool(dead.any()) else None  # compiled: no data branch
+
+
+def _dead_causal(col: Tensor, rows: int) -> Tensor | None:
+    """Rows of a causal segment (op row r sees the segment's keys 0..r) whose visible keys
+    all have offset -inf: r below the first finite offset. ``col`` (H, span) or (B, H, span)."""
+    finite = torch.isfinite(col)
+    first = torch.where(finite.any(-1), finite.to(torch.uint8).argmax(-1), col.shape[-1])
+    dead = torch.arange(rows) < first.unsqueeze(-1)
+    dead = dead if dead.dim() == 3 else dead[None]
+    return dead if bool(dead.any()) else None
 
 
 def _dead_rows(attn_mask: Tensor) -> Tensor | None:
