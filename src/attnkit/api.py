@@ -3,12 +3,71 @@ mechanisms go to ``attnkit.mechanisms``, exact softmax attention to ``kernels/ru
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 
 from .kernels import explain_request, make_request
 from .kernels.run import softmax_attention
 
 Tensor = torch.Tensor
+
+
+@overload
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask=None,
+    score=None,
+    scale: float | None = None,
+    sinks: Tensor | None = None,
+    return_lse: Literal[False] = ...,
+    backend: str = "auto",
+    check_finite: bool = True,
+    mechanism=None,
+    observers=None,
+    layer: int | None = None,
+) -> Tensor: ...
+
+
+@overload
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask=None,
+    score=None,
+    scale: float | None = None,
+    sinks: Tensor | None = None,
+    return_lse: Literal[True],
+    backend: str = "auto",
+    check_finite: bool = True,
+    mechanism=None,
+    observers=None,
+    layer: int | None = None,
+) -> tuple[Tensor, Tensor]: ...
+
+
+@overload
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask=None,
+    score=None,
+    scale: float | None = None,
+    sinks: Tensor | None = None,
+    return_lse: bool = ...,
+    backend: str = "auto",
+    check_finite: bool = True,
+    mechanism=None,
+    observers=None,
+    layer: int | None = None,
+) -> Tensor | tuple[Tensor, Tensor]: ...
 
 
 def attention(

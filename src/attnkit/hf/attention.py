@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import cast  # attention() is typed Tensor | (out, lse): without return_lse it is the Tensor
 
 import torch
 
@@ -132,10 +131,7 @@ def attnkit_attention_forward(
         keep = _padding_keep(model.mask)
         model.steer = list(edit.scores(layer, query, key, keep))
     if switch is None or not switch.applies_to(layer):
-        out = cast(
-            Tensor,
-            attention(query, key, value, mask=model.mask, score=model.score() or None, scale=model.scale, sinks=model.sinks),
-        )
+        out = attention(query, key, value, mask=model.mask, score=model.score() or None, scale=model.scale, sinks=model.sinks)
     else:
         out = _switched(switch, layer, query, key, value, model)
     if edit is not None:
@@ -163,9 +159,7 @@ def _switched(switch, layer, query, key, value, model: ModelAttention) -> Tensor
         mask = model.mask if switch.mask is None else _and(model.mask, HeadMask(switch.mask, selected))
         scores = model.score() + ([HeadScore(switch.score, selected)] if switch.score is not None else [])
         sinks = combine_sinks(model.sinks, extra_sinks, selected, sink_dtype)
-        return cast(
-            Tensor, attention(query, key, value, mask=mask, score=scores or None, scale=model.scale, sinks=sinks, **observe)
-        )
+        return attention(query, key, value, mask=mask, score=scores or None, scale=model.scale, sinks=sinks, **observe)
 
     # Another mechanism on some heads: its own call; the rest stay the model's softmax.
     idx = selected.nonzero().view(-1)
@@ -187,17 +181,14 @@ def _switched(switch, layer, query, key, value, model: ModelAttention) -> Tensor
     parts = [(changed, idx)]
     if rest.numel():
         q, k, v = split_heads(query, key, value, rest)
-        kept = cast(
-            Tensor,
-            attention(
-                q,
-                k,
-                v,
-                mask=model.mask,
-                score=model.score(rest) or None,
-                scale=model.scale,
-                sinks=None if model.sinks is None else model.sinks[rest],
-            ),
+        kept = attention(
+            q,
+            k,
+            v,
+            mask=model.mask,
+            score=model.score(rest) or None,
+            scale=model.scale,
+            sinks=None if model.sinks is None else model.sinks[rest],
         )
         parts.append((kept, rest))
     return merge_heads(parts, num_heads)
@@ -210,7 +201,7 @@ def _run(switch, layer_index, mech, q: Tensor, k: Tensor, v: Tensor, **call) -> 
     call refuses it, and one with state left by earlier queries (selective attention,
     multi-token attention) gets what the switch kept from the calls that filled the cache."""
     if mech is None:
-        return cast(Tensor, attention(q, k, v, **call))
+        return attention(q, k, v, **call)
     q_len, k_len = q.shape[2], k.shape[2]
     if q_len < k_len and not mech.decodes:
         raise ValueError(
@@ -218,7 +209,7 @@ def _run(switch, layer_index, mech, q: Tensor, k: Tensor, v: Tensor, **call) -> 
             "Run the model without a cache (use_cache=False) so that every step sees the whole sequence."
         )
     if not mech.cache_state:
-        return cast(Tensor, attention(q, k, v, mechanism=mech, **call))
+        return attention(q, k, v, mechanism=mech, **call)
     before = switch.decode_state_before(layer_index, q.shape[0], k_len - q_len, mech.name)
     initial = mech.initial_state_for(None if before is None else before.to(q.device), q_len)
     present = {name: value for name, value in call.items() if value is not None}
