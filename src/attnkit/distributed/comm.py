@@ -21,7 +21,7 @@ Tensor = torch.Tensor
 class Group:
     """A process group with this process's rank and the size, in group coordinates."""
 
-    handle: object
+    handle: dist.ProcessGroup | None
     rank: int
     world: int
 

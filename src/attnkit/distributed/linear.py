@@ -79,7 +79,7 @@ def _empty_from_header(h: list[int], dtype, device) -> tuple[list[Tensor], bool,
 def _state(tensors: list[Tensor], has_norm: bool, has_conv: bool, position: int) -> LinearState:
     memory, rest = tensors[0], tensors[1:]
     normalizer = rest.pop(0) if has_norm else None
-    conv = tuple(rest) if has_conv else None
+    conv = (rest[0], rest[1], rest[2]) if has_conv else None  # the header counts three conv tensors
     return LinearState(memory=memory, normalizer=normalizer, position=position, conv=conv)
 
 
@@ -266,13 +266,13 @@ def _chunk_backward(mech, c: Chunk, state_in: LinearState | None, q, k, v, want,
     for name, gi in zip("qkv", found[:3]):
         if gi is not None:
             grads[name][:, :, sl] += gi
-    d_leaves = found[3 : 3 + len(leaves)]
+    d_found = found[3 : 3 + len(leaves)]
     for j, gi in enumerate(found[3 + len(leaves) :]):
         if gi is not None:
             grads["params"][j] = gi if grads["params"][j] is None else grads["params"][j] + gi
     if state_in is None:
         return None
-    d_leaves = [torch.zeros_like(t) if gi is None else gi for t, gi in zip(leaves, d_leaves)]
+    d_leaves = [torch.zeros_like(t) if gi is None else gi for t, gi in zip(leaves, d_found)]
     return _state(d_leaves, state_in.normalizer is not None, state_in.conv is not None, 0)
 
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import choose_backend, make_request
-from .comm import Group, post
+from ..mods import Mask, ScoreMod
+from .comm import Group, Pending, post
 from .layout import Layout
 from .offset import pair_mods, pair_state
 
@@ -35,8 +36,8 @@ class RingPlan:
     g: Group
     layout: Layout
     kind: str  # "softmax" or "sigmoid"
-    mask: object
-    score: object
+    mask: Mask | None
+    score: ScoreMod | None
     scale: float
     backend: str
     mechanism: object  # the sigmoid Mechanism, None for softmax
@@ -84,12 +85,12 @@ def _merge(o: Tensor, lse: Tensor, o_j: Tensor, lse_j: Tensor) -> tuple[Tensor, 
     return o * a[..., None] + o_j.to(o.dtype) * b[..., None], new
 
 
-def _exchange_kv(plan: RingPlan, k: Tensor, v: Tensor, s: int):
+def _exchange_kv(plan: RingPlan, k: Tensor, v: Tensor, s: int) -> tuple[Pending, tuple[Tensor, Tensor] | None]:
     """Post step s's K/V traffic: send ours to r + s, receive r - s's. Returns (pending, buffers)."""
     g, P = plan.g, plan.g.world
     dst, src = (g.rank + s) % P, (g.rank - s) % P
     sends = [(k, dst), (v, dst)] if plan.need_by[dst] else []
-    bufs = None
+    bufs: tuple[Tensor, Tensor] | None = None
     if plan.need_from[src]:
         n = plan.layout.local_length(src)
         bufs = (k.new_empty(k.shape[0], k.shape[1], n, k.shape[3]), v.new_empty(v.shape[0], v.shape[1], n, v.shape[3]))
@@ -105,18 +106,20 @@ def ring_forward(plan: RingPlan, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor 
     chunks = plan.layout.rank_chunks(g.rank)
     outs = {c.start: torch.zeros(B, H, c.length, v.shape[3], dtype=acc_dtype, device=q.device) for c in chunks}
     lses = {c.start: torch.full((B, H, c.length), -torch.inf, dtype=acc_dtype, device=q.device) for c in chunks}
-    kv = (k, v)
+    kv: tuple[Tensor, Tensor] | None = (k, v)
     for s in range(P):
         src = (g.rank - s) % P
-        pending, nxt = (None, None)
+        pending: Pending | None = None
+        nxt: tuple[Tensor, Tensor] | None = None
         if s + 1 < P:
             pending, nxt = _exchange_kv(plan, k, v, s + 1)
-        for qc, kc, state in plan.pairs[src] if kv is not None else ():
-            o_j, lse_j = plan.block(_span(q, qc), _span(kv[0], kc), _span(kv[1], kc), qc, kc, state)
-            if plan.kind == "sigmoid":
-                outs[qc.start] += o_j.to(acc_dtype)
-            else:
-                outs[qc.start], lses[qc.start] = _merge(outs[qc.start], lses[qc.start], o_j, lse_j.to(acc_dtype))
+        if kv is not None:
+            for qc, kc, state in plan.pairs[src]:
+                o_j, lse_j = plan.block(_span(q, qc), _span(kv[0], kc), _span(kv[1], kc), qc, kc, state)
+                if plan.kind == "sigmoid":
+                    outs[qc.start] += o_j.to(acc_dtype)
+                else:
+                    outs[qc.start], lses[qc.start] = _merge(outs[qc.start], lses[qc.start], o_j, lse_j.to(acc_dtype))
         if pending is not None:
             pending.wait()
         kv = nxt
@@ -166,10 +169,11 @@ def ring_backward(plan: RingPlan, q, k, v, sinks, out, lse, d_out, d_lse, params
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     dparams = [None] * len(params)
-    kv = (k, v)
+    kv: tuple[Tensor, Tensor] | None = (k, v)
     for s in range(P):
         src, dst = (g.rank - s) % P, (g.rank + s) % P
-        pending, nxt = (None, None)
+        pending: Pending | None = None
+        nxt: tuple[Tensor, Tensor] | None = None
         if s + 1 < P:
             pending, nxt = _exchange_kv(plan, k, v, s + 1)
         dk_src = dv_src = None
@@ -196,7 +200,7 @@ def ring_backward(plan: RingPlan, q, k, v, sinks, out, lse, d_out, d_lse, params
         if s == 0:
             continue
         # carry the visiting block's dK/dV home; receive ours from the rank we visited
-        sends = [(dk_src, src), (dv_src, src)] if dk_src is not None else []
+        sends = [(dk_src, src), (dv_src, src)] if dk_src is not None and dv_src is not None else []
         back = None
         if plan.need_by[dst]:
             back = (torch.empty(k.shape, dtype=acc, device=k.device), torch.empty(v.shape, dtype=acc, device=v.device))

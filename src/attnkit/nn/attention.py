@@ -171,7 +171,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, N, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, N, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, N, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             q, k = self.rope(q, positions), self.rope(k, positions)

@@ -76,8 +76,11 @@ def rope_frequencies(rotary_dim: int, base: float = 10000.0, scaling: RopeScalin
     # YaRN: dims that turn fewer than beta_slow times over the training context are
     # interpolated (theta / s), those that turn more than beta_fast times are kept, with a
     # linear ramp over the dim index in between.
+    original_max_len = scaling.original_max_len
+    assert original_max_len is not None  # RopeScaling.__post_init__: yarn has it
+
     def band_edge(rotations: float) -> float:
-        return rotary_dim * math.log(scaling.original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        return rotary_dim * math.log(original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
     low, high = band_edge(scaling.beta_fast), band_edge(scaling.beta_slow)
     if scaling.truncate:
@@ -107,6 +110,8 @@ class RotaryEmbedding(nn.Module):
         base: theta base (10000 in the paper).
         scaling: a RopeScaling (or its dict) for context extension; None for plain RoPE.
     """
+
+    inv_freq: Tensor  # a buffer
 
     def __init__(
         self, head_dim: int, rotary_dim: int | None = None, base: float = 10000.0, scaling: RopeScaling | dict | None = None
