@@ -49,7 +49,7 @@ def unet(latent: int):
         cross_attention_dim=64,
         attention_head_dim=8,
         norm_num_groups=8,
-    ).eval()
+    ).eval()  # type: ignore[attr-defined]  # diffusers' TYPE_CHECKING exports are its dummy classes
     g = torch.Generator().manual_seed(1)
     inputs = dict(
         sample=torch.randn(1, 4, latent, latent, generator=g),
@@ -73,7 +73,7 @@ def flux(latent: int):
         joint_attention_dim=32,
         pooled_projection_dim=16,
         axes_dims_rope=(4, 4, 8),
-    ).eval()
+    ).eval()  # type: ignore[attr-defined]  # diffusers' TYPE_CHECKING exports are its dummy classes
     g = torch.Generator().manual_seed(1)
     side = latent // 2
     ids = torch.zeros(side, side, 3)
@@ -93,7 +93,8 @@ def step_cases(latent: int, repeats: int) -> list[Row]:
     """A step of a model held inside ``use`` against the same step of an identical copy
     on its default processors, interleaved. ``use`` is entered once, as a sampling loop
     enters it once for all its steps; what entering and leaving costs is timed apart."""
-    from ..diffusion import TokenMaps, use
+    from ..diffusion.switch import use
+    from ..diffusion.tokenmaps import TokenMaps
 
     rows = []
     for name, build in (("UNet2DConditionModel", unet), ("Flux", flux)):
@@ -152,7 +153,8 @@ def pag_case(latent: int, repeats: int) -> Row:
     """A UNet step under perturbed-attention guidance (every self-attention layer
     perturbed, no CFG: the conditional row runs twice, once perturbed) against the
     default processors on the same two rows."""
-    from ..diffusion import layer_names, pag
+    from ..diffusion.guidance import pag
+    from ..diffusion.layers import layer_names
 
     model, inputs = unet(latent)
     doubled = {k: (torch.cat([v, v]) if k != "timestep" else v) for k, v in inputs.items()}
@@ -181,7 +183,8 @@ def pag_case(latent: int, repeats: int) -> Row:
 
 def memory_case(latent: int) -> list[Row]:
     """TokenMaps' state against the full maps of the same step, counted from its calls."""
-    from ..diffusion import TokenMaps, use
+    from ..diffusion.switch import use
+    from ..diffusion.tokenmaps import TokenMaps
     from ..observe import Observer, Selection
 
     class Shapes(Observer):

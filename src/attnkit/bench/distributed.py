@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from typing import Any
 
 from .harness import Row, run_steps
 
@@ -73,7 +74,7 @@ if world:
 """ % {"B": B, "H": H, "D": D}  # noqa: UP031 (a script template)
 
 
-def measure(world: int, n: int, case: str) -> dict:
+def measure(world: int, n: int, case: str) -> dict[str, Any]:
     """{"ms": slowest rank's median step, "growth_mb": largest rank's peak growth};
     world 0 is the single-process baseline."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -115,7 +116,7 @@ def rows_for(case: str, n: int, worlds=(1, 2)) -> list[Row]:
                     None,
                     "",
                     False,
-                    got.get("error") or base.get("error"),
+                    got.get("error") or base["error"],  # one of the two failed
                 )
             )
             continue

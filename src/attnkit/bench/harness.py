@@ -14,8 +14,9 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from typing import Any, overload
 
 from ..kernels.machine import machine_info  # noqa: F401  (re-exported: bench.machine_info)
 
@@ -45,6 +46,16 @@ class Row:
         d = asdict(self)
         d["ratio"] = self.ratio
         return d
+
+
+@overload
+def time_pair(
+    candidate: Callable[[], object], baseline: Callable[[], object], repeats: int = 5, warmup: int = 1
+) -> tuple[float, float]: ...
+
+
+@overload
+def time_pair(candidate: Callable[[], object], baseline: None, repeats: int = 5, warmup: int = 1) -> tuple[float, None]: ...
 
 
 def time_pair(
@@ -92,7 +103,7 @@ print(json.dumps({{"growth_mb": peak - base, "peak_mb": peak, "seconds": elapsed
 """
 
 
-def peak_rss_growth(setup: str, body: str, timeout: float = 1800) -> dict:
+def peak_rss_growth(setup: str, body: str, timeout: float = 1800) -> dict[str, Any]:
     """Run ``setup`` then ``body`` in a fresh Python; report peak RSS growth during ``body``
     (the high-water mark is reset after ``setup``, so a transient peak of the set-up, or
     memory the allocator keeps from it, cannot hide the body's own peak; Linux only).
@@ -152,10 +163,15 @@ def fwd_bwd(fn, q, k, v):
     return run
 
 
-def run_steps(steps, progress=None) -> list:
+Step = tuple[str, Callable[..., list[Row]]]
+"""A suite's ``(label, step)``: the step is called with no arguments (``lambda n=n: ...``
+binds a loop's value as a default) and returns its rows."""
+
+
+def run_steps(steps: Iterable[Step], progress: Callable[[str], object] | None = None) -> list[Row]:
     """Run a suite's ``(label, step)`` pairs in order, reporting each label to ``progress``
     before it starts; each step returns a list of rows."""
-    rows = []
+    rows: list[Row] = []
     for label, step in steps:
         if progress:
             progress(label)

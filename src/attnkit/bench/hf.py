@@ -19,7 +19,7 @@ import textwrap
 
 import torch
 
-from .harness import Row, run_steps, time_pair
+from .harness import Row, Step, run_steps, time_pair
 
 STEPS = 4
 LAYERS, D_MODEL, HEADS, KV_HEADS = 4, 256, 4, 2
@@ -183,7 +183,7 @@ def memory_cases(n: int) -> list[Row]:
 
 def run(quick: bool = False, progress=None) -> list[Row]:
     speed_sizes, n_memory, repeats = ([512, 1024], 4096, 3) if quick else ([1024, 4096], 32768, 5)
-    steps = [(f"speed N={n}", lambda n=n: [speed_case(n, repeats)]) for n in speed_sizes]
+    steps: list[Step] = [(f"speed N={n}", lambda n=n: [speed_case(n, repeats)]) for n in speed_sizes]
     steps.append(("decode", lambda: [decode_case(512, 32, repeats)]))
     steps.append((f"memory N={n_memory}", lambda: memory_cases(n_memory)))
     return run_steps(steps, progress)

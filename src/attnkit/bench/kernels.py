@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from .. import api
 from .. import mods as M
 from ..kernels import chunked_attention, make_request
-from .harness import Row, fwd_bwd, peak_rss_growth, run_steps, time_pair
+from .harness import Row, Step, fwd_bwd, peak_rss_growth, run_steps, time_pair
 
 B, H, D = 1, 8, 64
 STEPS = 6
@@ -315,7 +315,7 @@ q, k, v = (torch.randn(1, {H}, N, {D}) for _ in range(3))
 def run(quick: bool = False, progress=None) -> list[Row]:
     sizes = [1024, 2048] if quick else [4096, 16384]
     repeats = 3 if quick else 5
-    steps = [(f"dense N={n}", lambda n=n: dense_cases(n, repeats)) for n in sizes]
+    steps: list[Step] = [(f"dense N={n}", lambda n=n: dense_cases(n, repeats)) for n in sizes]
     steps.append((f"sparse N={sizes[-1]}", lambda: sparse_cases(sizes[-1], repeats)))
     steps.append(("tiny", lambda: tiny_cases(repeats)))
     steps.append(("decode", lambda: decode_cases([512, 4096] if quick else [512, 4096, 32768], repeats + 4)))

@@ -34,9 +34,11 @@ it, which bounds what a quarter of the keys can give.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from .harness import Row, run_steps, time_pair
+from .harness import Row, Step, run_steps, time_pair
 
 LAYERS, D_MODEL, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = 4, 256, 8, 2, 32, 512, 256
 WIDE = {"hidden_size": 512, "intermediate_size": 1024, "num_key_value_heads": 8, "head_dim": 64}  # the second subject
@@ -45,7 +47,7 @@ BUDGET = 0.25  # where decoding and prefill are timed
 DECODE_STEPS = 16  # decoding steps per timed block
 TARGET_DECODE = 1.5  # x the full cache's tokens/s
 TARGET_PREFILL = 1.2  # x a plain sdpa prefill
-POLICIES = (
+POLICIES: tuple[tuple[str, dict[str, Any]], ...] = (
     ("streaming", {}),
     ("h2o", {}),
     ("snapkv", {}),
@@ -270,14 +272,14 @@ def wide_decode_rows(n: int, decode_steps: int, decode_repeats: int) -> list[Row
     """The decode rows again on the second subject (``WIDE``): one prefill per policy at
     budget ``BUDGET``, then each policy's blocks of steps interleaved with the full
     cache's."""
-    from transformers import DynamicCache
+    from transformers import Cache, DynamicCache
 
     from ..kv import policy_cache
 
     model = tiny_llama(n, **WIDE)
     ids = prompt(n)
     full = DynamicCache()
-    state = {"full": (full, prefill(model, ids, full))}
+    state: dict[str, tuple[Cache, Any]] = {"full": (full, prefill(model, ids, full))}
     rows = []
     for name, params in POLICIES:
         if full.get_seq_length() > n:  # every policy against the full cache of the prompt alone
@@ -312,7 +314,7 @@ def wide_decode_rows(n: int, decode_steps: int, decode_repeats: int) -> list[Row
 def run(quick: bool = False, progress=None) -> list[Row]:
     n, repeats, decode_steps, decode_repeats = (512, 2, 4, 3) if quick else (8192, 3, DECODE_STEPS, 9)
     model = tiny_llama(n)
-    steps = [
+    steps: list[Step] = [
         (name, lambda name=name, params=params: measure(name, params, n, repeats, decode_steps, decode_repeats, model))
         for name, params in POLICIES
     ]

@@ -11,6 +11,8 @@ relative error of their output against exact softmax attention.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .. import api
@@ -34,7 +36,7 @@ NAMES = (
     "differential",
     "talking_heads",
 )
-PARAMS = {
+PARAMS: dict[str, dict[str, Any]] = {
     "forgetting": {"num_heads": H},
     "adaptive_span": {"num_heads": H, "max_span": 1024, "init": 0.5},
     "topk": {"k": 64},
@@ -91,15 +93,16 @@ mech = {made}
 q, k, v = (torch.randn(1, {H}, {n}, {D}).requires_grad_() for _ in range(3))
 """
     res = peak_rss_growth(setup, "out = mech(q, k, v, mask=attnkit.causal()); out.backward(torch.ones_like(out))", timeout=3600)
-    return res.get("error", res.get("growth_mb"))
+    return res["error"] if "error" in res else res["growth_mb"]
 
 
 def memory_rows(name: str, sizes: list[int]) -> list[Row]:
-    growth = {}
+    growth: dict[int, float] = {}
     for n in sizes:
-        growth[n] = peak_growth(name, n)
-        if isinstance(growth[n], str):
-            return [Row(SUITE, f"{name} peak RSS, fwd+bwd", f"N={n}", None, "-", None, "linear in N", False, growth[n])]
+        got = peak_growth(name, n)
+        if isinstance(got, str):
+            return [Row(SUITE, f"{name} peak RSS, fwd+bwd", f"N={n}", None, "-", None, "linear in N", False, got)]
+        growth[n] = got
     small, large = sizes
     ratio = growth[large] / max(growth[small], 1.0)
     linear = ratio <= 1.25 * large / small

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .harness import Row, peak_rss_growth, run_steps, time_pair
+from .harness import Row, Step, peak_rss_growth, run_steps, time_pair
 
 STEPS = 3
 LAYERS, D_MODEL, HEADS, KV_HEADS = 2, 64, 4, 2
@@ -239,6 +239,7 @@ def needle_cell_case(n: int, repeats: int) -> list[Row]:
 
 
 def run(quick: bool = False, progress=None) -> list[Row]:
+    steps: list[Step]
     if quick:  # the same three steps at small sizes
         steps = [
             ("needle cell N=512", lambda: needle_cell_case(512, 3)),

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from .. import api
 from .. import mods as M
 from ..mechanisms import get_mechanism
+from ..mechanisms.block_sparse import BlockSparsePrefill
 from .harness import Row, run_steps, time_pair
 
 B, H, D = 1, 8, 64
@@ -134,7 +135,7 @@ def neighborhood_rows(side: int, repeats: int, target: bool) -> list[Row]:
     grid, kernel = (side, side), 13
     mech = get_mechanism("neighborhood", kernel=kernel, grid=grid)
     q, k, v = _random(side * side, 4)
-    outs = {}
+    outs: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         a, b = time_pair(
             lambda: outs.__setitem__("na", mech(q, k, v)), lambda: F.scaled_dot_product_attention(q, k, v), repeats=repeats
@@ -161,6 +162,7 @@ def neighborhood_rows(side: int, repeats: int, target: bool) -> list[Row]:
 
 def block_sparse_rows(n: int, repeats: int) -> list[Row]:
     mech = get_mechanism("block_sparse")
+    assert isinstance(mech, BlockSparsePrefill)
     q, k, v = _local_with_sinks(n, 5)
     outs = {}
     with torch.no_grad():
@@ -170,6 +172,7 @@ def block_sparse_rows(n: int, repeats: int) -> list[Row]:
 
         a, b = time_pair(lambda: outs.__setitem__("bs", mech(q, k, v, mask=M.causal())), sdpa, repeats=repeats)
     stats = mech.last_stats
+    assert stats is not None  # set by the run above
     err = _relative_error(outs["bs"], outs["exact"])
     note = f"density {float(stats.density.mean()):.2f}, kept mass {float(stats.kept_mass.mean()):.3f}, rel. error {err:.3f}"
     return [

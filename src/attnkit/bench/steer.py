@@ -26,6 +26,8 @@ weights are random: cost is measured here, not quality.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .harness import Row, peak_rss_growth, run_steps, time_pair
@@ -123,7 +125,7 @@ def rerank_cases(tokens_each: int, repeats: int) -> list[Row]:
 
     rows = []
     for method in ("icr", "sorting", "basin"):
-        a, b = time_pair(lambda m=method: rerank(pm, None, QUERY, docs, method=m), one_forward, repeats=repeats)
+        a, b = time_pair(functools.partial(rerank, pm, None, QUERY, docs, method=method), one_forward, repeats=repeats)
         target = f"<= {TARGET_RERANK}x" if method == "icr" else ""
         ok = a / b <= TARGET_RERANK if method == "icr" else None
         what = {

@@ -56,7 +56,10 @@ def speedup(quick: bool) -> list[Row]:
 
     count, steps, repeats = (6, 15, 1) if quick else (16, 100, 3)
     cells = _arena_cells(count, steps)
-    two, one, work_2, work_1 = [], [], [], []
+    two: list[float] = []
+    one: list[float] = []
+    work_2: list[float] = []
+    work_1: list[float] = []
     for _ in range(repeats):  # alternated, so a load change on the shared machine hits both
         for walls, work, workers in ((two, work_2, 2), (one, work_1, 1)):
             wall, cell_s = _wall(cells, LocalEngine(workers=workers, threads=1))

@@ -53,7 +53,7 @@ def tiny_llava(image_size: int):
     config = T.LlavaConfig(
         vision_config=vision,
         text_config=text,
-        image_token_id=IMAGE_TOKEN,
+        image_token_index=IMAGE_TOKEN,
         vision_feature_layer=-1,
         vision_feature_select_strategy="default",
     )
