@@ -19,6 +19,7 @@ from the q and k that the model's processors give to attnkit, differentiable.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -115,7 +116,7 @@ class ExciteOptions:
     model_kwargs: dict = field(default_factory=dict)
     #: applied to the latents inside the graph before the denoiser (a scheduler's
     #: ``scale_model_input``), so the gradient is w.r.t. the unscaled latents
-    scale_input: object = None
+    scale_input: Callable[[Tensor], Tensor] | None = None
 
     def loss(self, model, latents, t, prompt_embeds, tokens) -> Tensor:
         with record_maps(model, layers=self.layers, heads=self.heads, grid=self.grid) as rec:

@@ -31,6 +31,7 @@ import math
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -204,14 +205,15 @@ class EntropyConcentration:
             scales = {}
             for name, b in base.items():
                 seen = [h[name] for h in history]
-                if per_head:
+                if per_head:  # every factor tried is a tuple, one per head
+                    per_heads = [cast(tuple[float, ...], s[name]) for s in tried]
                     scales[name] = tuple(
-                        _update([s[name][j] for s in tried], [e.heads[j] for e in seen], seen[-1].keys, b.heads[j], max_scale)
+                        _update([f[j] for f in per_heads], [e.heads[j] for e in seen], seen[-1].keys, b.heads[j], max_scale)
                         for j in range(len(b.heads))
                     )
-                else:
+                else:  # every factor tried is one float
                     scales[name] = _update(
-                        [s[name] for s in tried], [e.entropy for e in seen], seen[-1].keys, b.entropy, max_scale
+                        [cast(float, s[name]) for s in tried], [e.entropy for e in seen], seen[-1].keys, b.entropy, max_scale
                     )
         out = cls(scales)
         out.base, out.history = base, history

@@ -93,6 +93,7 @@ def text_block(layout: CallLayout, query: Tensor, key: Tensor, mods=None) -> Ten
     b, h, nq, nk = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
     bound = None if not mods else as_score(list(mods)).bind(b, h, nq, nk)
     i_lo, i_hi = layout.image_queries
+    assert layout.text_keys is not None  # a cross or joint call (MapRecorder._record checks)
     t_lo, t_hi = layout.text_keys
     dev = query.device
     rows, cols = torch.arange(i_lo, i_hi, device=dev), torch.arange(t_lo, t_hi, device=dev)
@@ -152,7 +153,7 @@ class MapRecorder:
         self.grid = grid
         self._sums: dict[tuple[int, int], Tensor] = {}
         self._counts: dict[tuple[int, int], int] = {}
-        self._self_calls: list[tuple[CallLayout, Tensor, Tensor, list]] = []
+        self._self_calls: list[tuple[CallLayout, tuple[int, int], Tensor, Tensor, list]] = []  # (layout, its grid, ...)
 
     def clear(self) -> None:
         """Forget what was recorded (and the graph it holds)."""
@@ -168,7 +169,7 @@ class MapRecorder:
     def _record(self, layer: AttentionLayer, layout: CallLayout, query: Tensor, key: Tensor, mods: list) -> None:
         check_scale(layer, query.shape[-1])
         if layer.module in self.selfs and layout.grid is not None:
-            self._self_calls.append((layout, query, key, mods))
+            self._self_calls.append((layout, layout.grid, query, key, mods))
         if layer.module not in self.cross or layout.text_keys is None:
             return
         if self.grid is not None and layout.grid is not None and tuple(layout.grid) != self.grid:
@@ -213,8 +214,8 @@ class MapRecorder:
         if positions.dim() != 2:
             raise ValueError(f"positions: expected (B, K) flat indices into the grid, got shape {tuple(positions.shape)}")
         total, count = None, 0
-        for layout, query, key, mods in self._self_calls:
-            if tuple(layout.grid) != tuple(size):
+        for layout, grid, query, key, mods in self._self_calls:
+            if tuple(grid) != tuple(size):
                 continue
             rows = self._heads_of(image_rows(layout, query, key, positions, mods), layout.name)  # (B, H', K, N)
             part = rows.sum(1)
@@ -224,7 +225,7 @@ class MapRecorder:
             raise ValueError(
                 f"self_layers: no self- or joint attention call at the grid {tuple(size)} was recorded; "
                 f"choose self_layers that run at that grid (recorded grids: "
-                f"{sorted({tuple(c[0].grid) for c in self._self_calls})})"
+                f"{sorted({tuple(c[1]) for c in self._self_calls})})"
             )
         return (total / count).reshape(positions.shape[0], positions.shape[1], *size)
 

@@ -22,6 +22,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -67,7 +68,7 @@ def head_candidates(model_or_pipeline, layers: Iterable[str] | None = None) -> l
     """Every (module path, head) of the self- and joint-attention layers of a model (or
     of the named ``layers``, exact module paths), in module order."""
     found = select_layers(denoiser(model_or_pipeline), layers, ("self", "joint"))
-    return [(layer.name, h) for layer in found for h in range(int(layer.module.heads))]
+    return [(layer.name, h) for layer in found for h in range(int(layer.module.heads))]  # type: ignore[arg-type]  # nn.Module.__getattr__: Tensor | Module
 
 
 def print_progress(step: HuntStep) -> None:
@@ -144,7 +145,8 @@ def hunt(
     fingerprint = _fingerprint(settings)
 
     def evaluate(selection: tuple[Pair, ...]) -> float:
-        samples = []
+        outputs: list[tuple[Any, Any, int]] = []  # whole_set: (output, prompt, seed) for one objective call
+        values: list[float] = []
         for prompt in prompts:
             arguments = {"prompt": prompt} if isinstance(prompt, str) else dict(prompt)
             clash = sorted(set(arguments) & set(call_kwargs))
@@ -154,12 +156,12 @@ def hunt(
                 with torch.no_grad(), pag(pipeline, list(selection), scale, strength=strength, text=text, cfg=cfg):
                     output = pipeline(**call_kwargs, **arguments, generator=torch.Generator().manual_seed(seed))
                 if whole_set:
-                    samples.append((output, prompt, seed))
+                    outputs.append((output, prompt, seed))
                 else:
-                    samples.append(_number(objective(output, prompt, seed), selection, seed))
+                    values.append(_number(objective(output, prompt, seed), selection, seed))
         if whole_set:
-            return _number(objective(samples), selection, None)
-        return sum(samples) / len(samples)
+            return _number(objective(outputs), selection, None)
+        return sum(values) / len(values)
 
     return greedy(pool, evaluate, rounds=rounds, maximize=maximize, cache=cache, fingerprint=fingerprint, progress=progress)
 
@@ -216,7 +218,7 @@ def greedy(
             selection = tuple(sorted([*result.selected, candidate]))
             value = store.get(selection)
             cached = value is not None
-            if not cached:
+            if value is None:
                 value = float(score(selection))
                 if not math.isfinite(value):
                     raise ValueError(f"score: {value} for heads {list(selection)}; expected a finite number")

@@ -222,6 +222,7 @@ def initno(
                 optimizer.zero_grad()
                 (kl * (kl > kl_limit).to(kl.dtype)).sum().backward()
             optimizer.step()
+    assert best is not None and start is not None  # steps >= 1: the loop scored at least once
     succeeded = (best.cross < cross_threshold) & (best.self < self_threshold)
     return InitNOResult(best_z, best, start, best_mu, best_lv, gaussian_kl(best_mu, best_lv), succeeded, history)
 

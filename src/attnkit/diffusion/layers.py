@@ -16,9 +16,14 @@ Both are found here by class; a layer is named by its module path and is one of
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from diffusers.models.attention import AttentionModuleMixin
+    from diffusers.models.attention_processor import Attention
 
 Tensor = torch.Tensor
 KINDS = ("self", "cross", "joint")
@@ -52,7 +57,7 @@ class CallLayout:
     grid: tuple[int, int] | None  # (h, w) of the image tokens, when known
 
 
-def _attention_classes() -> tuple[type, ...]:
+def _attention_classes() -> tuple[type[Attention], type[AttentionModuleMixin]]:
     from diffusers.models.attention import AttentionModuleMixin
     from diffusers.models.attention_processor import Attention
 
@@ -74,11 +79,12 @@ def _kind(module: nn.Module) -> tuple[str, bool | None]:
 def attention_layers(model: nn.Module) -> list[AttentionLayer]:
     """Every attention module of ``model`` (a diffusers model), in module order."""
     classes = _attention_classes()
-    out = []
+    out: list[AttentionLayer] = []
     for name, module in model.named_modules():
         if isinstance(module, classes) and hasattr(module, "processor"):
-            kind, text_first = _kind(module)
-            out.append(AttentionLayer(len(out), name, module, kind, text_first))
+            layer = cast(nn.Module, module)  # named_modules yields modules: AttentionModuleMixin is mixed into one
+            kind, text_first = _kind(layer)
+            out.append(AttentionLayer(len(out), name, layer, kind, text_first))
     return out
 
 

@@ -192,6 +192,7 @@ class AttentionRegulation:
         b, h, nq, nk = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
         scale = 1.0 / math.sqrt(query.shape[-1])
         bound = None if not mods else as_score(list(mods)).bind(b, h, nq, nk)
+        assert layout.text_keys is not None and layout.grid is not None  # bias_for checked both
         (i_lo, i_hi), (t_lo, t_hi) = layout.image_queries, layout.text_keys
         dev = query.device
         rows = torch.arange(i_lo, i_hi, device=dev)

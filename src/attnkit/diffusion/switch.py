@@ -19,6 +19,7 @@ import inspect
 from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..api import attention
 from ..mechanisms import Mechanism, build_mechanism, get_mechanism
-from ..mods import as_mask, as_score, bias, causal
+from ..mods import Mask, ScoreMod, as_mask, as_score, bias, causal
 from .edits import EDITS, DiffusionEdit, StackedEdit, edit_type, edits_on  # noqa: F401  (re-exported)
 from .layers import KINDS, AttentionLayer, CallLayout, attention_layers, call_layout, index_tuple, select_layers
 
@@ -60,8 +61,8 @@ class DiffusionSwitch:
     model: nn.Module
     mechanism: str | Mechanism
     params: dict
-    mask: object
-    score: object
+    mask: Mask | None
+    score: ScoreMod | None
     layers: list[AttentionLayer]
     heads: tuple[int, ...] | None
     observers: list | None
@@ -115,13 +116,14 @@ class DiffusionSwitch:
             for o in self.observers:
                 if hasattr(o, "note_call"):
                     o.note_call(layout)
-        observe = {"observers": self.observers, "layer": layer.index} if self.observers else {}
+        observe: dict[str, Any] = {"observers": self.observers, "layer": layer.index} if self.observers else {}
         scale = None if scale is None else float(scale)
         if self.heads is None:
             mine = scores + ([self.score] if self.score is not None else [])
             mech = self.mechanism_for(layer, query, key, value)
-            extra = {} if mech is None else {"mechanism": mech}
-            out = attention(query, key, value, mask=_and(mask, self.mask), score=mine or None, scale=scale, **extra, **observe)
+            out = attention(
+                query, key, value, mask=_and(mask, self.mask), score=mine or None, scale=scale, mechanism=mech, **observe
+            )
         else:
             out = self._heads(layer, query, key, value, mask, scores, scale, observe)
         if edit is not None:
@@ -132,6 +134,7 @@ class DiffusionSwitch:
         """The change on ``self.heads`` only; ``base`` is the call's own mask (or None)."""
         from ..hf.heads import HeadMask, HeadScore, merge_heads, split_heads
 
+        assert self.heads is not None  # attend sends only head-restricted calls here
         num_heads = query.shape[1]
         if max(self.heads) >= num_heads:
             raise ValueError(f"heads: {list(self.heads)} names a head >= the {num_heads} heads of {layer.name}")
@@ -230,8 +233,9 @@ def _wrap(switch: DiffusionSwitch, layer: AttentionLayer, forward):
             )
         return out
 
-    routed.__wrapped__ = forward
-    routed._attnkit_routed = True
+    marked = cast(Any, routed)  # attributes set on a function: mypy knows only FunctionType's
+    marked.__wrapped__ = forward
+    marked._attnkit_routed = True
     return routed
 
 

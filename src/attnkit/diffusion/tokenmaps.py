@@ -65,6 +65,7 @@ class TokenMaps(Observer):
 
     def begin(self, call: CallInfo) -> None:
         lay = self._layout
+        assert lay is not None and lay.text_keys is not None and lay.grid is not None  # wants() checked them
         t_lo, t_hi = lay.text_keys
         shape = (call.batch, t_hi - t_lo, lay.grid[0] * lay.grid[1])
         held = self._sums.get(lay.grid)
@@ -83,6 +84,7 @@ class TokenMaps(Observer):
         if not self._active:
             return
         lay, call = self._layout, tile.call
+        assert lay is not None and lay.text_keys is not None and lay.grid is not None  # wants() checked them
         w = tile.weights
         if self.heads is not None:
             where = torch.tensor(self.heads)
@@ -135,20 +137,24 @@ def _as_set(indices: tuple[int, ...] | None) -> frozenset | None:
     return None if indices is None else frozenset(indices)
 
 
-def mean_over_grids(sums: dict, counts: dict, size: tuple[int, int] | None = None) -> Tensor:
+def mean_over_grids(
+    sums: dict[tuple[int, int], Tensor], counts: dict[tuple[int, int], int], size: tuple[int, int] | None = None
+) -> Tensor:
     """(B, T, h, w): the mean of per-grid sums ``sums[(h', w')]`` of shape (B, T, h'*w'),
     each holding ``counts[(h', w')]`` head-calls. Coarser grids are resized (bilinear) to
     ``size`` (default: the finest grid) before the mean, so every head-call weighs the
     same whatever the resolution its layer runs at."""
     if size is None:
         size = max(sums, key=lambda g: g[0] * g[1])
-    total, count = None, 0
+    total: Tensor | None = None
+    count = 0
     for grid, grid_sums in sums.items():
         m = grid_sums.reshape(grid_sums.shape[0], grid_sums.shape[1], *grid)
         if tuple(grid) != tuple(size):
             m = F.interpolate(m, size=tuple(size), mode="bilinear", align_corners=False)
         total = m if total is None else total + m
         count += counts[grid]
+    assert total is not None  # the callers hold at least one grid
     return total / count
 
 
