@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from html import escape
+from typing import TypeGuard
 
 from .svg import fmt
 
@@ -30,7 +31,7 @@ def _numeric(values) -> bool:
     return bool(values) and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values)
 
 
-def _finite(v) -> bool:
+def _finite(v: object) -> TypeGuard[float]:
     return v is not None and isinstance(v, (int, float)) and math.isfinite(v)
 
 

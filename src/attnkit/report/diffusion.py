@@ -15,6 +15,7 @@ import json
 import os
 import struct
 import zlib
+from collections.abc import Sequence, Sized
 from html import escape
 
 import numpy as np
@@ -92,7 +93,12 @@ def _figures(tokens: list[str], maps, image_uri: str | None, label: str) -> str:
 
 
 def render_token_maps_html(
-    tokens: list[str], sections: list[tuple[str, object]], *, image=None, meta: dict | None = None, title: str = "attnkit inspect"
+    tokens: list[str],
+    sections: Sequence[tuple[str, Sized]],
+    *,
+    image=None,
+    meta: dict | None = None,
+    title: str = "attnkit inspect",
 ) -> str:
     """The page: ``sections`` is [(label, maps (T, h, w))], each drawn as one heatmap per
     token of ``tokens`` (each from its own minimum to maximum, given under it); ``image`` the
@@ -146,7 +152,7 @@ def _fmt(v) -> str:
 
 def write_token_maps_report(
     tokens: list[str],
-    sections: list[tuple[str, object]],
+    sections: Sequence[tuple[str, Sized]],
     out_dir: str,
     *,
     image=None,
@@ -167,8 +173,8 @@ def write_token_maps_report(
     try:
         from safetensors.torch import save_file
     except ImportError:  # the maps stay in the page; the tensors file needs the [hf] extra's safetensors
-        save_file = None
-    if save_file is not None:
+        pass
+    else:
         paths["maps"] = os.path.join(out_dir, "maps.safetensors")
         save_file(tensors, paths["maps"])
     summary = {

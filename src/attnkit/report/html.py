@@ -91,13 +91,13 @@ def _sink_section(profile: AttentionProfile, classes: dict) -> str:
     if "sink.score" in profile.metrics:
         per_layer, labels = [], []
         for layer in profile.layers:
-            scores = [
+            head_scores = [
                 profile.value(layer, h, "sink.score")
                 for (l2, h) in profile.heads
                 if l2 == layer and profile.has(layer, h, "sink.score")
             ]
-            if scores:
-                per_layer.append(sum(s > eps for s in scores) / len(scores))
+            if head_scores:
+                per_layer.append(sum(s > eps for s in head_scores) / len(head_scores))
                 labels.append(f"layer {layer}")
         scores = profile.values("sink.score")
         rate = sum(s > eps for s in scores.values()) / len(scores)

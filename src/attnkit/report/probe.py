@@ -67,6 +67,7 @@ import os
 import statistics
 import warnings
 from html import escape
+from typing import Any, Literal, TypeGuard, overload
 
 from .chart import bar_chart, line_chart
 from .html import _asset
@@ -107,7 +108,7 @@ svg .point:hover, svg .dot:hover { stroke: #000; stroke-width: 1.5; }
 """
 
 
-def _is_number(v) -> bool:
+def _is_number(v: object) -> TypeGuard[float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
@@ -169,6 +170,14 @@ def _range(values: list[float], spec: dict) -> tuple[float, float]:
     return (lo, hi) if hi > lo else (lo - abs(lo) / 2 - 0.5, hi + abs(hi) / 2 + 0.5)  # one value: a band around it
 
 
+@overload
+def _param(spec: dict, key: str, kind: str, required: Literal[True]) -> str: ...
+
+
+@overload
+def _param(spec: dict, key: str, kind: str, required: bool = False) -> str | None: ...
+
+
 def _param(spec: dict, key: str, kind: str, required: bool = False) -> str | None:
     value = spec.get(key)
     if value is None and not required:
@@ -216,6 +225,7 @@ def _heatmap_figure(result, spec: dict, splits: list) -> list[str]:
     for key, value in (("rows", rows), ("cols", cols), ("metric", metric)):
         if not isinstance(value, str) or not value:
             raise ValueError(f"heatmap: {key!r} must name a {'metric' if key == 'metric' else 'parameter'}, got {value!r}")
+    assert isinstance(rows, str) and isinstance(cols, str)  # checked just above
     title = str(spec.get("title") or f"{metric}: {rows} × {cols}")
     tables = []
     for split in splits:
@@ -319,7 +329,7 @@ def _curve_figure(result, spec: dict, splits: list) -> list[str]:
                         tips[name] = [
                             f"{name + ': ' if name else ''}{_label(v)} → {s.text()}" if s else None for v, s in zip(xs, stats)
                         ]
-            refs = []
+            refs: list[dict[str, Any]] = []
             for m in metrics:
                 mrows = [r for r in prefs if r["metric"] == m]
                 if not mrows:
@@ -374,10 +384,10 @@ def _bars_figure(result, spec: dict, splits: list) -> list[str]:
         if all(_is_number(c) for c in categories):
             categories.sort()
         groups = sorted(dict.fromkeys(r.get(series) for r in rows), key=_sort_key) if series else [None]
-        entries = {}
+        entries: dict[str, list[dict[str, Any] | None]] = {}
         for g in groups:
             name = f"{series}={_label(g)}" if series else ""
-            per = []
+            per: list[dict[str, Any] | None] = []
             for c in categories:
                 cell = [r for r in rows if r[x] == c and (series is None or r.get(series) == g)]
                 if not cell:

@@ -7,6 +7,7 @@ and tooltip goes through ``html.escape``.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from html import escape
 
 # Viridis at ten evenly spaced stops (perceptually uniform, readable in grey and by
@@ -16,7 +17,8 @@ MISSING = "#d9d9d9"
 
 
 def _rgb(hex_colour: str) -> tuple[int, int, int]:
-    return tuple(int(hex_colour[i : i + 2], 16) for i in (1, 3, 5))
+    r, g, b = (int(hex_colour[i : i + 2], 16) for i in (1, 3, 5))
+    return r, g, b
 
 
 def colour(t: float) -> str:
@@ -28,7 +30,7 @@ def colour(t: float) -> str:
     return "#" + "".join(f"{round(x + (y - x) * f):02x}" for x, y in zip(a, b))
 
 
-def fmt(v: float) -> str:
+def fmt(v: float | None) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "–"
     if v == 0 or 1e-3 <= abs(v) < 1e4:
@@ -36,7 +38,7 @@ def fmt(v: float) -> str:
     return f"{v:.3e}"
 
 
-def short(v: float) -> str:
+def short(v: float | None) -> str:
     """A value in at most about five characters, for text inside a heatmap cell."""
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return "–"
@@ -58,7 +60,7 @@ def _ink(fill: str) -> str:
 
 
 def heatmap(
-    grid: list[list[float | None]],
+    grid: Sequence[Sequence[float | None]],
     row_labels: list[str],
     col_labels: list[str],
     title: str,
@@ -122,7 +124,7 @@ def heatmap(
         out.append(f'<text x="{left - 4}" y="{top + r * ch + ch * 0.7}" text-anchor="end" class="axis">{escape(label)}</text>')
         for c, v in enumerate(grid[r]):
             missing = v is None or math.isnan(v)
-            fill = MISSING if missing else colour((v - lo) / span)
+            fill = MISSING if v is None or missing else colour((v - lo) / span)
             tip = tooltip(r, c, v) if tooltip else f"{row_labels[r]}, {col_labels[c]}: {fmt(v)}"
             out.append(
                 f'<rect x="{left + c * cw}" y="{top + r * ch}" width="{cw - 1}" height="{ch - 1}" fill="{fill}">'
@@ -149,7 +151,7 @@ def heatmap(
     return "".join(out)
 
 
-def bars(values: list[float], labels: list[str], title: str, hi: float = 1.0, width: int = 360) -> str:
+def bars(values: Sequence[float], labels: list[str], title: str, hi: float = 1.0, width: int = 360) -> str:
     """A horizontal bar chart (values in [0, hi])."""
     bh, left = 18, 8 + 7 * max((len(s) for s in labels), default=1)
     height = 24 + bh * len(values) + 8
