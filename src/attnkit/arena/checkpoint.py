@@ -26,7 +26,9 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     require("safetensors", "attnkit.arena's checkpoints")
     from safetensors.torch import save_file
 
-    tensors, aliases, seen = {}, {}, {}
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
     for name, t in model.state_dict().items():
         key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
         if t.numel() and key in seen:

@@ -37,11 +37,13 @@ import os
 import shutil
 from contextlib import contextmanager
 from dataclasses import fields
+from typing import cast
 
 import torch
+from torch import nn
 
 from ..extras import require
-from ..nn import TransformerLM
+from ..nn import Block, TransformerLM
 from ..nn.positions import RopeScaling, rope_frequencies
 from .tasks import Task, make_task
 from .tokenizer import Symbols, build_tokenizer, task_symbols
@@ -52,7 +54,7 @@ VERSION = 1
 TASK_FILE = "task.json"
 
 
-def llama_config(model: TransformerLM) -> dict:
+def llama_config(model: nn.Module) -> dict:
     """Keyword arguments of the ``transformers.LlamaConfig`` that computes what ``model``
     computes; a ValueError naming the setting when there is none."""
     if not isinstance(model, TransformerLM):
@@ -72,7 +74,7 @@ def llama_config(model: TransformerLM) -> dict:
     for i in range(c.n_layers):
         mechanism, params = c.layer_value("mechanism", i), dict(c.layer_value("mechanism_params", i) or {})
         if mechanism != "softmax" or params:
-            owned = [name for name, _ in model.blocks[i].attn.mechanism.named_parameters()]
+            owned = [name for name, _ in cast(Block, model.blocks[i]).attn.mechanism.named_parameters()]
             if owned:
                 raise ValueError(
                     f"mechanism: layer {i} runs {mechanism!r}, whose own weights ({', '.join(owned[:4])}) "
@@ -207,7 +209,7 @@ def llama_state_dict(model: TransformerLM) -> dict[str, torch.Tensor]:
     return {names[k]: v.detach().clone() for k, v in state.items() if k in names}
 
 
-def export(model: TransformerLM, task: Task, directory: str, training: dict | None = None) -> str:
+def export(model: nn.Module, task: Task, directory: str, training: dict | None = None) -> str:
     """Write ``model`` trained on ``task`` to ``directory`` as a transformers model (see
     the module docstring); ``training`` (optional, JSON-able) is recorded in task.json.
     Returns the directory. Nothing is written when the model or task cannot export, and
@@ -218,6 +220,7 @@ def export(model: TransformerLM, task: Task, directory: str, training: dict | No
     if not isinstance(task, Task):
         raise ValueError(f"task: expected an arena Task, got {type(task).__name__}")
     kwargs = llama_config(model)
+    assert isinstance(model, TransformerLM)  # llama_config refuses any other model
     symbols = task_symbols(task)
     if model.config.vocab_size != len(symbols.tokens):
         raise ValueError(
@@ -229,7 +232,7 @@ def export(model: TransformerLM, task: Task, directory: str, training: dict | No
     config = LlamaConfig(**kwargs, pad_token_id=pad_id)
     config.architectures = ["LlamaForCausalLM"]
     with torch.random.fork_rng():  # its random initialisation is overwritten; leave the caller's RNG alone
-        llama = LlamaForCausalLM(config).to(dtype)
+        llama = LlamaForCausalLM(config).to(dtype)  # type: ignore[arg-type]  # transformers' wrapped .to reads as unbound
     missing, unexpected = llama.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:  # a mapping out of step with transformers' names

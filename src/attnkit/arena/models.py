@@ -134,7 +134,8 @@ def build_model(task, spec: MechanismSpec, d_model: int, n_layers: int, n_heads:
         raise ValueError(f"max_len: expected a positive int or None, got {max_len!r}")
     if task.fixed_layers is not None and n_layers != task.fixed_layers:
         raise ValueError(f"layers: the {task.name} task is a {task.fixed_layers}-layer probe, got {n_layers}")
-    mechanism, params = spec.name, dict(spec.params)
+    mechanism: str | list[str] = spec.name
+    params: dict | list[dict] = dict(spec.params)
     if spec.per_layer:
         if len(spec.per_layer) != n_layers:
             raise ValueError(

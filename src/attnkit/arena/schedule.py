@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import cast
 
 FORM = "LENGTHS:STEPS[xBATCH],... e.g. 32:200,128:150x32,512+1024:100x16 (LENGTHS one length or several joined by +)"
 
@@ -86,7 +87,8 @@ def as_stages(value) -> tuple[Stage, ...] | None:
         if isinstance(item, Stage):
             stages.append(item)
         elif isinstance(item, dict) and set(item) <= {"lengths", "steps", "batch_size"}:
-            stages.append(Stage(tuple(item.get("lengths", ())), item.get("steps"), item.get("batch_size")))
+            steps = cast(int, item.get("steps"))  # a JSON value, as given
+            stages.append(Stage(tuple(item.get("lengths", ())), steps, item.get("batch_size")))
         else:
             raise ValueError(f"schedule: expected stages (lengths, steps, batch_size), got {item!r}")
     return tuple(stages)

@@ -75,10 +75,10 @@ def start_from(model: nn.Module, weights: dict[str, torch.Tensor], source: str =
     ``{"copied": n, "rows": {name: {"source": rows, "model": rows}}}`` for the vocabulary
     weights whose row counts differ (the first ``min`` rows copied). A ValueError names the first tensor that does not fit."""
     state_keys = set(model.state_dict())
-    own = dict(model.named_parameters())
+    own: dict[str, torch.Tensor] = dict(model.named_parameters())
     own.update({k: b for k, b in model.named_buffers() if k in state_keys})
     rows = {}
-    plan = []
+    plan: list[tuple[torch.Tensor, torch.Tensor, int | None]] = []
     for key, target in own.items():
         if key not in weights:
             raise ValueError(f"init: the model's {key} (shape {tuple(target.shape)}) is not in {source}")
@@ -96,8 +96,8 @@ def start_from(model: nn.Module, weights: dict[str, torch.Tensor], source: str =
     if extra:
         raise ValueError(f"init: {extra[0]} in {source} has no place in the model (another depth or architecture?)")
     with torch.no_grad():
-        for target, tensor, n in plan:
-            (target if n is None else target[:n]).copy_(tensor.to(target.dtype))
+        for target, tensor, first in plan:
+            (target if first is None else target[:first]).copy_(tensor.to(target.dtype))
     return {"copied": len(plan), "rows": rows}
 
 

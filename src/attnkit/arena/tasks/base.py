@@ -19,7 +19,8 @@ should be, ``IGNORE`` where nothing is asked.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, fields
+from dataclasses import Field, dataclass, fields
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +71,15 @@ class Task(ABC):
     #: training settings that suit the task on CPU (overridable by the caller)
     train_defaults: dict = {}
     seq_len: int
-    vocab_size: int
+    if TYPE_CHECKING:
+        # every task is a dataclass (``fields``, ``replace``)
+        __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
+
+        # a field of some tasks, a property of others
+        @property
+        def vocab_size(self) -> int: ...
+    else:
+        vocab_size: int
 
     @abstractmethod
     def sample(self, n: int, generator: torch.Generator) -> Batch:

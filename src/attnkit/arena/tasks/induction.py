@@ -120,6 +120,7 @@ class Induction(Task):
 
     def _sample_varied(self, n: int, generator: torch.Generator) -> Batch:
         """Segments of ``[min_segment, max_segment]`` tokens at random offsets among filler."""
+        assert self.min_segment is not None  # only sampled with min_segment
         N, R, V = self.seq_len, self.repeats, self.vocab_size
         length = torch.randint(self.min_segment, self.longest + 1, (n, 1), generator=generator)
         span = R * length
@@ -139,6 +140,7 @@ class Induction(Task):
 
     def _sample_spread(self, n: int, generator: torch.Generator) -> Batch:
         """As ``_sample_varied``, with a random gap of filler between consecutive copies."""
+        assert self.min_segment is not None  # spread needs min_segment (__post_init__)
         N, R, V = self.seq_len, self.repeats, self.vocab_size
         length = torch.randint(self.min_segment, self.longest + 1, (n, 1), generator=generator)
         room = (N - R * length) // (R - 1)  # the largest gap the prompt leaves
