@@ -23,9 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             importlib.import_module(f"{__name__}.{name}").add_parser(sub)
         except ImportError as e:  # an extra is missing: the other sub-commands still work
-            if missing_extra(e) is None:
+            why = missing_extra(e)
+            if why is None:
                 raise
-            _unavailable(sub, name, missing_extra(e))
+            _unavailable(sub, name, why)
     return parser
 
 

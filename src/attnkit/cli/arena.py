@@ -415,7 +415,9 @@ def run_grid_command(args) -> int:
         "init": init,
         "max_len": args.max_len,
     }
-    finished_rows, finished_records, live = [], [], {}
+    finished_rows: list[dict] = []
+    finished_records: list[dict] = []
+    live = {}
 
     def write_results(rows, records, finished):
         write_csv(rows, files["csv"])

@@ -82,7 +82,7 @@ def parse_indices(spec: str | None, name: str) -> list[int] | None:
     """'0,2,4-6' -> [0, 2, 4, 5, 6]."""
     if spec is None:
         return None
-    out = []
+    out: list[int] = []
     for part in spec.split(","):
         part = part.strip()
         try:
@@ -104,11 +104,11 @@ def parse_indices(spec: str | None, name: str) -> list[int] | None:
 def parse_queries(spec: str | None) -> tuple[int | None, int | None] | None:
     if spec is None:
         return None
-    lo, sep, hi = spec.partition(":")
+    lo_text, sep, hi_text = spec.partition(":")
     try:
         if not sep:
             raise ValueError
-        lo, hi = (int(lo) if lo.strip() else None, int(hi) if hi.strip() else None)
+        lo, hi = (int(lo_text) if lo_text.strip() else None, int(hi_text) if hi_text.strip() else None)
     except ValueError:
         raise ValueError(
             f"--queries: expected LO:HI token positions (either may be empty, negative counts from the end), got {spec!r}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 from .options import options_named, output_dir, positive_int
 from .progress import Progress
@@ -252,7 +253,7 @@ def _build_visual(args) -> int:
 
     with options_named({"out_dir": "--out"}):
         card = organisms.build(args.name, out, work_dir=args.work, on_eval=on_eval, on_measure=on_measure)
-    distance = None
+    distance: dict[str, Any] | None = None
     if shipped:
         diffs = {
             k: round(e["accuracy"] - shipped["accuracy"][k]["accuracy"], 4)

@@ -20,7 +20,8 @@ import os
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .options import options_named, output_dir
 
@@ -170,7 +171,7 @@ def _any(text: str):
     return text
 
 
-_READERS = {
+_READERS: dict[str, tuple[Callable[[str], Any], str]] = {
     "int": (_int, "an int (e.g. 8 or 4k = 4096)"),
     "float": (_float, "a finite number"),
     "bool": (_bool, "true or false"),
@@ -225,7 +226,7 @@ def _doc_lines(function) -> dict:
     ("lengths: ..." under Args, continuation lines indented) or inline
     ("``lengths``: ...; ``depths``: ...", several names may share one text with "/")."""
     doc = inspect.getdoc(function) or ""
-    found = {}
+    found: dict[str, str] = {}
     # Google style: "name: text" (continuation lines indented deeper)
     lines = doc.splitlines()
     for i, line in enumerate(lines):

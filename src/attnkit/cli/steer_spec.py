@@ -23,6 +23,7 @@ import os
 import re
 import time
 import weakref
+from collections.abc import Sequence
 
 SCORE_NAMES = ("retrieval", "induction", "previous_token", "duplicate_token", "sink")
 HEADS_HELP = (
@@ -155,7 +156,7 @@ def probe_span_emphasis(span: str, heads, alpha: float):
             switch = active_switch(self._model())[0]
             meters = [o for o in (switch.observers or []) if isinstance(o, RowSpanMass)] if switch else []
             names = [n for m in meters for n in m.spans]
-            rows = [[] for _ in range(batch)]
+            rows: list[list[tuple[int, int]]] = [[] for _ in range(batch)]
             for meter in meters:
                 for name, ranges in meter.spans.items():
                     if name == span or name.startswith(span + "#") or (name.startswith(span) and name[len(span) :].isdigit()):
@@ -182,7 +183,7 @@ def probe_span_emphasis(span: str, heads, alpha: float):
     return ProbeSpanEmphasis()
 
 
-def build_interventions(specs: list[str], pm, progress=None) -> list:
+def build_interventions(specs: Sequence[str], pm, progress=None) -> list:
     """The interventions of ``specs``, checked against ``pm.model`` (errors name --steer)."""
     from ..steer.targets import model_shape, resolve_heads
 
@@ -203,7 +204,7 @@ def build_interventions(specs: list[str], pm, progress=None) -> list:
     return out
 
 
-def run_with_and_without(function, pm, specs: list[str], call_kwargs: dict):
+def run_with_and_without(function, pm, specs: Sequence[str], call_kwargs: dict):
     """The probe's result without and with the interventions of ``specs``, in one
     ``ProbeResult`` whose ``steered`` column is "none" or the specs joined by " + "."""
     from ..probes.result import ProbeResult

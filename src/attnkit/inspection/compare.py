@@ -82,9 +82,9 @@ class ProfileComparison:
 def compare(before: AttentionProfile, after: AttentionProfile, *, epsilon: float = 1e-9) -> ProfileComparison:
     """Per-head change from ``before`` to ``after`` for every metric both measured, and
     KL(before || after) of each head's distance profile."""
-    for name, p in (("before", before), ("after", after)):
-        if not isinstance(p, AttentionProfile):
-            raise ValueError(f"{name}: expected an AttentionProfile, got {type(p).__name__}")
+    for name, profile in (("before", before), ("after", after)):
+        if not isinstance(profile, AttentionProfile):
+            raise ValueError(f"{name}: expected an AttentionProfile, got {type(profile).__name__}")
     if not 0.0 < epsilon < 1e-3:
         raise ValueError(f"epsilon: expected a small positive floor for empty bins, got {epsilon!r}")
     rows = []

@@ -12,6 +12,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -109,7 +110,8 @@ def inspect_pipeline(
         layers, heads: what ``attnkit.diffusion.maps`` aggregates (module paths; heads).
         progress: called once per denoising step (when the pipeline has step callbacks).
     """
-    from ..diffusion import TokenMaps, maps
+    from ..diffusion.maps import maps
+    from ..diffusion.tokenmaps import TokenMaps
 
     if (prompt is None) == (prompt_embeds is None):
         raise ValueError("prompt: pass either a prompt or prompt_embeds")
@@ -124,7 +126,7 @@ def inspect_pipeline(
         )
     spans = step_ranges(steps, ranges)
     per_range = [TokenMaps(heads=heads, steps=range(lo, hi + 1)) for lo, hi in spans]
-    call = dict(num_inference_steps=steps, generator=torch.Generator().manual_seed(seed), output_type="np")
+    call: dict[str, Any] = dict(num_inference_steps=steps, generator=torch.Generator().manual_seed(seed), output_type="np")
     if guidance is not None:
         call["guidance_scale"] = guidance
     if size is not None:
@@ -143,7 +145,8 @@ def inspect_pipeline(
     result = maps(pipeline, prompt, layers=layers, heads=heads, meters=per_range, **call)
     seconds = time.perf_counter() - started
     first = result.maps.shape[0] - result.conditional.shape[0]  # the prompt's row (after the unconditional)
-    grid = tuple(result.maps.shape[-2:])
+    height, width = result.maps.shape[-2:]
+    grid = (height, width)
     count = result.maps.shape[1]
     names, shown = _token_names(pipeline, prompt, result.tokens, count)
     overall = result.maps[first, :shown].float()

@@ -12,6 +12,7 @@ import io
 import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -135,7 +136,7 @@ class AttentionProfile:
         doc = json.loads(text)
         if not isinstance(doc, dict) or doc.get("format") != "attnkit.AttentionProfile/1":
             raise ValueError("text: not an attnkit AttentionProfile JSON document (format attnkit.AttentionProfile/1)")
-        arrays = {}
+        arrays: dict[str, dict[tuple[int, int], Any]] = {}
         for name, per_head in doc["arrays"].items():
             arrays[name] = {}
             for key, data in per_head.items():

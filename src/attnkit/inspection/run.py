@@ -12,6 +12,7 @@ import inspect as _pyinspect
 import time
 import warnings
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -182,7 +183,8 @@ def inspect(
         body(**kwargs)
     seconds = time.perf_counter() - start
 
-    rows, arrays, meta_meters = [], {}, {}
+    rows, meta_meters = [], {}
+    arrays: dict[str, dict[tuple[int, int], Any]] = {}
     for m in built:
         rows += m.rows()
         for name, per_head in m.arrays().items():

@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 import time
+from typing import Any
 
 import torch
 
@@ -33,7 +34,8 @@ from .store import CARD_FILE
 def run_stages(recipe: Recipe, work_dir: str, on_eval=None) -> tuple[str, list[dict]]:
     """Train every stage of ``recipe`` under ``work_dir``; returns (the last stage's export
     directory, per-stage records). ``on_eval(stage, record, config)`` after each evaluation."""
-    previous, stages = None, []
+    previous: str | None = None
+    stages: list[dict[str, Any]] = []
     for stage in recipe.stages:
         task = make_task(stage.task, **stage.params)
         [run] = plan(
@@ -64,6 +66,7 @@ def run_stages(recipe: Recipe, work_dir: str, on_eval=None) -> tuple[str, list[d
             }
         )
         previous = directory
+    assert previous is not None  # a recipe has stages
     return previous, stages
 
 
@@ -86,7 +89,7 @@ def build(recipe: Recipe, out_dir: str, work_dir: str | None = None, on_eval=Non
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     own_work = work_dir is None
-    work_dir = tempfile.mkdtemp(prefix=f"attnkit-{recipe.name}-") if own_work else work_dir
+    work_dir = tempfile.mkdtemp(prefix=f"attnkit-{recipe.name}-") if work_dir is None else work_dir
     out_dir = os.path.normpath(out_dir)
     staging = out_dir + ".building"
     try:

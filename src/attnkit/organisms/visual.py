@@ -107,6 +107,7 @@ def build(name: str, out_dir: str, work_dir: str | None = None, on_eval=None, on
         record["wall_seconds"] = round(time.perf_counter() - start, 1)
         if work_dir:
             vo.save_trained(model, record, settings, work_dir)
+    assert record is not None  # loaded or trained with the model
     staging = out_dir.rstrip(os.sep) + ".partial"
     shutil.rmtree(staging, ignore_errors=True)
     vo.export(model, staging)
