@@ -89,7 +89,7 @@ def render(objects, rng: np.random.Generator | None = None) -> np.ndarray:
     """The image of ``objects`` (uint8, IMAGE_SIZE × IMAGE_SIZE × 3). With ``rng``, each
     shape sits at a random offset of 0–2 pixels inside its cell and the pixels get noise;
     without, every shape is centred and the image noiseless."""
-    image = np.full((IMAGE_SIZE, IMAGE_SIZE, 3), 20, dtype=np.int16)
+    image: np.ndarray = np.full((IMAGE_SIZE, IMAGE_SIZE, 3), 20, dtype=np.int16)
     if rng is not None:
         image += rng.integers(-12, 13, size=image.shape, dtype=np.int16)
     for obj in objects:
