@@ -60,7 +60,7 @@ def _dense(req: Request, layer: int | None) -> tuple[Tensor, Tensor, AttentionTi
     if req.mask is not None and not (type(req.mask) is Causal and Nq == 1):  # one causal row sees every key
         visible = dense_visible(req)
         if bool(visible.all()):
-            visible = None  # a decoding step under a causal mask sees every key
+            visible = None  # every key visible: the tile says so, and no -inf is added
         else:  # masked_fill, not an added -inf: a NaN in a hidden key must not reach the row
             s = s.masked_fill(~visible, -math.inf)
     lse = torch.logsumexp(s, dim=-1)

@@ -17,6 +17,7 @@ from ..mods.masks import Causal
 from .dense_rows import dense_rows_attention, dense_rows_serve
 from .dispatch import choose_backend
 from .finite import nonfinite_reaches_output, rows_finite_and_nonzero, without_hidden_nonfinite
+from .observe_pass import observe_softmax
 from .request import FLOAT_DTYPES, Request, all_finite, empty_result, make_request, nonfinite_error
 
 Tensor = torch.Tensor
@@ -51,8 +52,6 @@ def softmax_attention(
     if backend == "auto" and (observers or score is not None) and dense_rows_serve(req):
         out, lse = dense_rows_attention(req, observers, layer)  # a decoding step observed or steered
     elif observers:
-        from .observe_pass import observe_softmax  # it imports the meters' protocol: loaded when observed
-
         out, lse = run_request(req, backend)
         assert lse is not None  # asked for: observers want it
         # the weights of hidden keys are 0 whatever the keys hold (NaN in padding too)
