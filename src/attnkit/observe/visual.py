@@ -22,7 +22,8 @@ Per query row i with weights w over its visible keys, I the image keys:
   towards the text as generation goes on).
 
 Rows that see no key (padding) are left out of every mean. State is O(B·H·N0) per layer
-(received mass) plus O(B·H·T) for T steps; the rows of one call are O(B·H·R·k).
+(received mass) plus O(B·H·T) for T steps; the rows of a call, O(B·H·R·k), wait to be folded
+in with those of up to 255 other calls.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def key_mask(keys, name: str = "keys") -> Tensor:
     )
 
 
-#: what ``end_call`` adds up per head, in order
+#: what ``_finish`` adds up per head, in order
 _SUMS = ("rows", "share", "uniform", "visual_rows", "entropy", "entropy_norm", "norm_rows", "topk")
 #: calls whose rows wait to be folded into the sums (a few KB each for a decoding step)
 _PENDING_CALLS = 256
