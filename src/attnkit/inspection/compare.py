@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 from ..observe.distance import parse_bin_label
-from .profile import AttentionProfile
+from .profile import AttentionProfile, written
 
 
 def distance_profile(profile: AttentionProfile, layer: int, head: int) -> dict[str, float]:
@@ -61,22 +61,14 @@ class ProfileComparison:
             w.writerow([layer, head, metric, repr(before), repr(after), repr(change)])
         for (layer, head), kl in sorted(self.drift.items()):
             w.writerow([layer, head, "distance.kl", "", "", repr(kl)])
-        text = buf.getvalue()
-        if path is not None:
-            with open(path, "w", encoding="utf-8", newline="") as f:
-                f.write(text)
-        return text
+        return written(buf.getvalue(), path)
 
     def to_json(self, path: str | None = None) -> str:
         doc = {
             "rows": [list(r) for r in self.rows],
             "drift": [[layer, head, kl] for (layer, head), kl in sorted(self.drift.items())],
         }
-        text = json.dumps(doc)
-        if path is not None:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text)
-        return text
+        return written(json.dumps(doc), path)
 
 
 def compare(before: AttentionProfile, after: AttentionProfile, *, epsilon: float = 1e-9) -> ProfileComparison:

@@ -29,6 +29,14 @@ def _array_from_json(data: dict) -> dict:
     return {k: (torch.tensor(v) if isinstance(v, list) else v) for k, v in data.items()}
 
 
+def written(text: str, path: str | None) -> str:
+    """``text``, also written to ``path`` (UTF-8, newlines as they are) when one is given."""
+    if path is not None:
+        with open(path, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+    return text
+
+
 @dataclass
 class AttentionProfile:
     rows: list[Row]
@@ -106,11 +114,7 @@ class AttentionProfile:
         writer.writerow(["layer", "head", "metric", "value"])
         for layer, head, metric, value in self.rows:
             writer.writerow([layer, head, metric, repr(float(value))])
-        text = buf.getvalue()
-        if path is not None:
-            with open(path, "w", encoding="utf-8", newline="") as f:
-                f.write(text)
-        return text
+        return written(buf.getvalue(), path)
 
     def to_json(self, path: str | None = None) -> str:
         """Everything — rows, tokens, meta, arrays — as JSON; ``from_json`` reads it back."""
@@ -125,11 +129,7 @@ class AttentionProfile:
             "rows": [[layer, head, metric, float(value)] for layer, head, metric, value in self.rows],
             "arrays": arrays,
         }
-        text = json.dumps(doc)
-        if path is not None:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text)
-        return text
+        return written(json.dumps(doc), path)
 
     @classmethod
     def from_json(cls, text: str) -> AttentionProfile:

@@ -19,9 +19,8 @@ import math
 import torch
 
 from ..mods import index_tensors
-from ..mods.masks import Causal
 from ..observe import AttentionTile, feed, interested
-from .few_queries import dense_visible, few_queries
+from .few_queries import dense_logits, few_queries, weighted_values
 from .finite import without_hidden_nonfinite
 from .observe_pass import call_info
 from .request import Request, all_finite
@@ -48,39 +47,14 @@ def dense_rows_attention(req: Request, observers=None, layer: int | None = None)
 
 
 def _dense(req: Request, layer: int | None) -> tuple[Tensor, Tensor, AttentionTile]:
-    B, Hq, Nq, D = req.q.shape
-    Hkv, groups, Nk = req.kv_heads, Hq // req.kv_heads, req.k_len
-    compute = torch.float64 if req.q.dtype == torch.float64 else torch.float32
-    q = req.q.to(compute).reshape(B, Hkv, groups * Nq, D)  # head h = kv * groups + g: GQA without copying keys
-    s = (q @ req.k.to(compute).transpose(-1, -2)).mul_(req.scale).view(B, Hq, Nq, Nk)
-    b, h, qi, ki = index_tensors(req.batch, req.heads, req.q_start, Nq, 0, Nk)
-    if req.score is not None:
-        s = req.score(s, b, h, qi, ki).to(compute)
-    visible = None
-    if req.mask is not None and not (type(req.mask) is Causal and Nq == 1):  # one causal row sees every key
-        visible = dense_visible(req)
-        if bool(visible.all()):
-            visible = None  # every key visible: the tile says so, and no -inf is added
-        else:  # masked_fill, not an added -inf: a NaN in a hidden key must not reach the row
-            s = s.masked_fill(~visible, -math.inf)
+    s, visible = dense_logits(req)
     lse = torch.logsumexp(s, dim=-1)
     # a row that sees no key: lse -inf, weights 0 (exp(-inf - inf)), output 0 as the kernels give
     norm = torch.where(torch.isneginf(lse), math.inf, lse)
     w = torch.sub(s, norm.unsqueeze(-1)).exp_()
-    out = (w.view(B, Hkv, groups * Nq, Nk) @ req.v.to(compute)).view(B, Hq, Nq, req.v_dim).to(req.q.dtype)
-    tile = AttentionTile(
-        call_info(req, layer),
-        b.view(-1),
-        qi.view(-1),
-        ki.view(-1),
-        w,
-        s,
-        None,
-        visible is None,
-        visible,
-        norm,
-    )
-    return out, lse, tile
+    b, _, qi, ki = index_tensors(req.batch, req.heads, req.q_start, req.q_len, 0, req.k_len)
+    tile = AttentionTile(call_info(req, layer), b.view(-1), qi.view(-1), ki.view(-1), w, s, None, visible is None, visible, norm)
+    return weighted_values(req, w), lse, tile
 
 
 __all__ = ["dense_rows_attention", "dense_rows_serve"]

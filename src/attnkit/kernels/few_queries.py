@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from ..mods import index_tensors
+from ..mods.masks import Causal
 from .finite import without_hidden_nonfinite
 from .request import Request, all_finite
 
@@ -47,15 +48,34 @@ def few_query_attention(req: Request, weights: Callable[[Tensor], Tensor]) -> Te
 
 
 def _dense(req: Request, weights: Callable[[Tensor], Tensor]) -> Tensor:
+    s, _ = dense_logits(req)
+    return weighted_values(req, weights(s))
+
+
+def dense_logits(req: Request) -> tuple[Tensor, Tensor | None]:
+    """(S, visible): the call's logits (B, Hq, Nq, Nk) in the compute dtype (float64 for
+    float64 inputs, else float32), score mod applied and -inf where the mask hides a key;
+    ``visible`` the mask (bool, broadcastable) or None when every key is visible."""
     B, Hq, Nq, D = req.q.shape
     Hkv, groups = req.kv_heads, Hq // req.kv_heads
     compute = torch.float64 if req.q.dtype == torch.float64 else torch.float32
-    q = req.q.to(compute).reshape(B, Hkv, groups * Nq, D)  # head h = kv * groups + g
+    q = req.q.to(compute).reshape(B, Hkv, groups * Nq, D)  # head h = kv * groups + g: GQA without copying keys
     s = (q @ req.k.to(compute).transpose(-1, -2) * req.scale).view(B, Hq, Nq, req.k_len)
     if req.score is not None:
         b, h, qi, ki = index_tensors(req.batch, req.heads, req.q_start, req.q_len, 0, req.k_len)
         s = req.score(s, b, h, qi, ki).to(compute)
-    if req.mask is not None:
-        s = s.masked_fill(~dense_visible(req), -math.inf)
-    w = weights(s).view(B, Hkv, groups * Nq, req.k_len)
-    return (w @ req.v.to(compute)).view(B, Hq, Nq, req.v_dim).to(req.q.dtype)
+    if req.mask is None or (type(req.mask) is Causal and Nq == 1):  # one causal row sees every key
+        return s, None
+    visible = dense_visible(req)
+    if bool(visible.all()):
+        return s, None
+    # masked_fill, not an added -inf: a NaN in a hidden key must not reach the row
+    return s.masked_fill(~visible, -math.inf), visible
+
+
+def weighted_values(req: Request, w: Tensor) -> Tensor:
+    """``w @ v`` for weights (B, Hq, Nq, Nk) in the compute dtype, output in q's dtype."""
+    B, Hq, Nq, _ = req.q.shape
+    Hkv = req.kv_heads
+    w = w.reshape(B, Hkv, (Hq // Hkv) * Nq, req.k_len)
+    return (w @ req.v.to(w.dtype)).view(B, Hq, Nq, req.v_dim).to(req.q.dtype)
