@@ -11,6 +11,7 @@ never trained is not stable across rebuilds.
 """
 
 import pytest
+import torch
 
 from attnkit import organisms
 from attnkit.organisms.builder import compare
@@ -25,7 +26,13 @@ def test_needle_32_rebuilds_within_tolerance_of_its_card(tmp_path):
     shipped = organisms.card("needle-32")
     rebuilt = organisms.build("needle-32", str(tmp_path / "needle-32"))
     distance = compare(rebuilt, shipped)
-    assert rebuilt["training"]["steps"] == shipped["training"]["steps"]
+    if shipped["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability():
+        # the same kernels, the same evaluations: each stage stops at the card's step
+        assert rebuilt["training"]["steps"] == shipped["training"]["steps"]
+    else:
+        # AVX2 against AVX-512 orders float reductions otherwise, so a stage may reach its
+        # target accuracy an evaluation or two apart; each must still reach it
+        assert all(stage["stopped_early"] for stage in rebuilt["training"]["stages"]), rebuilt["training"]["stages"]
     for length, cells in distance["differences"].items():
         if int(length) <= shipped["model"]["trained_up_to"]:
             assert max(abs(d) for d in cells.values()) <= TOLERANCE, (length, cells)

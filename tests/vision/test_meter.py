@@ -81,16 +81,22 @@ def test_prefill_equals_literal_definition(family):
     assert max(shares) - min(shares) > 0.01
 
 
-@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+@pytest.mark.parametrize(
+    "family, rows", [("llava", 2), ("qwen2_vl", 2), ("llava", 1)], ids=["llava", "qwen2_vl", "llava one row, no padding"]
+)
 @pytest.mark.parametrize("pending", [256, 1], ids=["calls folded in at the end", "each call folded in at once"])
-def test_share_per_generated_step_and_drift(family, pending, monkeypatch):
+def test_share_per_generated_step_and_drift(family, rows, pending, monkeypatch):
     """Two generations with one meter: each step's share is kept once (the second's rows
-    replace the first's, equal here), however the calls are batched into the sums."""
+    replace the first's, equal here), however the calls are batched into the sums. With
+    padding a step's keys are masked; without, every key is visible (the meter's two ways
+    of keeping a step's weights)."""
     from attnkit.observe import visual
 
     monkeypatch.setattr(visual, "_PENDING_CALLS", pending)
     model = V.build(family)
     inputs, _ = V.batch(family)
+    if rows == 1:  # llava's first row: two images, no padding
+        inputs = {k: v[:2] if k == "pixel_values" else v[:1] for k, v in inputs.items()}
     spans = vision.image_spans(model, inputs)
     meter = spans.meter()
     steps = 4
@@ -101,29 +107,35 @@ def test_share_per_generated_step_and_drift(family, pending, monkeypatch):
     full = dict(
         inputs,
         input_ids=seq,
-        attention_mask=torch.cat([inputs["attention_mask"], torch.ones(2, steps - 1 + 1, dtype=torch.long)], 1)[
-            :, : seq.shape[1]
-        ],
+        attention_mask=torch.cat([inputs["attention_mask"], torch.ones(rows, steps, dtype=torch.long)], 1)[:, : seq.shape[1]],
     )
     if "mm_token_type_ids" in inputs:
         full["mm_token_type_ids"] = torch.cat(
-            [inputs["mm_token_type_ids"], torch.zeros(2, seq.shape[1] - n0, dtype=torch.int)], 1
+            [inputs["mm_token_type_ids"], torch.zeros(rows, seq.shape[1] - n0, dtype=torch.int)], 1
         )
     else:  # generate's positions for left padding (RoPE is relative, but not bitwise so)
         full["position_ids"] = (full["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     _, probs = run_dense(model, **full)
-    image = torch.cat([spans.mask, torch.zeros(2, seq.shape[1] - n0, dtype=torch.bool)], 1)
-    rows = {(r[0], r[1], r[2]): r[3] for r in meter.rows()}
+    image = torch.cat([spans.mask, torch.zeros(rows, seq.shape[1] - n0, dtype=torch.bool)], 1)
+    got_rows = {(r[0], r[1], r[2]): r[3] for r in meter.rows()}
     for layer, a in probs.items():
         for h in range(a.shape[1]):
             got = meter.arrays()["visual_share"][(layer, h)]
             assert got["step_start"] == n0 - 1
             values = got["values"].double()
-            assert values.shape == (2, steps)
+            assert values.shape == (rows, steps)
             want = torch.stack([(a[:, h, n0 - 1 + t] * image).sum(-1) for t in range(steps)], 1)
             assert torch.allclose(values, want, atol=1e-6)  # stored float32
-            slopes = [np.polyfit(np.arange(steps), want[b].numpy(), 1)[0] for b in range(2)]
-            assert rows[(layer, h, "visual.drift")] == pytest.approx(np.mean(slopes), abs=1e-9)
+            slopes = [np.polyfit(np.arange(steps), want[b].numpy(), 1)[0] for b in range(rows)]
+            assert got_rows[(layer, h, "visual.drift")] == pytest.approx(np.mean(slopes), abs=1e-9)
+    # every other metric over the rows the generations computed (all but the last token's):
+    # the prompt's and the steps', each seen twice, which leaves every mean as it is
+    seen = {layer: a[:, :, :-1, :-1] for layer, a in probs.items()}
+    want = literal(seen, image[:, :-1], full["attention_mask"][:, :-1].bool(), 4)
+    for (layer, h), metrics in want.items():
+        for metric, value in metrics.items():
+            if metric != "received":
+                assert got_rows[(layer, h, metric)] == pytest.approx(value, abs=1e-9), (layer, h, metric)
 
 
 def test_meter_refuses_a_batch_it_was_not_built_for():

@@ -107,6 +107,7 @@ def meter_rows(name: str, model, inputs: dict, new_tokens: int, repeats: int) ->
             meter = spans.meter(queries=queries)
             with hf.use(model, observers=[meter]):
                 model.generate(**inputs, **kw)
+            meter.rows()  # the results, so that work the meter defers is timed too
 
         with torch.no_grad():
             a, b = time_pair(metered, plain, repeats=repeats)

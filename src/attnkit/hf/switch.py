@@ -203,16 +203,17 @@ def use(
     the decoding steps of one generation belong in one ``with`` block.
     Yields the ``Switch``, whose ``mechanisms`` maps layers to the mechanisms built.
     """
-    check_model(model)
+    every = list(model.modules())  # walked once here: a generation opens a block per call
+    check_model(model, every)
     switch = _make_switch(model, mechanism, mask, score, layers, heads, observers, sinks, params)
     if context_parallel is not None:
         from ..distributed.layout import check_layout
 
         switch.context_parallel, switch.context_layout = context_parallel, check_layout(context_layout)
     register()
-    configs = _configs(model)
+    configs = _configs(every)
     saved_impl = {id(c): (c, c._attn_implementation_internal) for c in configs}
-    modules = switched_modules(model)
+    modules = switched_modules(model, every)
     saved_active = {m: _ACTIVE.get(m) for m in modules}
     unhook = None
     try:
@@ -236,7 +237,7 @@ def use(
                 _ACTIVE[m] = previous
 
 
-def switched_modules(model: nn.Module) -> list[nn.Module]:
+def switched_modules(model: nn.Module, every: list[nn.Module] | None = None) -> list[nn.Module]:
     """The modules a switch (and ``attnkit.steer``) acts on: all of ``model``'s, except,
     in a composite model whose text config is a sub-config (a vision-language model),
     those of its other towers (the vision encoder). Their layers are numbered apart
@@ -245,25 +246,27 @@ def switched_modules(model: nn.Module) -> list[nn.Module]:
     Observe a tower by passing it as the model (``use(model.model.vision_tower)``)."""
     from transformers import PreTrainedModel
 
+    every = list(model.modules()) if every is None else every
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config  # type: ignore[operator]  # nn.Module.__getattr__
     if text is config:
-        return list(model.modules())
+        return every
     skip: set[int] = set()
-    for m in model.modules():
-        if isinstance(m, PreTrainedModel) and m.config is not config and m.config is not text:
+    for m in every:
+        if isinstance(m, PreTrainedModel) and m.config is not config and m.config is not text and id(m) not in skip:
             skip.update(id(x) for x in m.modules())
-    return [m for m in model.modules() if id(m) not in skip]
+    return [m for m in every if id(m) not in skip]
 
 
-def check_model(model) -> None:
+def check_model(model, every: list[nn.Module] | None = None) -> None:
     """Raise ValueError naming ``model`` unless attnkit can switch it: a transformers
-    ``PreTrainedModel`` whose attention goes through ``AttentionInterface``."""
+    ``PreTrainedModel`` whose attention goes through ``AttentionInterface``. ``every``:
+    ``model.modules()``, when the caller has them."""
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel):
         raise ValueError(f"model: expected a transformers PreTrainedModel, got {type(model).__name__}")
-    for m in model.modules():
+    for m in model.modules() if every is None else every:
         if isinstance(m, PreTrainedModel) and not m._can_set_attn_implementation():
             raise ValueError(
                 f"model: {type(m).__name__} does not route its attention through transformers' AttentionInterface, "
@@ -271,12 +274,13 @@ def check_model(model) -> None:
             )
 
 
-def _configs(model) -> list:
-    """Every config whose ``_attn_implementation`` the switch may change."""
+def _configs(every: list[nn.Module]) -> list:
+    """Every config whose ``_attn_implementation`` the switch may change (``every``: the
+    model's modules)."""
     from transformers import PreTrainedModel
 
     seen, out = set(), []
-    stack = [m.config for m in model.modules() if isinstance(m, PreTrainedModel)]
+    stack = [m.config for m in every if isinstance(m, PreTrainedModel)]
     while stack:
         config = stack.pop()
         if id(config) in seen:

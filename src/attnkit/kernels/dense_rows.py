@@ -8,8 +8,8 @@ one tile: one pass over the keys instead of the tiled kernel for (out, lse) foll
 the observing pass that recomputes the weights tile by tile (observe_pass.py). With a
 score modification (a steering intervention while generating), it replaces the tile
 engine's plan and segments, whose set-up is most of a few-row call's time. On a small
-model either cost more than the step's own attention. Exact: P = exp(S - lse) with
-lse = logsumexp(S) of the full row.
+model either cost more than the step's own attention. Exact: P = softmax(S) over the
+full row, as exp(S - lse) where a row may see no key or the caller wants lse.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import math
 import torch
 
 from ..mods import index_tensors
-from ..observe import AttentionTile, feed, interested
+from ..observe import AttentionTile, feed
 from .few_queries import dense_logits, few_queries, weighted_values
 from .finite import without_hidden_nonfinite
 from .observe_pass import call_info
@@ -33,27 +33,39 @@ def dense_rows_serve(req: Request) -> bool:
     return few_queries(req) and req.sinks is None and req.q_len > 0 and req.k_len > 0
 
 
-def dense_rows_attention(req: Request, observers=None, layer: int | None = None) -> tuple[Tensor, Tensor]:
-    """(out, lse) of the call, its weights fed to ``observers`` (if any) as one tile."""
-    out, lse, tile = _dense(req, layer)
-    if req.mask is not None and not all_finite(out):
+def dense_rows_attention(
+    req: Request, observers=None, layer: int | None = None, need_lse: bool = True
+) -> tuple[Tensor, Tensor | None]:
+    """(out, lse) of the call, its weights fed to ``observers`` (if any) as one tile; lse
+    is None when not ``need_lse`` and the softmax needed none."""
+    out, lse, tile = _dense(req, layer, need_lse)
+    if tile.visible is not None and not all_finite(out):  # only a hidden key can be cleaned away
         clean = without_hidden_nonfinite(req)  # NaN in a hidden value: 0 * NaN in the product
         if clean is not None:
-            out, lse, tile = _dense(clean, layer)
+            out, lse, tile = _dense(clean, layer, need_lse)
     if observers:
-        _, union = interested(observers, tile.call)
-        feed(observers, tile.call, (tile,) if union.heads != () else ())
+        feed(observers, tile.call, (tile,))  # feed builds nothing more when no observer wants a tile
     return out, lse
 
 
-def _dense(req: Request, layer: int | None) -> tuple[Tensor, Tensor, AttentionTile]:
+def _dense(req: Request, layer: int | None, need_lse: bool) -> tuple[Tensor, Tensor | None, AttentionTile]:
     s, visible = dense_logits(req)
-    lse = torch.logsumexp(s, dim=-1)
-    # a row that sees no key: lse -inf, weights 0 (exp(-inf - inf)), output 0 as the kernels give
-    norm = torch.where(torch.isneginf(lse), math.inf, lse)
-    w = torch.sub(s, norm.unsqueeze(-1)).exp_()
+    if visible is None and req.score is None and not need_lse:
+        # Every row sees every key and no score mod can hide one (the commonest observed
+        # decoding step): one softmax op instead of logsumexp, a guard and exp. A NaN
+        # logit gives NaN as before, which the caller's finiteness check reports.
+        lse = norm = None
+        w = torch.softmax(s, dim=-1)
+    else:
+        lse = torch.logsumexp(s, dim=-1)
+        # a row that sees no key: lse -inf, weights 0 (exp(-inf - inf)), output 0 as the kernels give
+        norm = torch.where(torch.isneginf(lse), math.inf, lse)
+        w = torch.sub(s, norm.unsqueeze(-1)).exp_()
     b, _, qi, ki = index_tensors(req.batch, req.heads, req.q_start, req.q_len, 0, req.k_len)
-    tile = AttentionTile(call_info(req, layer), b.view(-1), qi.view(-1), ki.view(-1), w, s, None, visible is None, visible, norm)
+    origin = (req.q_start, 0, 0)
+    tile = AttentionTile(
+        call_info(req, layer), b.view(-1), qi.view(-1), ki.view(-1), w, s, None, visible is None, visible, norm, origin
+    )
     return weighted_values(req, w), lse, tile
 
 

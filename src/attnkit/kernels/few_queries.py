@@ -59,8 +59,8 @@ def dense_logits(req: Request) -> tuple[Tensor, Tensor | None]:
     B, Hq, Nq, D = req.q.shape
     Hkv, groups = req.kv_heads, Hq // req.kv_heads
     compute = torch.float64 if req.q.dtype == torch.float64 else torch.float32
-    q = req.q.to(compute).reshape(B, Hkv, groups * Nq, D)  # head h = kv * groups + g: GQA without copying keys
-    s = (q @ req.k.to(compute).transpose(-1, -2) * req.scale).view(B, Hq, Nq, req.k_len)
+    q = _as(req.q, compute).reshape(B, Hkv, groups * Nq, D)  # head h = kv * groups + g: GQA without copying keys
+    s = torch.matmul(q, _as(req.k, compute).transpose(-1, -2)).mul_(req.scale).view(B, Hq, Nq, req.k_len)
     if req.score is not None:
         b, h, qi, ki = index_tensors(req.batch, req.heads, req.q_start, req.q_len, 0, req.k_len)
         s = req.score(s, b, h, qi, ki).to(compute)
@@ -78,4 +78,10 @@ def weighted_values(req: Request, w: Tensor) -> Tensor:
     B, Hq, Nq, _ = req.q.shape
     Hkv = req.kv_heads
     w = w.reshape(B, Hkv, (Hq // Hkv) * Nq, req.k_len)
-    return (w @ req.v.to(w.dtype)).view(B, Hq, Nq, req.v_dim).to(req.q.dtype)
+    return _as(torch.matmul(w, _as(req.v, w.dtype)).view(B, Hq, Nq, req.v_dim), req.q.dtype)
+
+
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t.to(dtype)``, skipping the call when it would change nothing (a decoding step
+    is a few microseconds of work per op)."""
+    return t if t.dtype == dtype else t.to(dtype)

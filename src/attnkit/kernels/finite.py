@@ -162,18 +162,23 @@ def rows_finite_and_nonzero(out: Tensor) -> bool:
     """Whether every row of ``out`` is finite and not exactly zero (one reduction)."""
     if out.numel() == 0 or torch.compiler.is_compiling():
         return out.numel() != 0
-    flat = out.detach().abs()
-    if flat.dtype in (torch.float16, torch.bfloat16):  # a half-precision row sum could overflow
-        flat = flat.float()
-    if flat.numel() <= _SMALL:  # a decoding step: fewer ops win
-        rows = flat.sum(-1)
+    half = out.dtype in (torch.float16, torch.bfloat16)  # a half-precision row sum could overflow
+    if out.numel() <= _TINY:  # one decoding step of a small model: |x| summed in one op
+        rows = torch.linalg.vector_norm(out.detach(), 1, -1, dtype=torch.float32 if half else None)
     else:
-        rows = flat.reshape(-1, flat.shape[-1]) @ _ones(flat.shape[-1], flat.dtype, flat.device)
+        flat = out.detach().abs()
+        flat = flat.float() if half else flat
+        if flat.numel() <= _SMALL:  # a decoding step: fewer ops win
+            rows = flat.sum(-1)
+        else:
+            rows = flat.reshape(-1, flat.shape[-1]) @ _ones(flat.shape[-1], flat.dtype, flat.device)
     low, high = torch.aminmax(rows)
     return math.isfinite(high.item()) and low.item() > 0
 
 
 _SMALL = 1 << 14
+#: up to here vector_norm's one op wins; above, its reduction is slower than abs and sum
+_TINY = 256
 
 
 @functools.lru_cache(maxsize=64)

@@ -17,6 +17,7 @@ from ..mods.masks import Causal
 from .dense_rows import dense_rows_attention, dense_rows_serve
 from .dispatch import choose_backend
 from .finite import nonfinite_reaches_output, rows_finite_and_nonzero, without_hidden_nonfinite
+from .key_offsets import key_offset_terms, key_offsets_attention
 from .observe_pass import observe_softmax
 from .request import FLOAT_DTYPES, Request, all_finite, empty_result, make_request, nonfinite_error
 
@@ -49,8 +50,11 @@ def softmax_attention(
     want_lse = return_lse or bool(observers)
     req = make_request(q, k, v, mask=mask, score=score, scale=scale, sinks=sinks, return_lse=want_lse)
     lse: Tensor | None  # None only where the call asked for none (want_lse)
-    if backend == "auto" and (observers or score is not None) and dense_rows_serve(req):
-        out, lse = dense_rows_attention(req, observers, layer)  # a decoding step observed or steered
+    offset_terms = key_offset_terms(req) if backend == "auto" and not observers else None
+    if offset_terms is not None:
+        out, lse = key_offsets_attention(req, offset_terms), None  # a steered prefill or decoding step
+    elif backend == "auto" and (observers or score is not None) and dense_rows_serve(req):
+        out, lse = dense_rows_attention(req, observers, layer, need_lse=return_lse)  # a decoding step observed or steered
     elif observers:
         out, lse = run_request(req, backend)
         assert lse is not None  # asked for: observers want it

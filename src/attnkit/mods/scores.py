@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .masks import index_tensors
+
 Tensor = torch.Tensor
 
 
@@ -101,6 +103,12 @@ class Bias(ScoreMod):
         "right": kv >= q) of every query; None when the bias has no such form. Shapes:
         row (H|1, BQ), col (H|1, span) or (Bt, H|1, span) for a bias that differs by row."""
         return None
+
+    def key_row(self, batch: int, heads: int, q_len: int, k_len: int) -> Tensor:
+        """A key-only bias over a whole call, (B | 1, H | 1, 1, Nk): the same for every query."""
+        assert self.key_only, f"{self!r}: not key-only"
+        b, h, q_first, kv = index_tensors(batch, heads, k_len - q_len, 1, 0, k_len)
+        return self.bias(b, h, q_first, kv)
 
     def __call__(self, s, b, h, q_idx, kv_idx):
         return s + self.bias(b, h, q_idx, kv_idx).to(s.dtype)

@@ -58,6 +58,9 @@ class AttentionTile:
     #: softmax only: each row's log-normaliser (Bt, H', BQ), weights = exp(scores - log_norm)
     #: (+inf for a row that sees no key)
     log_norm: Tensor | None = None
+    #: (first query position, first key position, first batch row) from a producer that
+    #: built the positions as ascending contiguous ranges; None: ``starts`` reads and checks them
+    origin: tuple[int, int, int] | None = None
 
     @property
     def layer(self) -> int | None:
@@ -71,6 +74,8 @@ class AttentionTile:
     def starts(self) -> tuple[int, int, int]:
         """(first query position, first key position, first batch row); checks once per
         tile, for every observer, that each is an ascending contiguous range."""
+        if self.origin is not None:
+            return self.origin
         out = []
         for name, pos in (("query", self.q_pos), ("key", self.k_pos), ("batch", self.batch)):
             first = int(pos[0])

@@ -104,6 +104,7 @@ class Meter(Observer, ABC):
         self._head_ids: dict = {}  # layer -> tuple of head indices measured there
         self._rows_seen: dict = {}  # layer -> query rows observed (summed over calls and batch)
         self._sel: Selection | None = None
+        self._wanted: tuple[CallInfo | None, Selection | None] = (None, None)  # the last call asked about
 
     # -- protocol -------------------------------------------------------------------------
 
@@ -113,12 +114,14 @@ class Meter(Observer, ABC):
         if self.heads is not None and self.heads[-1] >= call.heads:
             raise ValueError(f"heads: index {self.heads[-1]} out of range for layer {call.layer}, which has {call.heads} heads")
         lo, hi = self._positions(call)
-        if lo >= hi:
-            return None
-        return Selection(self.heads, (lo, hi))
+        sel = None if lo >= hi else Selection(self.heads, (lo, hi))
+        self._wanted = (call, sel)  # begin() follows for the same call: no second answer to compute
+        return sel
 
     def begin(self, call: CallInfo) -> None:
-        sel = self.wants(call)
+        last_call, sel = self._wanted
+        if last_call is not call:
+            sel = self.wants(call)
         if sel is None:
             raise RuntimeError(f"meter: begin() for layer {call.layer}, a call it does not want (wants() gave None)")
         self._sel = sel
@@ -200,10 +203,10 @@ class Meter(Observer, ABC):
         lo, hi = sel.q_range
         q_pos = tile.q_pos
         first, _, b0 = tile.starts
-        a, b = max(lo - first, 0), min(hi - first, len(q_pos))
+        a, b = max(lo - first, 0), min(hi - first, q_pos.shape[0])
         if a >= b:
             return None
-        if (a, b) != (0, len(q_pos)):
+        if (a, b) != (0, q_pos.shape[0]):
             q_pos = q_pos[a:b]
             parts = {k: t if t is None or t.shape[2] == 1 else t[:, :, a:b] for k, t in parts.items()}
         r0 = first + a - lo
@@ -214,8 +217,8 @@ class Meter(Observer, ABC):
             parts["s"],
             q_pos,
             tile.k_pos,
-            slice(b0, b0 + len(tile.batch)),
-            slice(r0, r0 + len(q_pos)),
+            slice(b0, b0 + tile.batch.shape[0]),
+            slice(r0, r0 + q_pos.shape[0]),
             tile.all_visible,
             parts["mask"],
             parts["log_norm"],

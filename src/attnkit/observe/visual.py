@@ -28,6 +28,10 @@ in with those of up to 255 other calls.
 
 from __future__ import annotations
 
+import itertools
+import math
+from typing import NamedTuple
+
 import torch
 
 from .base import CallInfo
@@ -62,8 +66,35 @@ def key_mask(keys, name: str = "keys") -> Tensor:
 
 #: what ``_finish`` adds up per head, in order
 _SUMS = ("rows", "share", "uniform", "visual_rows", "entropy", "entropy_norm", "norm_rows", "topk")
-#: calls whose rows wait to be folded into the sums (a few KB each for a decoding step)
+#: calls whose rows wait to be folded into the sums (a few KB each for a decoding step) ...
 _PENDING_CALLS = 256
+#: ... and weights kept from whole-row calls, at most (elements; 16 MB in float32)
+_PENDING_WEIGHTS = 1 << 22
+#: a call whose single tile holds at most this many query rows keeps its prompt weights
+#: for ``_finish`` instead of reducing them at once
+_WHOLE_ROWS = 16
+
+
+class _Summed(NamedTuple):
+    """A call reduced tile by tile: its rows' sums (5, B, H, R) and top-k mass (B, H, R)."""
+
+    layer: int | None
+    q0: int  # position of the first query row
+    sums: Tensor
+    top_mass: Tensor
+
+
+class _Kept(NamedTuple):
+    """A whole-row call kept for ``_finish``: its weights on the prompt (B, H, R, N0), the
+    whole rows' sums (B, H, R), and the visible keys and visible image keys per row (a
+    float when every key is visible, broadcastable tensors otherwise)."""
+
+    layer: int | None
+    q0: int
+    prompt: Tensor
+    total: Tensor
+    visible: float | Tensor
+    visible_image: Tensor
 
 
 class VisualAttention(Meter):
@@ -84,16 +115,17 @@ class VisualAttention(Meter):
             raise ValueError("keys: the mask marks no image key")
         self.top_k = top_k
         self.prompt_len = self.keys.shape[1]
+        self._image_count = self.keys.sum(-1, dtype=torch.float64).view(-1, 1, 1)  # (B | 1, 1, 1)
         self._state: dict = {}
         self._steps: dict = {}  # layer -> (B, H, T) share per step, NaN where not seen
         self._img_full: Tensor | None = None
-        self._pending: list = []  # (layer, first query position, sums, top-k) of calls not yet folded in
+        self._pending: list[_Summed | _Kept] = []  # calls not yet folded in, in order
+        self._pending_weights = 0
+        self._call: _Summed | _Kept | None = None  # the current call's entry, once a tile gave one
 
     def _img(self, call: CallInfo) -> Tensor:
         """(B, Nk) image keys of a call: the prompt's mask, then text (a zero tail grown
         by doubling, so a decoding step slices instead of concatenating)."""
-        if self.keys.shape[0] not in (1, call.batch):
-            raise ValueError(f"keys: a mask for {self.keys.shape[0]} batch rows, but layer {call.layer}'s call has {call.batch}")
         full = self._img_full
         if full is None or full.shape[0] != call.batch or full.shape[1] < call.k_len:
             n = max(call.k_len, 2 * (full.shape[1] if full is not None else 0), self.prompt_len)
@@ -103,11 +135,11 @@ class VisualAttention(Meter):
         return full[:, : call.k_len]
 
     def begin_call(self, call: CallInfo, n_heads: int, row_lo: int, row_hi: int) -> None:
-        self._call_img = self._img(call)
-        shape = (call.batch, n_heads, row_hi - row_lo)
-        self._acc = torch.zeros((5,) + shape, dtype=torch.float64)  # S_all, S_img, S2, visible keys, visible image keys
-        self._top = torch.zeros(shape + (self.top_k,), dtype=torch.float64)
+        if self.keys.shape[0] not in (1, call.batch):
+            raise ValueError(f"keys: a mask for {self.keys.shape[0]} batch rows, but layer {call.layer}'s call has {call.batch}")
+        self._shape = (call.batch, n_heads, row_hi - row_lo)
         self._q0 = call.q_start + row_lo
+        self._call = None
         if call.layer not in self._state:
             self._state[call.layer] = {
                 "sums": torch.zeros(len(_SUMS), n_heads, dtype=torch.float64),
@@ -119,23 +151,59 @@ class VisualAttention(Meter):
             )
 
     def update_view(self, call: CallInfo, view: TileView) -> None:
-        # Sums in the weights' dtype per tile (as the other meters), accumulated in float64.
+        w = view.w
+        whole = (
+            self._call is None
+            and view.k0 == 0
+            and w.shape[3] == call.k_len >= self.prompt_len
+            and w.shape[0] == call.batch
+            and tuple(w.shape[1:3]) == self._shape[1:]
+            and w.shape[2] <= _WHOLE_ROWS
+        )
+        if whole:
+            self._keep(call, view)
+        else:
+            self._add_tile(call, view)
+
+    def _keep(self, call: CallInfo, view: TileView) -> None:
+        """A call that is one tile of a few rows (a decoding step): keep its prompt weights
+        and row sums, and reduce them with those of other calls in ``_finish``. A step then
+        costs a copy and a sum instead of some thirty small ops."""
+        w = view.w
+        prompt = w[..., : self.prompt_len].clone()  # the kernel may reuse its buffer
+        vis = view.visible()
+        n_vis: float | Tensor
+        if vis is None or bool(vis.all()):  # (the prefill's last row sees every key too)
+            n_vis, n_img = float(w.shape[3]), self._image_count
+        else:
+            n_vis = vis.sum(-1, dtype=torch.float64)
+            n_img = (vis[..., : self.prompt_len] & self.keys.view(-1, 1, 1, self.prompt_len)).sum(-1, dtype=torch.float64)
+        self._call = _Kept(call.layer, self._q0, prompt, w.sum(-1), n_vis, n_img)
+        self._pending_weights += prompt.numel()
+
+    def _add_tile(self, call: CallInfo, view: TileView) -> None:
+        """Reduce one tile at once (prefill rows, tiled calls); sums in the weights' dtype
+        per tile (as the other meters), accumulated in float64."""
+        if self._call is None:
+            sums = torch.zeros((5,) + self._shape, dtype=torch.float64)
+            self._call = _Summed(call.layer, self._q0, sums, torch.zeros(self._shape + (self.top_k,), dtype=torch.float64))
+        elif not isinstance(self._call, _Summed):
+            raise RuntimeError("meter: another tile for a call whose first tile held all of its rows and keys")
+        sums, top_k = self._call.sums, self._call.top_mass  # top_mass holds the top-k values until end_call
         at = (slice(None), view.batch, slice(None), view.rows)
         k0, span = view.k0, view.w.shape[3]
-        w = view.w
-        img = self._call_img[view.batch, k0 : k0 + span]  # (Bt, span) bool
-        imgw = img.to(w.dtype).view(w.shape[0], 1, 1, span)
+        img = self._img(call)[view.batch, k0 : k0 + span]  # (Bt, span) bool
+        imgw = img.to(view.w.dtype).view(view.w.shape[0], 1, 1, span)
         vis = view.visible()
-        wi = w * imgw
         n_img = imgw.sum(-1) if vis is None else (vis & img.view(imgw.shape)).sum(-1)
-        parts = (w.sum(-1), wi.sum(-1), -torch.special.entr(wi).sum(-1), torch.as_tensor(view.visible_per_row()), n_img)
-        self._acc[at] += torch.stack(torch.broadcast_tensors(*(x.double() for x in parts)))
+        wi = view.w * imgw
+        sums[at] += _row_sums(view.w.sum(-1), wi, view.visible_per_row(), n_img)
         top = wi.topk(min(self.top_k, span), dim=-1).values.double()
         rows = at[1:]
         if k0 == 0 and top.shape[-1] == self.top_k:  # the row block's first key tile: nothing to merge yet
-            self._top[rows] = top
+            top_k[rows] = top
         else:
-            self._top[rows] = torch.cat([self._top[rows], top], -1).topk(self.top_k, dim=-1).values
+            top_k[rows] = torch.cat([top_k[rows], top], -1).topk(self.top_k, dim=-1).values
         end = min(k0 + span, self.prompt_len)
         if end > k0:
             self._state[call.layer]["received"][view.batch, :, k0:end] += wi[..., : end - k0].sum(2)
@@ -144,18 +212,23 @@ class VisualAttention(Meter):
         # The per-row statistics wait for a batch of calls (``_finish``): a decoding step is
         # one row per call, and some thirty small ops per call cost more than the step's
         # attention on a small model; batched, they are paid once per many calls.
-        self._pending.append((call.layer, self._q0, self._acc, self._top))
-        del self._acc, self._top, self._call_img
-        if len(self._pending) >= _PENDING_CALLS:
+        entry, self._call = self._call, None
+        if entry is None:  # no tile reached the meter (no row of its range was computed)
+            return
+        if isinstance(entry, _Summed):
+            entry = entry._replace(top_mass=entry.top_mass.sum(-1))
+        self._pending.append(entry)
+        if len(self._pending) >= _PENDING_CALLS or self._pending_weights >= _PENDING_WEIGHTS:
             self._finish()
 
     def _finish(self) -> None:
         """Fold the pending calls' rows into the per-layer sums and per-step shares."""
-        pending, self._pending = self._pending, []
-        for layer in dict.fromkeys(entry[0] for entry in pending):
-            calls = [entry for entry in pending if entry[0] == layer]
-            s_all, s_img, s2, n_vis, n_img = torch.cat([acc for _, _, acc, _ in calls], dim=3)
-            top_sum = torch.cat([top.sum(-1) for _, _, _, top in calls], dim=2)
+        pending, self._pending, self._pending_weights = self._pending, [], 0
+        for layer in dict.fromkeys(entry.layer for entry in pending):
+            chunks = self._chunks([entry for entry in pending if entry.layer == layer])
+            positions = torch.cat([c[0] for c in chunks])
+            s_all, s_img, s2, n_vis, n_img = torch.cat([c[1] for c in chunks], dim=3)
+            top_mass = torch.cat([c[2] for c in chunks], dim=2)
             live = s_all > 0
             share = torch.where(live, s_img / s_all.clamp_min(1e-300), 0.0)
             uniform = torch.where(n_vis > 0, n_img / n_vis.clamp_min(1), 0.0)
@@ -164,12 +237,39 @@ class VisualAttention(Meter):
             h = torch.where(seen, torch.log(s1) - s2 / s1, 0.0).clamp_min(0.0)
             multi = seen & (n_img >= 2)
             norm = torch.where(multi, h / torch.log(torch.where(multi, n_img, 2.0)), 0.0)
-            top = torch.where(seen, top_sum / s1, 0.0)
+            top = torch.where(seen, top_mass / s1, 0.0)
             # one stack, one reduction: the per-head sums of _SUMS, in that order
             stats = torch.stack([live.double(), share, uniform * live, seen.double(), h, norm, multi.double(), top])
             self._state[layer]["sums"] += stats.sum((1, 3))
-            positions = torch.cat([torch.arange(q0, q0 + acc.shape[3]) for _, q0, acc, _ in calls])
             self._record_steps(layer, positions, torch.where(live, share, float("nan")))
+
+    def _chunks(self, entries: list) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """(query positions (R,), sums (5, B, H, R), top-k mass (B, H, R)) of one layer's
+        entries, in order: each run of kept calls reduced in one pass."""
+        out: list[tuple[Tensor, Tensor, Tensor]] = []
+        for kind, run in itertools.groupby(entries, key=_kind):
+            if kind == "summed":
+                out.extend((torch.arange(e.q0, e.q0 + e.sums.shape[3]), e.sums, e.top_mass) for e in run)
+            else:
+                out.append(self._reduce_kept(list(run)))
+        return out
+
+    def _reduce_kept(self, run: list[_Kept]) -> tuple[Tensor, Tensor, Tensor]:
+        """The kept calls' rows in one pass: their image weights, received mass and top-k."""
+        w = torch.cat([e.prompt for e in run], dim=2)  # (B, H, R, N0): every kept row
+        positions = torch.tensor([e.q0 + i for e in run for i in range(e.prompt.shape[2])])
+        total = torch.cat([e.total for e in run], dim=2)
+        n_vis: Tensor
+        if _kind(run[0]) == "kept, all visible":  # one count per row, every image key visible
+            n_vis = torch.tensor([e.visible for e in run for _ in range(e.prompt.shape[2])], dtype=torch.float64)
+            n_img = self._image_count
+        else:
+            n_vis = torch.cat([torch.as_tensor(e.visible).expand(e.total.shape) for e in run], dim=2)
+            n_img = torch.cat([e.visible_image.expand(e.total.shape) for e in run], dim=2)
+        wi = w * self.keys.to(w.dtype).view(-1, 1, 1, self.prompt_len)
+        self._state[run[0].layer]["received"] += wi.sum(2).double()
+        top_mass = wi.topk(min(self.top_k, self.prompt_len), dim=-1).values.double().sum(-1)
+        return positions, _row_sums(total, wi, n_vis, n_img), top_mass
 
     def _record_steps(self, layer, positions: Tensor, share: Tensor) -> None:
         """Keep ``share`` (B, H, R) of the rows at query ``positions`` (R,) that predict a
@@ -198,27 +298,27 @@ class VisualAttention(Meter):
         self._finish()
         out = []
         for layer, heads, _ in self.measured():
-            st = dict(zip(_SUMS, self._state[layer]["sums"]))
-            st["received"] = self._state[layer]["received"]
+            st = dict(zip(_SUMS, self._state[layer]["sums"].tolist()))  # plain floats: one conversion per layer
             steps = self._steps.get(layer)
-            drift = _slope(steps) if steps is not None else None
-            blind = _blind(st["received"], self.top_k)
+            drift = _slope(steps).tolist() if steps is not None else None
+            blind = _blind(self._state[layer]["received"], self.top_k)
+            blind_list = blind.tolist() if blind is not None else None
             for j, hd in enumerate(heads):
-                n = float(st["rows"][j])
+                n = st["rows"][j]
                 if not n:
                     continue
-                out.append((layer, hd, "visual.share", float(st["share"][j]) / n))
-                out.append((layer, hd, "visual.share.uniform", float(st["uniform"][j]) / n))
-                nv = float(st["visual_rows"][j])
+                out.append((layer, hd, "visual.share", st["share"][j] / n))
+                out.append((layer, hd, "visual.share.uniform", st["uniform"][j] / n))
+                nv = st["visual_rows"][j]
                 if nv:
-                    out.append((layer, hd, "visual.entropy", float(st["entropy"][j]) / nv))
-                    out.append((layer, hd, f"visual.top{self.top_k}", float(st["topk"][j]) / nv))
-                if float(st["norm_rows"][j]):
-                    out.append((layer, hd, "visual.entropy.norm", float(st["entropy_norm"][j]) / float(st["norm_rows"][j])))
-                if blind is not None and torch.isfinite(blind[j]):
-                    out.append((layer, hd, "visual.blind", float(blind[j])))
-                if drift is not None and torch.isfinite(drift[j]):
-                    out.append((layer, hd, "visual.drift", float(drift[j])))
+                    out.append((layer, hd, "visual.entropy", st["entropy"][j] / nv))
+                    out.append((layer, hd, f"visual.top{self.top_k}", st["topk"][j] / nv))
+                if st["norm_rows"][j]:
+                    out.append((layer, hd, "visual.entropy.norm", st["entropy_norm"][j] / st["norm_rows"][j]))
+                if blind_list is not None and math.isfinite(blind_list[j]):
+                    out.append((layer, hd, "visual.blind", blind_list[j]))
+                if drift is not None and math.isfinite(drift[j]):
+                    out.append((layer, hd, "visual.drift", drift[j]))
         return out
 
     def arrays(self) -> dict:
@@ -265,3 +365,18 @@ def _blind(received: Tensor, k: int) -> Tensor | None:
         return None
     share = torch.where(ok, top / total.clamp_min(1e-300), 0.0)
     return torch.where(ok.any(0), share.sum(0) / ok.sum(0).clamp_min(1), float("nan"))
+
+
+def _kind(entry: _Summed | _Kept) -> str:
+    """Pending calls of one kind are folded in together."""
+    if isinstance(entry, _Summed):
+        return "summed"
+    return "kept, all visible" if isinstance(entry.visible, float) else "kept, masked"
+
+
+def _row_sums(total: Tensor, wi: Tensor, n_vis, n_img: Tensor) -> Tensor:
+    """(5, ...) float64 per-row sums, in ``_finish``'s order: all weights (``total``),
+    image weights and Σ w log w over them (from ``wi`` (..., span), the weights with text
+    keys zeroed), visible keys, visible image keys."""
+    parts = (total, wi.sum(-1), -torch.special.entr(wi).sum(-1), torch.as_tensor(n_vis), n_img)
+    return torch.stack(torch.broadcast_tensors(*(x.double() for x in parts)))

@@ -46,6 +46,9 @@ class KeyBias(Bias):
     def bias(self, b, h, q_idx, kv_idx):
         return self.table[b, h, kv_idx]
 
+    def key_row(self, batch, heads, q_len, k_len):
+        return self.table.unsqueeze(2)  # (B, Hq, 1, Nk), checked by check()
+
     def separable(self, b, h, q_idx, kv_idx, side):
         # No query term: the fused kernel adds the (Bt, H, 1, span) row of offsets for
         # free instead of a dense (Bt, H, BQ, span) tile.

@@ -82,6 +82,13 @@ class _Visual(Intervention):
     def __init__(self, keys, heads):
         super().__init__(heads)
         self.keys = _keys(keys)
+        self._tables: dict = {}  # (layer, B, Hq, device) -> the widest table built, or None
+
+    def bind(self, model) -> Intervention:
+        bound = super().bind(model)
+        assert isinstance(bound, _Visual)  # a copy of self
+        bound._tables = {}  # its own: the tables follow the heads bound here
+        return bound
 
     def check(self, model) -> None:
         config = model.config
@@ -91,21 +98,38 @@ class _Visual(Intervention):
                 f"{self.name} needs a vision-language model"
             )
 
-    def bias_table(self, layer, query: Tensor, key: Tensor, on_image: Tensor, off_image: Tensor | None = None) -> Tensor | None:
+    def table(self, layer, batch: int, heads: int, k_len: int, device) -> Tensor | None:
+        """The (B, Hq, Nk) table this intervention adds (or feeds its score mod) on a call
+        of ``layer``; None when the layer has no chosen head. Keys past the prompt are
+        text, whose entries must not depend on ``k_len`` (``call_table`` slices wider ones)."""
+        raise NotImplementedError  # the interventions made of one table per call override it
+
+    def call_table(self, layer, query: Tensor, key: Tensor) -> Tensor | None:
+        """``table`` for this call, built once per layer and batch shape at a width that
+        doubles as the keys grow: the layers of every forward, and each decoding step,
+        slice it instead of rebuilding it from some ten small ops."""
+        B, H, Nk = query.shape[0], query.shape[1], key.shape[2]
+        slot = (layer, B, H, query.device)
+        held = self._tables.get(slot, False)
+        if held is False or (held is not None and held.shape[2] < Nk):
+            width = max(Nk, 2 * held.shape[2]) if isinstance(held, Tensor) else Nk
+            held = self._tables[slot] = self.table(layer, B, H, width, query.device)
+        return None if held is None else held[:, :, :Nk]
+
+    def bias_table(self, layer, batch: int, heads: int, k_len: int, device, on_image, off_image=None) -> Tensor | None:
         """(B, Hq, Nk) additive table: ``on_image`` (per key (B, Nk) or scalar) on image keys
         of the chosen heads, ``off_image`` elsewhere (default 0)."""
-        flags = self.selected(layer, query.shape[1], query.device)
+        flags = self.selected(layer, heads, device)
         if flags is None:
             return None
-        B, H, Nk = query.shape[0], query.shape[1], key.shape[2]
-        img = image_keys_for(self.keys, B, Nk, query.device)
-        zero = torch.zeros((), dtype=torch.float64, device=query.device)
+        img = image_keys_for(self.keys, batch, k_len, device)
+        zero = torch.zeros((), dtype=torch.float64, device=device)
         per_key = torch.where(
             img,
-            torch.as_tensor(on_image, dtype=torch.float64, device=query.device),
-            zero if off_image is None else torch.as_tensor(off_image, dtype=torch.float64, device=query.device),
+            torch.as_tensor(on_image, dtype=torch.float64, device=device),
+            zero if off_image is None else torch.as_tensor(off_image, dtype=torch.float64, device=device),
         )
-        return torch.where(flags.view(1, H, 1), per_key.view(B, 1, Nk), zero)
+        return torch.where(flags.view(1, heads, 1), per_key.view(batch, 1, k_len), zero)
 
     def weight_factors(self, B: int, Nk: int) -> Tensor:
         """(B, Nk) float64 factor on each key's weight (the literal form of the edit)."""
@@ -135,14 +159,17 @@ class AmplifyVisual(_Visual):
     def identity(self) -> bool:
         return self.alpha == (1.0 if self.mode == "weights" else 0.0)
 
+    def table(self, layer, batch, heads, k_len, device):
+        on_image = math.log(self.alpha) if self.mode == "weights" else self.alpha
+        return self.bias_table(layer, batch, heads, k_len, device, on_image)
+
     def scores_for(self, layer, query, key, keep):
         if self.identity:
             return []
-        if self.mode == "weights":
-            table = self.bias_table(layer, query, key, math.log(self.alpha))
-            return [] if table is None else [KeyBias(table)]
-        table = self.bias_table(layer, query, key, self.alpha)
-        return [] if table is None else [AbsBoost(table)]
+        table = self.call_table(layer, query, key)
+        if table is None:
+            return []
+        return [KeyBias(table) if self.mode == "weights" else AbsBoost(table)]
 
     def weight_factors(self, B, Nk):
         img = image_keys_for(self.keys, B, Nk)
@@ -202,14 +229,16 @@ class CalibrateVisual(_Visual):
         blind = image_keys_for(self.blind, B, Nk, device)
         return img, blind
 
+    def table(self, layer, batch, heads, k_len, device):
+        _, blind = self._factors(batch, k_len, device)
+        f64 = dict(dtype=torch.float64, device=device)
+        on = torch.where(blind, torch.tensor(math.log(self.beta), **f64), torch.tensor(math.log(self.boost), **f64))
+        return self.bias_table(layer, batch, heads, k_len, device, on)
+
     def scores_for(self, layer, query, key, keep):
         if self.beta == 1.0 and self.boost == 1.0:
             return []
-        B, Nk = query.shape[0], key.shape[2]
-        img, blind = self._factors(B, Nk, query.device)
-        f64 = dict(dtype=torch.float64, device=query.device)
-        on = torch.where(blind, torch.tensor(math.log(self.beta), **f64), torch.tensor(math.log(self.boost), **f64))
-        table = self.bias_table(layer, query, key, on)
+        table = self.call_table(layer, query, key)
         return [] if table is None else [KeyBias(table)]
 
     def weight_factors(self, B, Nk):
@@ -307,8 +336,11 @@ class StepBias(Bias):
 class AblateVisual(_Visual):
     name = "ablate_visual"
 
+    def table(self, layer, batch, heads, k_len, device):
+        return self.bias_table(layer, batch, heads, k_len, device, -math.inf)
+
     def scores_for(self, layer, query, key, keep):
-        table = self.bias_table(layer, query, key, -math.inf)
+        table = self.call_table(layer, query, key)
         return [] if table is None else [KeyBias(table)]
 
     def weight_factors(self, B, Nk):
