@@ -126,3 +126,31 @@ def test_vision_tower_is_not_steered():
     steered = steered.pooler_output if hasattr(steered, "pooler_output") else steered
     for a, b in zip(plain, steered):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("make", ["amplify", "calibrate", "ablate"])
+def test_decoding_steps_equal_the_whole_sequence(make):
+    """Steered decoding steps (one SDPA call with the offsets as its mask, the table built
+    once at a doubled width and sliced as keys grow) give the logits of a steered forward
+    over the whole generated sequence (the tiled engine): LLaVA's first row, no padding."""
+    model = V.build("llava")
+    inputs, _ = V.batch("llava")
+    inputs = {k: v[:2] if k == "pixel_values" else v[:1] for k, v in inputs.items()}
+    spans = vision.image_spans(model, inputs)
+    blind = spans.mask & (torch.arange(spans.length) % 3 == 0)
+    iv = {
+        "amplify": steer.amplify_visual(spans, HEADS, 4.0),
+        "calibrate": steer.calibrate_visual(spans, blind, HEADS, beta=0.2, boost=1.5),
+        "ablate": steer.ablate_visual(spans, HEADS),
+    }[make]
+    steps, n0 = 6, spans.length
+    with torch.no_grad(), steer.apply(model, iv):
+        out = model.generate(**inputs, max_new_tokens=steps, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        whole = dict(inputs, input_ids=out.sequences, attention_mask=torch.ones_like(out.sequences))
+        want = model(**whole).logits[0, n0 - 1 : n0 - 1 + steps]
+    with torch.no_grad(), akhf.use(model):
+        plain = model(**whole).logits[0, n0 - 1 : n0 - 1 + steps]
+    got = torch.cat(out.logits)  # (steps, vocab), step t predicting token n0 + t; generate keeps float32 copies
+    # float64 paths apart by ~1e-13, each rounded to float32: equal to within one float32 ulp
+    torch.testing.assert_close(got, want.float(), rtol=2.4e-7, atol=1e-12)
+    assert (want - plain).abs().max() > 1e-4  # the steps were steered
