@@ -243,9 +243,20 @@ def test_gradients_through_c_loops_match_reference(mechanism, mask, monkeypatch)
             return torch.autograd.grad(out, ins + params, go.to(dtype))
 
     fast, slow, want = grads(torch.float32, "auto"), grads(torch.float32, "auto", False), grads(torch.float64, "reference")
-    for f, s_, w in zip(fast, slow, want):
-        assert_close(f, w, torch.float32)
-        assert_close(f, s_, torch.float32)
+    # q, k, v. Stick-breaking's weights are exp of a running sum of up to 300 log(1 - sigmoid)
+    # terms of size ~1: float32 rounds that exponent to ~300 * 6e-8 * 1 ~ 2e-5, and the
+    # gradients add up 300 such weights, so 2e-4 relative; head mixing sums no such chain
+    tol = dict(rtol=2e-4, atol=2e-4) if mechanism == "stick_breaking" else dict(rtol=2e-5, atol=2e-5)
+    for f, s_, w in list(zip(fast, slow, want))[:3]:
+        torch.testing.assert_close(f.double(), w, **tol)
+        torch.testing.assert_close(f, s_, **tol)
+    for f, s_, w in list(zip(fast, slow, want))[3:]:  # the mixing matrices
+        # Each entry sums 300 x 300 products whose size is that of the largest entries, so
+        # one that cancels to ~1e-4 is known only to float32 rounding at the tensor's scale
+        # (how the sum is ordered, e.g. AVX2 against no vectorisation, moves it by ~3e-5)
+        scale = float(w.abs().max())
+        torch.testing.assert_close(f.double(), w, rtol=2e-5, atol=2e-5 * scale)
+        torch.testing.assert_close(f, s_, rtol=2e-5, atol=2e-5 * scale)
 
 
 @pytest.mark.parametrize("shape,kernel", [((1, 3, 20, 150), (6, 11)), ((2, 2, 9, 40), (3, 5))])
