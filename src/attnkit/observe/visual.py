@@ -22,8 +22,9 @@ Per query row i with weights w over its visible keys, I the image keys:
   towards the text as generation goes on).
 
 Rows that see no key (padding) are left out of every mean. State is O(B·H·N0) per layer
-(received mass) plus O(B·H·T) for T steps; the rows of a call, O(B·H·R·k), wait to be folded
-in with those of up to 255 other calls.
+(received mass) plus O(B·H·T) for T steps. The rows of a call wait to be folded in with
+those of up to 255 other calls: as sums, O(B·H·R·k), or, for a decoding step (one tile
+of a few rows), as its weights on the prompt, O(B·H·R·N0), at most 16 MB of them.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ _WHOLE_ROWS = 16
 
 
 class _Summed(NamedTuple):
-    """A call reduced tile by tile: its rows' sums (5, B, H, R) and top-k mass (B, H, R)."""
+    """A call reduced tile by tile: its rows' sums (5, B, H, R) and their top-k image
+    weights, (B, H, R, k) while the call runs and summed over k, (B, H, R), once it ends."""
 
     layer: int | None
     q0: int  # position of the first query row
@@ -189,7 +191,7 @@ class VisualAttention(Meter):
             self._call = _Summed(call.layer, self._q0, sums, torch.zeros(self._shape + (self.top_k,), dtype=torch.float64))
         elif not isinstance(self._call, _Summed):
             raise RuntimeError("meter: another tile for a call whose first tile held all of its rows and keys")
-        sums, top_k = self._call.sums, self._call.top_mass  # top_mass holds the top-k values until end_call
+        sums, top_k = self._call.sums, self._call.top_mass  # the top-k values until end_call sums them
         at = (slice(None), view.batch, slice(None), view.rows)
         k0, span = view.k0, view.w.shape[3]
         img = self._img(call)[view.batch, k0 : k0 + span]  # (Bt, span) bool
