@@ -84,3 +84,25 @@ def test_few_queries_take_sdpa_with_the_offsets_as_its_mask(dtype, nq, causal):
     torch.testing.assert_close(out.double(), want, **tol)
     if causal or nq == 1:  # that row sees no key: exactly 0 as the kernels give
         assert torch.equal(out[0, 1, 0], torch.zeros(D, dtype=dtype))
+
+
+def test_a_key_only_bias_of_ones_own_takes_the_same_path():
+    """A user's key-only Bias (no table: the default key_row evaluates bias() on one query
+    row) through the SDPA path, against the reference backend's literal float64 formula."""
+    from attnkit.kernels.key_offsets import key_offset_terms
+    from attnkit.mods.scores import Bias
+
+    class KeyRamp(Bias):
+        key_only = True
+
+        def bias(self, b, h, q_idx, kv_idx):
+            return -0.1 * (h + 1) * kv_idx.to(torch.float64)
+
+    q, k, v = (
+        torch.randn(2, h, n, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+        for h, n in ((4, 3), (2, 9), (2, 9))
+    )
+    assert key_offset_terms(make_request(q, k, v, mask=ak.causal(), score=KeyRamp())) is not None
+    got = ak.attention(q, k, v, mask=ak.causal(), score=KeyRamp())
+    want = ak.attention(q, k, v, mask=ak.causal(), score=KeyRamp(), backend="reference")
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)  # float64: rounding only
