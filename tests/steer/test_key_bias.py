@@ -98,10 +98,8 @@ def test_a_key_only_bias_of_ones_own_takes_the_same_path():
         def bias(self, b, h, q_idx, kv_idx):
             return -0.1 * (h + 1) * kv_idx.to(torch.float64)
 
-    q, k, v = (
-        torch.randn(2, h, n, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
-        for h, n in ((4, 3), (2, 9), (2, 9))
-    )
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, h, n, 8, dtype=torch.float64, generator=g) for h, n in ((4, 3), (2, 9), (2, 9)))
     assert key_offset_terms(make_request(q, k, v, mask=ak.causal(), score=KeyRamp())) is not None
     got = ak.attention(q, k, v, mask=ak.causal(), score=KeyRamp())
     want = ak.attention(q, k, v, mask=ak.causal(), score=KeyRamp(), backend="reference")
