@@ -64,6 +64,20 @@ def test_softcap_matches_float64():
     assert big[0] == 5.0 and big[1] == -5.0 and big[2] == -5.0 and math.isnan(big[3])
 
 
+def test_abs_boost_matches_float64():
+    """PAI's s + t |s| in one pass: one rounding of the result (the C loop's fused
+    multiply-add), -inf kept (hidden keys stay hidden), NaN kept."""
+    s = logits()
+    s[2, 1, 3] = math.nan
+    t = torch.rand(3, 67, generator=torch.Generator().manual_seed(1)) * 2
+    t[:, :10] = 0.0  # keys the boost leaves alone
+    got = cpu.abs_boost_(s.clone(), t)
+    want = torch.where(torch.isneginf(s), s, s.double() + t.double().unsqueeze(1) * s.double().abs())
+    torch.testing.assert_close(got.double(), want, rtol=2**-24, atol=0, equal_nan=True)
+    torch.testing.assert_close(got[..., :10], s[..., :10], rtol=0, atol=0, equal_nan=True)  # t = 0: bit for bit
+    assert bool(torch.isneginf(got[0, 0, :5]).all()) and bool(torch.isneginf(got[1, 2]).all()) and math.isnan(got[2, 1, 3])
+
+
 def test_online_softmax_step_matches_float64():
     s = logits(1)
     m = torch.full(s.shape[:-1], -math.inf)
@@ -115,11 +129,18 @@ def test_depthwise_conv2d_matches_float64(shape, kernel):
 
 @pytest.mark.parametrize("mask", [None, M.causal(), M.window(37), M.window(20, 15)], ids=repr)
 @pytest.mark.parametrize("cap", [0.0, 5.0])
-def test_softmax_attention_matches_reference(mask, cap):
-    """The C softmax forward: GQA, Nq != Nk (bottom-right), Dv != D, band masks, softcap."""
+@pytest.mark.parametrize("boosted", [False, True], ids=["", "abs-boost"])
+def test_softmax_attention_matches_reference(mask, cap, boosted):
+    """The C softmax forward: GQA, Nq != Nk (bottom-right), Dv != D, band masks, softcap,
+    PAI's abs boost (per batch row, head and key; zero on some keys)."""
     q, k, v = qkv(B=2, Hq=4, Hkv=2, Nq=150, Nk=333, D=8, Dv=24, dtype=torch.float32, seed=2)
-    out, lse = cpu.softmax_attention(q, k, v, 0.3, 333 - 150, (None, None) if mask is None else mask.band(), cap)
-    score = M.softcap(cap) if cap else None
+    table = None
+    if boosted:
+        table = torch.rand(2, 4, 333, generator=torch.Generator().manual_seed(3)) * (torch.arange(333) % 3 > 0)
+    band = (None, None) if mask is None else mask.band()
+    out, lse = cpu.softmax_attention(q, k, v, 0.3, 333 - 150, band, cap, boost=table)
+    parts = ([M.softcap(cap)] if cap else []) + ([M.abs_boost(table.double())] if boosted else [])
+    score = M.as_score(parts) if parts else None
     want, want_lse = attnkit.attention(
         q.double(), k.double(), v.double(), mask=mask, score=score, scale=0.3, backend="reference", return_lse=True
     )

@@ -132,6 +132,17 @@ CASES: list[tuple[str, str, str | None]] = [
     ),
     # ---- softmax attention with head maps
     ("softmax/good", f"ops.softmax_attention({Q}, {K}, {V}, 0.5, 1, None, 0, 0.0, None, None)", None),
+    ("softmax/good-boost", f"ops.softmax_attention({Q}, {K}, {V}, 0.5, 1, None, 0, 0.0, None, None, f(1, 2, 6).abs())", None),
+    (
+        "softmax/boost-shape",
+        f"ops.softmax_attention({Q}, {K}, {V}, 0.5, 1, None, 0, 0.0, None, None, f(1, 2, 5))",
+        "boost must have shape",
+    ),
+    (
+        "softmax/boost-dtype",
+        f"ops.softmax_attention({Q}, {K}, {V}, 0.5, 1, None, 0, 0.0, None, None, f(1, 2, 6, dtype=torch.float64))",
+        "boost must be Float",
+    ),
     (
         "softmax/good-maps",
         "ops.softmax_attention(f(1, 2, 5, 4), f(1, 4, 6, 4), f(1, 3, 6, 2), 0.5, 0, None, None, 30.0, i64(3, 1), i64(0, 2))",
@@ -241,13 +252,18 @@ CASES: list[tuple[str, str, str | None]] = [
         "ops.online_softmax_(f(3, 5), m, l); ops.stick_breaking_(f(3, 5), torch.ones(3)); "
         "ops.stick_breaking_backward_(f(3, 5), f(3, 5), torch.ones(3), f(3), f(3)); "
         "ops.depthwise_conv2d(f(2, 3, 6, 7), f(3, 2, 3)); ops.depthwise_conv2d_weight_grad(f(2, 3, 6, 7), f(2, 3, 5, 5), 2, 3); "
-        "ops.topk_rows(f(4, 9), 3); ops.mix_heads(f(2, 3), f(2, 3, 4, 5), f(2, 3, 4))",
+        "ops.topk_rows(f(4, 9), 3); ops.mix_heads(f(2, 3), f(2, 3, 4, 5), f(2, 3, 4)); ops.abs_boost_(f(2, 3, 5), f(2, 5))",
         None,
     ),
     ("sigmoid_/non-contiguous", "ops.sigmoid_(f(5, 3).t(), 0.0)", "x must be contiguous"),
     ("sigmoid_/dtype", "ops.sigmoid_(f(5, 3, dtype=torch.float64), 0.0)", "x must be Float"),
     ("softcap_/cap", "ops.softcap_(f(5, 3), 0.0)", "cap"),
     ("softcap_/cap-nan", "ops.softcap_(f(5, 3), nan)", "cap"),
+    ("abs_boost_/columns", "ops.abs_boost_(f(2, 3, 5), f(2, 4))", "columns"),
+    ("abs_boost_/groups", "ops.abs_boost_(f(3, 5), f(2, 5))", "groups of rows"),
+    ("abs_boost_/t-dims", "ops.abs_boost_(f(2, 3, 5), f(10))", "t must have 2 dimensions"),
+    ("abs_boost_/t-layout", "ops.abs_boost_(f(2, 5), f(5, 2).t())", "t must be contiguous"),
+    ("abs_boost_/s-layout", "ops.abs_boost_(f(5, 2).t(), f(1, 5))", "s must be contiguous"),
     ("online_softmax_/m", "ops.online_softmax_(f(3, 5), f(2), f(3))", "m must hold"),
     ("online_softmax_/l", "ops.online_softmax_(f(3, 5), f(3), f(4))", "l must hold"),
     ("online_softmax_/s-layout", "ops.online_softmax_(f(5, 3).t(), f(3), f(3))", "s must be contiguous"),

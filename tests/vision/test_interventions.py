@@ -154,3 +154,39 @@ def test_decoding_steps_equal_the_whole_sequence(make):
     # float64 paths apart by ~1e-13, each rounded to float32: equal to within one float32 ulp
     torch.testing.assert_close(got, want.float(), rtol=2.4e-7, atol=1e-12)
     assert (want - plain).abs().max() > 1e-4  # the steps were steered
+
+
+def _first_row(family: str, inputs: dict) -> dict:
+    """Batch row 0 alone (the longest: no padding, so the decoder's calls are causal)."""
+    row = {k: v[:1] for k, v in inputs.items() if k in ("input_ids", "attention_mask", "mm_token_type_ids")}
+    if family == "qwen2_vl":
+        thw = inputs["image_grid_thw"][:2]  # row 0's two images
+        return {**row, "image_grid_thw": thw, "pixel_values": inputs["pixel_values"][: int(thw.prod(-1).sum())]}
+    return {**row, "pixel_values": inputs["pixel_values"][: 2 if family == "llava" else 1]}
+
+
+@pytest.mark.parametrize("family", V.FAMILIES)
+def test_pai_in_float32(family, monkeypatch):
+    """float32 PAI on its fast paths: the C++ softmax loop with its boost table (row 0
+    alone: causal calls, the prompt's and, for a short prompt, the few-query one) and
+    PyTorch tiles with the C++ boost step (the padded batch), against the float64 dense
+    reference."""
+    from attnkit.kernels import tiled
+
+    loops = []
+    c_loop = tiled.cpu.softmax_attention
+    monkeypatch.setattr(tiled.cpu, "softmax_attention", lambda *a, **k: loops.append(k.get("boost")) or c_loop(*a, **k))
+    model64, model32 = V.build(family), V.build(family, dtype=torch.float32)
+    batch, _ = V.batch(family)
+    for inputs, causal in ((_first_row(family, batch), True), (batch, False)):
+        spans = vision.image_spans(model64, inputs)
+        ref, _ = run_dense(model64, {"image": spans.mask, "heads": HEADS, "pai": 0.5}, **inputs)
+        loops.clear()
+        with torch.no_grad(), steer.apply(model32, steer.amplify_visual(spans, HEADS, 0.5, mode="logits")):
+            got = model32(**{k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}).logits
+        real = inputs["attention_mask"].bool()
+        # float32 through two layers (weights rounded too): 3-5 ulps of the largest logit
+        # measured, on the plain forward as on this one; 16 leave room for other summation orders
+        ulp = ref.logits[real].abs().max().item() * 2**-23
+        torch.testing.assert_close(got[real].double(), ref.logits[real], rtol=0, atol=16 * ulp)
+        assert (len(loops) == 2 and all(t is not None for t in loops)) if causal else not loops  # the layers with chosen heads

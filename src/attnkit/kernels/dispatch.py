@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..mods import band_of
-from ..mods.scores import Softcap
+from ..mods.scores import AbsBoost, Softcap
 from . import cpu
 from .chunked import choose_engine, chunked_attention, make_chunked_plan
 from .few_queries import SMALL_QUERIES
@@ -109,6 +109,6 @@ def engine_description(req: Request, engine: str) -> str:
     status = cpu.status()
     if not status.available:
         return f"PyTorch tiles ({status.describe()})"
-    if band_of(req.mask) is not None and (req.score is None or type(req.score) is Softcap):
+    if band_of(req.mask) is not None and (req.score is None or type(req.score) in (Softcap, AbsBoost)):
         return "C++ operator attnkit::softmax_attention for the whole forward; backward in PyTorch tiles"
     return "PyTorch tiles with C++ tile steps (online softmax, softcap)"

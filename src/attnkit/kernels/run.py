@@ -20,6 +20,7 @@ from .finite import nonfinite_reaches_output, rows_finite_and_nonzero, without_h
 from .key_offsets import key_offset_terms, key_offsets_attention
 from .observe_pass import observe_softmax
 from .request import FLOAT_DTYPES, Request, all_finite, empty_result, make_request, nonfinite_error
+from .tiled import c_loop_forward
 
 Tensor = torch.Tensor
 
@@ -53,6 +54,8 @@ def softmax_attention(
     offset_terms = key_offset_terms(req) if backend == "auto" and not observers else None
     if offset_terms is not None:
         out, lse = key_offsets_attention(req, offset_terms), None  # a steered prefill or decoding step
+    elif (c_loop := _few_queries_c_loop(req, backend, observers)) is not None:
+        out, lse = c_loop  # a decoding step with a mod the C++ loop runs (PAI's boost, softcap)
     elif backend == "auto" and (observers or score is not None) and dense_rows_serve(req):
         out, lse = dense_rows_attention(req, observers, layer, need_lse=return_lse)  # a decoding step observed or steered
     elif observers:
@@ -71,6 +74,17 @@ def softmax_attention(
         return out
     assert lse is not None  # asked for (want_lse)
     return out, lse
+
+
+def _few_queries_c_loop(req: Request, backend: str, observers) -> tuple[Tensor, Tensor] | None:
+    """(out, lse) of an unobserved few-query inference call with a score mod from the C++
+    softmax loop, which takes it whole in one operator call (the dense path below is some
+    fifteen small ops); None when that loop does not run it."""
+    if backend != "auto" or observers or req.score is None or req.sinks is not None or req.needs_grad:
+        return None
+    if not dense_rows_serve(req):
+        return None
+    return c_loop_forward(req.q, req.k, req.v, req.scale, req.mask, req.score, req.q_start)
 
 
 def _plain_sdpa(q, k, v, mask, score, scale, sinks, return_lse, backend, check_finite, observers) -> Tensor | None:

@@ -19,7 +19,7 @@ import math
 import torch
 
 from ..mods import Mask, ScoreMod, band_of
-from ..mods.scores import Softcap
+from ..mods.scores import AbsBoost, Softcap
 from . import cpu
 from .engine import grouped, online_softmax_step, ungrouped
 from .plan import FULL_SEG, Plan
@@ -42,11 +42,36 @@ def _modify(s: Tensor, score: ScoreMod | None, mask: Mask | None, seg_kind: str,
     return s
 
 
-def _softcap_or_none(score: ScoreMod | None) -> float | None:
-    """The cap of a plain softcap (0.0 for no mod), None for any other mod."""
+def _c_loop_mod(score: ScoreMod | None) -> tuple[float, AbsBoost | None] | None:
+    """(softcap, abs boost) of a mod the C++ softmax loop runs itself: none (cap 0.0), a
+    plain softcap, or PAI's abs boost; None for any other mod."""
     if score is None:
-        return 0.0
-    return score.cap if type(score) is Softcap else None
+        return 0.0, None
+    if len(score.atoms()) == 1:  # a chain of one mod (as the steering blocks build them)
+        score = score.atoms()[0]
+    if type(score) is Softcap:
+        return score.cap, None
+    if type(score) is AbsBoost:
+        return 0.0, score
+    return None
+
+
+def c_loop_forward(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Mask | None, score: ScoreMod | None, q_start: int
+) -> tuple[Tensor, Tensor] | None:
+    """(out, lse) of the whole call from the C++ softmax loop around torch's sgemm, for a
+    band mask (none, causal, a window) with softcap, PAI's boost or no mod on float32 CPU
+    tensors (not tracked by autograd); None when it cannot run the call."""
+    band = band_of(mask)
+    c_mod = _c_loop_mod(score)
+    if band is None or c_mod is None or q.dtype != torch.float32 or q.device.type != "cpu":
+        return None
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # (B, N, H, D) layouts from transformers too
+    if not cpu.fused_usable(q, k, v):
+        return None
+    cap, boost = c_mod
+    table = None if boost is None else boost.table.to(torch.float32).contiguous()
+    return cpu.softmax_attention(q, k, v, scale, q_start, band, cap, boost=table)
 
 
 def tiled_forward(
@@ -61,11 +86,10 @@ def tiled_forward(
     tile_k: int,
     matmul_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
-    # Band masks with softcap (or no mod) in float32: the whole loop runs in C around torch's sgemm.
-    band = band_of(mask)
-    cap = _softcap_or_none(score)
-    if band is not None and cap is not None and matmul_dtype == torch.float32 and cpu.fused_usable(q, k, v):
-        return cpu.softmax_attention(q, k, v, scale, q_start, band, cap)
+    if matmul_dtype == torch.float32:
+        whole = c_loop_forward(q, k, v, scale, mask, score, q_start)
+        if whole is not None:
+            return whole
     B, H, Nq, _ = q.shape
     Hkv = k.shape[1]
     cd = torch.float64 if q.dtype == torch.float64 else torch.float32

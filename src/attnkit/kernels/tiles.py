@@ -9,7 +9,7 @@ from typing import cast
 import torch
 
 from ..mods import Mask, index_tensors
-from ..mods.scores import Chain, RowScale, Softcap
+from ..mods.scores import AbsBoost, Chain, RowScale, Softcap
 from . import cpu
 
 Tensor = torch.Tensor
@@ -115,8 +115,9 @@ def neg_inf_to_pos_inf(lse: Tensor) -> Tensor:
 
 def apply_score_(score, s: Tensor, tile: Tile) -> Tensor:
     """The score mod on a tile's own logits ``s`` (free to overwrite them). The fast paths
-    belong here, not in mods/ (which only describe): softcap runs in one C++ pass where
-    the operators take the tile (tanh alone is ~3 ns per logit in PyTorch); a chain
+    belong here, not in mods/ (which only describe): softcap and PAI's abs boost run in
+    one C++ pass where the operators take the tile (tanh alone is ~3 ns per logit in
+    PyTorch; the boost is abs, a multiply-add and a guard, each a pass); a chain
     applies its mods in order with the same rule as ``Chain.apply_``."""
     if isinstance(score, Chain):
         after_bias = False
@@ -130,4 +131,8 @@ def apply_score_(score, s: Tensor, tile: Tile) -> Tensor:
         return s
     if isinstance(score, Softcap) and cpu.usable(s):
         return cpu.softcap_(s, score.cap)
+    if isinstance(score, AbsBoost) and s.dim() == 4 and cpu.usable(s):
+        # one C++ pass instead of abs, multiply-add and the -inf guard
+        t = score.table[tile.b, tile.h, tile.k].to(s.dtype)  # (Bt | 1, H, 1, span)
+        return cpu.abs_boost_(s, t.expand(s.shape[0], s.shape[1], 1, s.shape[3]).reshape(-1, s.shape[3]).contiguous())
     return score.apply_(s, tile.b, tile.h, tile.q, tile.k)

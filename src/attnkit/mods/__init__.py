@@ -19,6 +19,7 @@ from .masks import (
 from .scores import (
     AffineForm,
     ScoreMod,
+    abs_boost,
     affine_form,
     alibi,
     alibi_slopes,
@@ -55,6 +56,7 @@ __all__ = [
     "padding",
     "alibi",
     "softcap",
+    "abs_boost",
     "temperature",
     "log_length_scale",
     "relative_bias",

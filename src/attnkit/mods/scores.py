@@ -296,6 +296,36 @@ class Softcap(ScoreMod):
         return f"softcap({self.cap:g})"
 
 
+class AbsBoost(ScoreMod):
+    """``s + table[b, h, kv] · |s|``, table (B, H, Nk) >= 0: PAI's amplification of image
+    logits (Liu et al. 2024, arXiv 2407.21771; table: α on the image keys of the chosen
+    heads, 0 elsewhere). A hidden key (s = -inf) stays hidden. Not affine in s, so no
+    fused flash op takes it; kernels run it in their C++ loops (kernels/tiled.py)."""
+
+    def __init__(self, table: Tensor):
+        if not isinstance(table, Tensor) or table.dim() != 3 or not table.is_floating_point():
+            raise ValueError(
+                f"abs_boost(table): expected a float tensor of shape (B, H, Nk), got {getattr(table, 'shape', table)!r}"
+            )
+        self.table = table
+
+    def __call__(self, s, b, h, q_idx, kv_idx):
+        boosted = torch.addcmul(s, self.table[b, h, kv_idx].to(s.dtype), s.abs())
+        # -inf + t·inf is NaN: the guard, two full passes over the tile, only where needed
+        if torch.compiler.is_compiling() or bool(torch.isneginf(s).any()):
+            boosted = torch.where(torch.isneginf(s), s, boosted)
+        return boosted
+
+    def check(self, batch, heads, q_len, k_len):
+        if tuple(self.table.shape) != (batch, heads, k_len):
+            raise ValueError(
+                f"abs boost: table of shape {tuple(self.table.shape)} but the call needs ({batch}, {heads}, {k_len})"
+            )
+
+    def __repr__(self):
+        return f"abs_boost({'x'.join(map(str, self.table.shape))})"
+
+
 class RelativeBias(Bias):
     """T5 relative position bias: a learnable table over log-spaced distance buckets.
 
@@ -509,6 +539,12 @@ def alibi(num_heads: int | None = None, slopes=None) -> ScoreMod:
 def softcap(cap: float) -> ScoreMod:
     """Logit soft-capping ``cap * tanh(s / cap)``."""
     return Softcap(cap)
+
+
+def abs_boost(table: Tensor) -> ScoreMod:
+    """``s + table[b, h, kv] · |s|`` with ``table`` (B, H, Nk) >= 0: PAI's boost of the
+    logits of chosen keys (arXiv 2407.21771)."""
+    return AbsBoost(table)
 
 
 def temperature(t) -> ScoreMod:

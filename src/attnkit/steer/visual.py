@@ -38,7 +38,7 @@ import math
 
 import torch
 
-from ..mods.scores import Bias, ScoreMod
+from ..mods.scores import AbsBoost, Bias
 from .base import Intervention, softmax_rows
 from .mods import KeyBias
 
@@ -188,27 +188,6 @@ class AmplifyVisual(_Visual):
 
     def __repr__(self):
         return f"amplify_visual({self.heads_spec!r}, alpha={self.alpha:g}, mode={self.mode!r})"
-
-
-class AbsBoost(ScoreMod):
-    """``s + table[b, h, kv] · |s|``: PAI's amplification of image logits (table: α on
-    the image keys of the chosen heads, 0 elsewhere)."""
-
-    def __init__(self, table: Tensor):
-        self.table = table
-
-    def __call__(self, s, b, h, q_idx, kv_idx):
-        t = self.table[b, h, kv_idx].to(s.dtype)
-        return torch.where(torch.isfinite(s), s + t * s.abs(), s)
-
-    def check(self, batch, heads, q_len, k_len):
-        if tuple(self.table.shape) != (batch, heads, k_len):
-            raise ValueError(
-                f"abs boost: table of shape {tuple(self.table.shape)} but the call needs ({batch}, {heads}, {k_len})"
-            )
-
-    def __repr__(self):
-        return f"abs_boost({'x'.join(map(str, self.table.shape))})"
 
 
 class CalibrateVisual(_Visual):

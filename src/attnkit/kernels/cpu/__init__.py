@@ -40,6 +40,7 @@ from .fused import sigmoid_attention, sigmoid_attention_backward, softmax_attent
 from .mixed import mixed_softmax_attention, mixed_softmax_attention_backward
 from .pointwise import (
     MAX_MIX_HEADS,
+    abs_boost_,
     depthwise_conv2d,
     depthwise_conv2d_weight_grad,
     mix_heads,
@@ -57,6 +58,7 @@ Tensor = torch.Tensor
 __all__ = [
     "MAX_MIX_HEADS",
     "Status",
+    "abs_boost_",
     "available",
     "depthwise_conv2d",
     "depthwise_conv2d_weight_grad",

@@ -163,6 +163,7 @@ static inline float exp_sum(float *x, int64_t n, float ref) {
 void ak_sigmoid_into(const float *x, float *y, int64_t n, float sign, float bias);
 void ak_softcap(const float *x, float *y, int64_t n, float cap);
 void ak_online_softmax(float *s, int64_t rows, int64_t cols, float *m, float *l, float *alpha);
+void ak_abs_boost(float *s, const float *t, int64_t groups, int64_t rows, int64_t cols);
 void ak_topk_row(const float *x, int64_t cols, int64_t k, float *bv, int64_t *bi);
 void ak_mix_heads_scaled(const float *mix, const float *x, const float *scale, float *out, int64_t B, int64_t G,
                          int64_t H, int64_t R, int64_t C);
@@ -210,6 +211,7 @@ struct ak_softmax_call {
     int64_t Hv;
     ak_band band;
     float scale, softcap;
+    const float *boost;  /* (B, H, Nk) coefficients t of s + t |s| (PAI), or NULL */
     int64_t BQ, BK;
 };
 

@@ -88,7 +88,7 @@ Tensor head_map(const std::optional<Tensor> &given, int64_t H, int64_t heads, co
 std::tuple<Tensor, Tensor> softmax_attention(const Tensor &q_, const Tensor &k_, const Tensor &v_, double scale,
                                              int64_t q_start, std::optional<int64_t> lo, std::optional<int64_t> hi,
                                              double softcap, const std::optional<Tensor> &k_heads,
-                                             const std::optional<Tensor> &v_heads) {
+                                             const std::optional<Tensor> &v_heads, const std::optional<Tensor> &boost_) {
     // Free head maps: k and v may have any number of heads >= 1 (the maps say which each
     // query head reads), k q's head size, v k's length.
     attnkit::check_float(q_, "q", 4);
@@ -104,10 +104,16 @@ std::tuple<Tensor, Tensor> softmax_attention(const Tensor &q_, const Tensor &k_,
     const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3), Hk = k.size(1), Nk = k.size(2);
     const int64_t Hv = v.size(1), Dv = v.size(3);
     const Tensor kidx = head_map(k_heads, H, Hk, "k_heads"), vidx = head_map(v_heads, H, Hv, "v_heads");
+    Tensor boost;
+    if (boost_.has_value()) {
+        attnkit::check_float_shape(*boost_, "boost", {B, H, Nk});
+        boost = boost_->contiguous();
+    }
     Tensor out = at::empty({B, H, Nq, Dv}, q.options()), lse = at::empty({B, H, Nq}, q.options());
     const ak_softmax_call call = {q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), kidx.data_ptr<int64_t>(),
                                   vidx.data_ptr<int64_t>(), {H, Hk, Nq, Nk, D, Dv}, Hv, band_call(q_start, lo, hi),
-                                  (float)scale, (float)softcap, TILE_Q, TILE_K};
+                                  (float)scale, (float)softcap, boost.defined() ? boost.data_ptr<float>() : nullptr,
+                                  TILE_Q, TILE_K};
     float *op = out.data_ptr<float>(), *lp = lse.data_ptr<float>();
     attnkit::over_units(B * H, 1, [&](int64_t u0, int64_t u1) { return ak_softmax_attention(call, op, lp, u0, u1); });
     return {out, lse};
@@ -141,7 +147,7 @@ TORCH_LIBRARY_FRAGMENT(attnkit, m) {
     m.def("sigmoid_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, float scale, float bias, int q_start, "
           "int? lo, int? hi) -> (Tensor, Tensor, Tensor)");
     m.def("softmax_attention(Tensor q, Tensor k, Tensor v, float scale, int q_start, int? lo, int? hi, float softcap, "
-          "Tensor? k_heads, Tensor? v_heads) -> (Tensor, Tensor)");
+          "Tensor? k_heads, Tensor? v_heads, Tensor? boost=None) -> (Tensor, Tensor)");
     m.def("topk_attention(Tensor q, Tensor k, Tensor v, int q_start, int? lo, int? hi, int width) "
           "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }

@@ -1,7 +1,7 @@
 """Python side of fused.cpp: whole attention calls in C++ around the tile products, for
 keys in a diagonal band ``(lo, hi)`` (``lo <= key - query position <= hi``, None:
 unbounded), float32 CPU tensors: sigmoid attention forward and backward (FlashSigmoid,
-arXiv 2409.04431), a softmax forward with free head sizes, head maps and softcap, the
+arXiv 2409.04431), a softmax forward with free head sizes, head maps, softcap and PAI's abs boost, the
 top-k forward (arXiv 2106.06899). Threads: torch's intra-op pool, split by head."""
 
 from __future__ import annotations
@@ -36,12 +36,14 @@ def softmax_attention(
     softcap: float = 0.0,
     k_heads: Tensor | None = None,
     v_heads: Tensor | None = None,
+    boost: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(out, lse) of softmax(softcap(scale Q K^T)) V over the keys of ``band``, forward only.
+    """(out, lse) of softmax(S) V over the keys of ``band``, forward only, with S =
+    softcap(scale Q K^T) and then, given ``boost`` (B, H, Nk), ``S + boost[b, h, key] |S|``.
     q (B, H, Nq, D), k (B, Hk, Nk, D), v (B, Hv, Nk, Dv), D and Dv free; query head j reads
     key head ``k_heads[j]`` and value head ``v_heads[j]`` (default: grouped-query
     attention); ``softcap`` 0 means none."""
-    return torch.ops.attnkit.softmax_attention(q, k, v, scale, q_start, *band, softcap, k_heads, v_heads)
+    return torch.ops.attnkit.softmax_attention(q, k, v, scale, q_start, *band, softcap, k_heads, v_heads, boost)
 
 
 def topk_attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, band: Band, width: int):
@@ -63,7 +65,7 @@ def register() -> None:
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     @torch.library.register_fake("attnkit::softmax_attention")
-    def _(q, k, v, scale, q_start, lo, hi, softcap, k_heads, v_heads):
+    def _(q, k, v, scale, q_start, lo, hi, softcap, k_heads, v_heads, boost=None):
         return q.new_empty(*q.shape[:3], v.shape[-1]), q.new_empty(q.shape[:3])
 
     @torch.library.register_fake("attnkit::topk_attention")

@@ -136,13 +136,15 @@ int ak_sigmoid_attention_backward(const ak_sigmoid_call &call, const float *dout
 /* Softmax attention forward (FlashAttention-2's loop, arXiv 2307.08691) for the query-head
  * rows [bh0, bh1) of B*H, with what torch's fused CPU op lacks: query/key head size D
  * different from the value head size Dv, any query-head -> key-head and -> value-head
- * map (kidx, vidx: per query head, into Hk and Hv heads of each batch row), and an
- * optional softcap (cap * tanh(s / cap), Gemma 2) on s = scale * q.k. Keys outside the
+ * map (kidx, vidx: per query head, into Hk and Hv heads of each batch row), an optional
+ * softcap (cap * tanh(s / cap), Gemma 2) on s = scale * q.k, then an optional boost
+ * s + t |s| with t per batch row, query head and key (PAI's image logits, arXiv
+ * 2407.21771; a general score mod that would otherwise run as PyTorch tiles). Keys outside the
  * diagonal band lo <= key - (q_start + query) <= hi are hidden. Writes out (B, H, Nq, Dv)
  * and lse (B, H, Nq); a query that sees no key gets zeros and lse = -inf. */
 int ak_softmax_attention(const ak_softmax_call &call, float *out, float *lse, int64_t bh0, int64_t bh1) {
     const float *q = call.q, *k = call.k, *v = call.v;
-    const float scale = call.scale, softcap = call.softcap;
+    const float scale = call.scale, softcap = call.softcap, *boost = call.boost;
     const int64_t *kidx = call.kidx, *vidx = call.vidx;
     const int64_t H = call.dims.H, Hk = call.dims.Hkv, Hv = call.Hv, Nq = call.dims.Nq, Nk = call.dims.Nk, D = call.dims.D, Dv = call.dims.Dv;
     const int64_t q_start = call.band.q_start, lo = call.band.lo, hi = call.band.hi;
@@ -167,6 +169,7 @@ int ak_softmax_attention(const ak_softmax_call &call, float *out, float *lse, in
                 const int64_t n = jhi - j0 < BK ? jhi - j0 : BK;
                 gemm_abt((int)rows, (int)n, (int)D, scale, qh + i0 * D, (int)D, kh + j0 * D, (int)D, 0.0f, s, (int)n);
                 if (softcap > 0.0f) ak_softcap(s, s, rows * n, softcap);
+                if (boost) ak_abs_boost(s, boost + bh * Nk + j0, 1, rows, n);
                 hide_outside_band(s, rows, n, first, j0, has_lo, lo, has_hi, hi);
                 ak_online_softmax(s, rows, n, m, l, alpha);
                 for (int64_t r = 0; r < rows; r++)

@@ -112,6 +112,32 @@ void ak_online_softmax(float *s, int64_t rows, int64_t cols, float *m, float *l,
     }
 }
 
+/* s <- s + t |s| over G groups of R rows of C logits, t (G, C) one coefficient per group
+ * and column: PAI's boost of image logits (arXiv 2407.21771), one pass instead of torch's
+ * abs, multiply-add and the guard. -inf stays -inf (-inf + t inf would be NaN: a hidden
+ * key stays hidden); NaN stays NaN. */
+void ak_abs_boost(float *s, const float *t, int64_t groups, int64_t rows, int64_t cols) {
+    for (int64_t g = 0; g < groups; g++) {
+        const float *tg = t + g * cols;
+        for (int64_t r = 0; r < rows; r++) {
+            float *row = s + (g * rows + r) * cols;
+            int64_t j = 0;
+#ifdef AK_AVX2
+            const __m256 sign = _mm256_set1_ps(-0.0f), ninf = _mm256_set1_ps(-INFINITY);
+            for (; j + 8 <= cols; j += 8) {
+                const __m256 x = _mm256_loadu_ps(row + j);
+                const __m256 y = _mm256_fmadd_ps(_mm256_loadu_ps(tg + j), _mm256_andnot_ps(sign, x), x);
+                _mm256_storeu_ps(row + j, _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, ninf, _CMP_EQ_OQ)));
+            }
+#endif
+            for (; j < cols; j++) {
+                const float x = row[j];
+                row[j] = x == -INFINITY ? x : fmaf(tg[j], fabsf(x), x);  /* fused, as the vector path */
+            }
+        }
+    }
+}
+
 /* out[b, g, r, :] = sum_h mix[g, h] * scale[b, h, r] * x[b, h, r, :] for x (B, H, R, C),
  * out (B, G, R, C) and scale (B, H, R) or NULL (all ones), contiguous: a head-mixing
  * matmul with an inner dimension of a few heads, which BLAS runs far below its memory

@@ -1,6 +1,6 @@
 /* Operators around the pointwise tile steps of loops_pointwise.cpp, for the PyTorch tile
  * loops (kernels/tiled.py, kernels/engine.py, the mechanisms): sigmoid gates, softcap,
- * the online-softmax update, stick-breaking weights and their backward (in place, on
+ * the online-softmax update, PAI's abs boost, stick-breaking weights and their backward (in place, on
  * contiguous float32 tiles), and the head mixing, top-k of rows and depthwise convolution
  * that torch runs slowly on CPU. Python side: pointwise.py. */
 #include <ATen/core/Tensor.h>
@@ -46,6 +46,17 @@ Tensor online_softmax_(const Tensor &s, const Tensor &m, const Tensor &l) {
     Tensor alpha = at::empty_like(m);
     ak_online_softmax(s.data_ptr<float>(), rows, cols, m.data_ptr<float>(), l.data_ptr<float>(), alpha.data_ptr<float>());
     return alpha;
+}
+
+void abs_boost_(const Tensor &s, const Tensor &t) {
+    attnkit::check_in_place(s, "s");
+    attnkit::check_float(t, "t", 2);
+    TORCH_CHECK(t.is_contiguous(), "attnkit: t must be contiguous");
+    const int64_t groups = t.size(0), cols = t.size(1);
+    TORCH_CHECK(s.dim() >= 1 && s.size(-1) == cols, "attnkit: s must have t's ", cols, " columns, got shape ", s.sizes());
+    TORCH_CHECK(groups > 0 && cols > 0 && s.numel() % (groups * cols) == 0, "attnkit: s ", s.sizes(),
+                " is not groups of rows of t ", t.sizes());
+    ak_abs_boost(s.data_ptr<float>(), t.data_ptr<float>(), groups, s.numel() / (groups * cols), cols);
 }
 
 void stick_breaking_(const Tensor &s, const Tensor &carry) {
@@ -140,6 +151,7 @@ TORCH_LIBRARY_FRAGMENT(attnkit, m) {
     m.def("sigmoid_(Tensor(a!) x, float bias) -> ()");
     m.def("softcap_(Tensor(a!) x, float cap) -> ()");
     m.def("online_softmax_(Tensor(a!) s, Tensor(b!) m, Tensor(c!) l) -> Tensor");
+    m.def("abs_boost_(Tensor(a!) s, Tensor t) -> ()");
     m.def("stick_breaking_(Tensor(a!) s, Tensor(b!) carry) -> ()");
     m.def("stick_breaking_backward_(Tensor(a!) s, Tensor(b!) dw, Tensor(c!) carry, Tensor(d!) carry_w, Tensor delta) -> ()");
     m.def("depthwise_conv2d(Tensor x, Tensor weight) -> Tensor");
@@ -152,6 +164,7 @@ TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
     m.impl("sigmoid_", &sigmoid_);
     m.impl("softcap_", &softcap_);
     m.impl("online_softmax_", &online_softmax_);
+    m.impl("abs_boost_", &abs_boost_);
     m.impl("stick_breaking_", &stick_breaking_);
     m.impl("stick_breaking_backward_", &stick_breaking_backward_);
     m.impl("depthwise_conv2d", &depthwise_conv2d);

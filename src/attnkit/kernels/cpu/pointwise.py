@@ -1,5 +1,5 @@
 """Python side of pointwise.cpp: the tile steps the PyTorch tile loops call in one pass
-(sigmoid gates, softcap, the online-softmax update, stick-breaking and its backward, in
+(sigmoid gates, softcap, the online-softmax update, PAI's abs boost, stick-breaking and its backward, in
 place on contiguous float32 tiles), and head mixing, top-k of rows and the depthwise
 convolution (new tensors). Callers check ``kernels.cpu.usable`` first."""
 
@@ -29,6 +29,13 @@ def online_softmax_step_(s: Tensor, m: Tensor, l: Tensor) -> Tensor:
     """One online-softmax tile update, rows being all leading dims of ``s``: ``s`` becomes
     exp(s - m'), ``m`` and ``l`` are updated in place; returns alpha = exp(m - m')."""
     return torch.ops.attnkit.online_softmax_(s, m, l)
+
+
+def abs_boost_(s: Tensor, t: Tensor) -> Tensor:
+    """``s <- s + t |s|`` in place, s (G, R, C) in any leading shape holding G groups of R
+    rows, t (G, C) contiguous; -inf stays -inf."""
+    torch.ops.attnkit.abs_boost_(s, t)
+    return s
 
 
 def stick_breaking_(s: Tensor, carry: Tensor) -> Tensor:
