@@ -1,5 +1,6 @@
 """Restricting meters to layers, heads and query ranges: the numbers, and the work done."""
 
+import pytest
 import torch
 from dense_meters import dense, distance_bin_mass, entropy_rows, first_k_mass, qkv, rows_mean
 
@@ -78,6 +79,34 @@ def test_weights_of_a_head_subset_equal_the_dense_ones():
     assert got[:, [1, 2, 3]].abs().sum() == 0 and got[:, :, :20].abs().sum() == 0
 
 
+@pytest.mark.parametrize("padded", [True, False], ids=["causal-and-padding", "causal"])
+def test_a_key_range_gives_one_tile_per_row_block_with_the_rows_visible_keys(padded):
+    """Tiles cut to a selection's keys: the dense weights on those keys, every row block
+    once, and each row's visible keys over the whole call (padding, causal, GQA, a head
+    subset, a query range, a call with cached keys before its queries)."""
+    q, k, v = qkv(2, 6, 3, 260, 300)
+    mask = ak.causal() & ak.padding(torch.tensor([300, 211])) if padded else ak.causal()
+    req = make_request(q, k, v, mask=mask, score=ak.alibi(6), return_lse=True)
+    _, lse = ak.attention(q, k, v, mask=mask, score=ak.alibi(6), return_lse=True)
+    p, vis, _, _ = dense(q, k, v, mask=mask, score=ak.alibi(6))
+    heads, (lo, hi) = (1, 4), (70, 190)
+    got = torch.full_like(p, float("nan"))
+    counts = torch.full(p.shape[:3], float("nan"), dtype=torch.float64)
+    blocks = []
+    for t in softmax_tiles(req, lse, call_info(req), Selection(heads=heads, q_range=(60, 280), k_range=(lo, hi))):
+        assert t.k_pos.tolist() == list(range(lo, hi))
+        blocks.append((t.batch.tolist(), t.q_pos.tolist()))
+        for i, h in enumerate(t.heads.tolist()):
+            got[t.batch[:, None, None], h, t.q_pos[:, None] - 40, t.k_pos[None, :]] = t.weights[:, i]
+            counts[t.batch[:, None], h, t.q_pos[None, :] - 40] = t.row_visible[:, 0].expand(len(t.batch), -1)
+    pairs = [(b, r) for bs, qs in blocks for b in bs for r in qs]
+    assert sorted(pairs) == sorted({(b, r) for b in (0, 1) for r in range(60, 280)})  # every row once
+    h, rs = list(heads), slice(20, 240)
+    torch.testing.assert_close(got[:, h, rs, lo:hi], p[:, h, rs, lo:hi], **F64)
+    torch.testing.assert_close(counts[:, h, rs], vis[:, h, rs].sum(-1, dtype=torch.float64), rtol=0, atol=0)
+    assert torch.isnan(got[:, :, :, :lo]).all() and torch.isnan(got[:, :, :, hi:]).all()  # no other key computed
+
+
 def test_nothing_is_computed_when_no_observer_wants_the_call():
     def tiles():
         raise AssertionError("tiles were computed")
@@ -96,3 +125,5 @@ def test_selection_union():
     assert u == Selection((0, 1), (2, 9))
     assert Selection.union([Selection((1,), (5, 9)), Selection()]) == Selection()
     assert Selection.union([Selection(())]) == Selection(())
+    assert Selection.union([Selection(None, None, (4, 9)), Selection(None, None, (7, 12))]) == Selection(None, None, (4, 12))
+    assert Selection.union([Selection(None, None, (4, 9)), Selection()]).k_range is None

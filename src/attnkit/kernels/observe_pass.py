@@ -14,6 +14,7 @@ import math
 import torch
 
 from ..mods import index_tensors
+from ..mods.masks import Causal
 from ..observe import AttentionTile, CallInfo, Selection, feed, interested
 from .plan import FULL_SEG, make_plan
 from .request import Request
@@ -50,7 +51,12 @@ def softmax_tiles(req: Request, lse: torch.Tensor, call: CallInfo, selection: Se
     if selection.q_range is not None:
         row_lo = max(0, selection.q_range[0] - req.q_start)
         row_hi = min(req.q_len, selection.q_range[1] - req.q_start)
-    per_query = req.batch * len(heads) * min(req.k_len, OBSERVE_MAX_FULL_SPAN)
+    cut = None
+    if selection.k_range is not None:
+        lo, hi = max(selection.k_range[0], 0), min(selection.k_range[1], req.k_len)
+        cut = (lo, max(lo, hi))
+    span = req.k_len if cut is None else cut[1] - cut[0]
+    per_query = req.batch * len(heads) * min(span, OBSERVE_MAX_FULL_SPAN)
     q_block = max(OBSERVE_Q_BLOCK, min(row_hi - row_lo, OBSERVE_TILE_WEIGHTS // max(per_query, 1)))
     plan = make_plan(req.mask, req.batch, req.q_len, req.k_len, q_block, OBSERVE_K_BLOCK, OBSERVE_K_BLOCK, OBSERVE_MAX_FULL_SPAN)
     q_all = req.q if all_heads else req.q[:, heads]
@@ -65,6 +71,9 @@ def softmax_tiles(req: Request, lse: torch.Tensor, call: CallInfo, selection: Se
                     continue
                 q = q_all[bs, :, r0:r1].to(cd) * req.scale  # scaled once per block, not per tile
                 lb = lse[bs, :, r0:r1].unsqueeze(-1)
+                if cut is not None:
+                    yield _cut_tile(req, call, rows, bs, block, r0, r1, cut, q, lb, heads, kv_heads, all_heads, cd)
+                    continue
                 for seg in block.segments:
                     b, _, qi, ki = index_tensors(rows, 0, req.q_start + r0, r1 - r0, seg.k0, seg.k1 - seg.k0)
                     tile = Tile(b, heads.view(1, -1, 1, 1), qi, ki)
@@ -91,6 +100,49 @@ def softmax_tiles(req: Request, lse: torch.Tensor, call: CallInfo, selection: Se
                         vis,
                         lb.squeeze(-1),
                     )
+
+
+def _cut_tile(req: Request, call: CallInfo, rows, bs, block, r0: int, r1: int, cut, q, lb, heads, kv_heads, all_heads, cd):
+    """A block's rows as one tile over the keys ``cut`` = (lo, hi) a selection named, with
+    each row's visible keys over the whole call (``AttentionTile.row_visible``), counted
+    from the plan's segments: whole ones by their width, the others on their mask tile."""
+    n_rows = r1 - r0
+    lo, hi = cut
+    h = heads.view(1, -1, 1, 1)
+    visible_count = torch.zeros((1, 1, n_rows), dtype=torch.float64)
+    if type(req.mask) is Causal:  # the query at position p sees keys 0..p
+        visible_count = torch.arange(req.q_start + r0 + 1, req.q_start + r1 + 1, dtype=torch.float64).view(1, 1, -1)
+    for seg in block.segments if type(req.mask) is not Causal else ():
+        if seg.kind == FULL_SEG:
+            visible_count = visible_count + (seg.k1 - seg.k0)
+        else:
+            b, _, qi, ki = index_tensors(rows, 0, req.q_start + r0, n_rows, seg.k0, seg.k1 - seg.k0)
+            visible_count = visible_count + visible(req.mask, Tile(b, h, qi, ki)).sum(-1, dtype=torch.float64)
+    b, _, qi, ki = index_tensors(rows, 0, req.q_start + r0, n_rows, lo, hi - lo)
+    tile = Tile(b, h, qi, ki)
+    k = req.k[bs, :, lo:hi]
+    k = (k if kv_heads is None else k[:, kv_heads]).to(cd)
+    s = torch.matmul(q, k.transpose(-1, -2))
+    if req.score is not None:
+        s = req.score(s, tile.b, tile.h, tile.q, tile.k).to(cd)
+    inside = any(seg.kind == FULL_SEG and seg.k0 <= lo and hi <= seg.k1 for seg in block.segments)
+    vis = None if req.mask is None or inside or hi == lo else visible(req.mask, tile)
+    if vis is not None:
+        s = s + torch.where(vis, 0.0, -math.inf).to(cd)
+    return AttentionTile(
+        call,
+        rows,
+        tile.q_flat,
+        tile.k_flat,
+        torch.sub(s, lb).exp_(),
+        s,
+        None if all_heads else heads,
+        vis is None,
+        vis,
+        lb.squeeze(-1),
+        (req.q_start + r0, lo, bs.start or 0),  # the positions are ranges (a tile may hold no key)
+        visible_count,
+    )
 
 
 def observe_softmax(req: Request, lse: torch.Tensor, observers, layer: int | None = None) -> None:

@@ -7,11 +7,18 @@ uses (softmax probabilities, sigmoid gates, signed weights...), so meters work o
 mechanism. Masked pairs have weight 0 and score -inf.
 
 Before a call, ``wants(call)`` lets each observer say what it needs: None (leave me out
-of this call) or a ``Selection`` of heads and query positions. The softmax pass computes
-only the union of what is wanted, and no tile at all when nobody wants one, so a meter
-restricted to a few layers, heads or queries costs only those. Tiles may therefore hold
-a subset of the heads (``AttentionTile.heads``) and rows outside an observer's own
-selection: observers filter what they receive.
+of this call) or a ``Selection`` of heads, query positions and key positions. The
+softmax pass computes only the union of what is wanted, and no tile at all when nobody
+wants one, so a meter restricted to a few layers, heads or queries costs only those.
+Tiles may therefore hold a subset of the heads (``AttentionTile.heads``) and rows
+outside an observer's own selection: observers filter what they receive.
+
+Key positions are a promise the other way: an observer that names them (a visual meter
+needs the weights on image keys only) must also accept tiles of every key, since
+producers other than the softmax pass deliver those. The softmax pass keeps to the
+range: one tile per block of rows, holding the range's keys and, per row, the visible
+keys of the whole call (``AttentionTile.row_visible``); the weights outside it, which
+sum with the range's to 1, are not computed.
 """
 
 from __future__ import annotations
@@ -61,6 +68,9 @@ class AttentionTile:
     #: (first query position, first key position, first batch row) from a producer that
     #: built the positions as ascending contiguous ranges; None: ``starts`` reads and checks them
     origin: tuple[int, int, int] | None = None
+    #: set when the tile is its rows' only one, cut to the keys a selection named: the
+    #: number of keys each row sees in the whole call, (Bt | 1, 1, BQ) float64
+    row_visible: Tensor | None = None
 
     @property
     def layer(self) -> int | None:
@@ -88,24 +98,30 @@ class AttentionTile:
 @dataclass(frozen=True)
 class Selection:
     """What an observer needs from one call: ``heads`` (indices; None = all; () = no tile,
-    only ``begin``/``end``) and query positions ``q_range = (lo, hi)``, lo <= pos < hi
-    (None = all)."""
+    only ``begin``/``end``), query positions ``q_range = (lo, hi)``, lo <= pos < hi, and
+    the key positions ``k_range`` whose weights it reads (None = all; see the module's
+    note on what naming them promises)."""
 
     heads: tuple[int, ...] | None = None
     q_range: tuple[int, int] | None = None
+    k_range: tuple[int, int] | None = None
 
     @staticmethod
     def union(selections) -> Selection:
         selections = [s for s in selections if s.heads != ()]
         if not selections:
             return Selection(heads=())
+        if len(selections) == 1:  # the common case, once per observed call
+            return selections[0]
         heads = None
         if all(s.heads is not None for s in selections):
             heads = tuple(sorted(set().union(*(s.heads for s in selections))))
-        q_range = None
+        q_range = k_range = None
         if all(s.q_range is not None for s in selections):
             q_range = (min(s.q_range[0] for s in selections), max(s.q_range[1] for s in selections))
-        return Selection(heads, q_range)
+        if all(s.k_range is not None for s in selections):
+            k_range = (min(s.k_range[0] for s in selections), max(s.k_range[1] for s in selections))
+        return Selection(heads, q_range, k_range)
 
 
 class Observer:

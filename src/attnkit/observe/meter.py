@@ -72,6 +72,9 @@ class TileView:
     mask: Tensor | None = None  # the kernel's visibility, when it gave one
     log_norm: Tensor | None = None  # softmax rows' log-normaliser, (Bt, H', R)
     k0: int = 0  # first key position
+    #: visible keys per row over the whole call, when the tile was cut to a key range
+    #: (``AttentionTile.row_visible``): ``w`` then holds only that range's weights
+    row_visible: Tensor | None = None
 
     def visible(self) -> Tensor | None:
         """Boolean visibility (broadcastable to ``w``), or None when every pair is visible.
@@ -114,7 +117,7 @@ class Meter(Observer, ABC):
         if self.heads is not None and self.heads[-1] >= call.heads:
             raise ValueError(f"heads: index {self.heads[-1]} out of range for layer {call.layer}, which has {call.heads} heads")
         lo, hi = self._positions(call)
-        sel = None if lo >= hi else Selection(self.heads, (lo, hi))
+        sel = None if lo >= hi else Selection(self.heads, (lo, hi), self.key_range(call))
         self._wanted = (call, sel)  # begin() follows for the same call: no second answer to compute
         return sel
 
@@ -176,6 +179,11 @@ class Meter(Observer, ABC):
         for layer in sorted(self._head_ids, key=lambda x: -1 if x is None else x):
             yield layer, self._head_ids[layer], self._rows_seen[layer]
 
+    def key_range(self, call: CallInfo) -> tuple[int, int] | None:
+        """The key positions whose weights this meter reads (None: all); a meter that names
+        them handles tiles cut to them (``TileView.row_visible``) and whole ones alike."""
+        return None
+
     def _positions(self, call: CallInfo) -> tuple[int, int]:
         lo, hi = call.q_start, call.k_len
         if self.queries is not None:
@@ -189,7 +197,13 @@ class Meter(Observer, ABC):
         sel = self._sel
         if sel is None:
             raise RuntimeError("meter: view() before begin()")
-        parts = {"w": tile.weights, "s": tile.scores, "mask": tile.visible, "log_norm": tile.log_norm}
+        parts = {
+            "w": tile.weights,
+            "s": tile.scores,
+            "mask": tile.visible,
+            "log_norm": tile.log_norm,
+            "row_visible": tile.row_visible,
+        }
         # heads: take ours out of the tile's (a tile may hold a superset of them)
         if sel.heads is not None:
             wanted = torch.tensor(sel.heads)
@@ -223,4 +237,5 @@ class Meter(Observer, ABC):
             parts["mask"],
             parts["log_norm"],
             tile.starts[1],
+            parts["row_visible"],
         )

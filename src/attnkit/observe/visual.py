@@ -117,6 +117,9 @@ class VisualAttention(Meter):
             raise ValueError("keys: the mask marks no image key")
         self.top_k = top_k
         self.prompt_len = self.keys.shape[1]
+        columns = self.keys.any(0).nonzero().view(-1)
+        self._image_range = (int(columns[0]), int(columns[-1]) + 1)  # every row's image keys lie here
+        self._range_all_image = bool(self.keys[:, self._image_range[0] : self._image_range[1]].all())  # one image, no gaps
         self._image_count = self.keys.sum(-1, dtype=torch.float64).view(-1, 1, 1)  # (B | 1, 1, 1)
         self._state: dict = {}
         self._steps: dict = {}  # layer -> (B, H, T) share per step, NaN where not seen
@@ -135,6 +138,9 @@ class VisualAttention(Meter):
             full[:, : self.prompt_len] = self.keys
             self._img_full = full
         return full[:, : call.k_len]
+
+    def key_range(self, call: CallInfo) -> tuple[int, int]:
+        return self._image_range
 
     def begin_call(self, call: CallInfo, n_heads: int, row_lo: int, row_hi: int) -> None:
         if self.keys.shape[0] not in (1, call.batch):
@@ -185,7 +191,9 @@ class VisualAttention(Meter):
 
     def _add_tile(self, call: CallInfo, view: TileView) -> None:
         """Reduce one tile at once (prefill rows, tiled calls); sums in the weights' dtype
-        per tile (as the other meters), accumulated in float64."""
+        per tile (as the other meters), accumulated in float64. Only the tile's columns in
+        the image keys' range are read past the rows' totals: a tile cut to that range
+        (``key_range``) gives those totals from its softmax normaliser and counts."""
         if self._call is None:
             sums = torch.zeros((5,) + self._shape, dtype=torch.float64)
             self._call = _Summed(call.layer, self._q0, sums, torch.zeros(self._shape + (self.top_k,), dtype=torch.float64))
@@ -193,22 +201,41 @@ class VisualAttention(Meter):
             raise RuntimeError("meter: another tile for a call whose first tile held all of its rows and keys")
         sums, top_k = self._call.sums, self._call.top_mass  # the top-k values until end_call sums them
         at = (slice(None), view.batch, slice(None), view.rows)
-        k0, span = view.k0, view.w.shape[3]
-        img = self._img(call)[view.batch, k0 : k0 + span]  # (Bt, span) bool
-        imgw = img.to(view.w.dtype).view(view.w.shape[0], 1, 1, span)
+        w, k0 = view.w, view.k0
+        total: Tensor
+        if view.row_visible is None:
+            total, n_vis = w.sum(-1), view.visible_per_row()
+        else:  # softmax rows: weights sum to 1 over the visible keys (0 for a row with none)
+            if view.log_norm is None:
+                raise RuntimeError("meter: a tile cut to a key range carries no log-normaliser")
+            total, n_vis = torch.isfinite(view.log_norm).to(w.dtype), view.row_visible
+        lo, hi = self._image_range
+        c0, c1 = min(max(lo - k0, 0), w.shape[3]), min(max(hi - k0, 0), w.shape[3])
+        img = self._img(call)[view.batch, k0 + c0 : k0 + c1]  # (Bt, c1 - c0) bool
+        imgw = img.to(w.dtype).view(w.shape[0], 1, 1, c1 - c0)
         vis = view.visible()
+        if vis is not None and vis.shape[-1] != 1:
+            vis = vis[..., c0:c1]
         n_img = imgw.sum(-1) if vis is None else (vis & img.view(imgw.shape)).sum(-1)
-        wi = view.w * imgw
-        sums[at] += _row_sums(view.w.sum(-1), wi, view.visible_per_row(), n_img)
-        top = wi.topk(min(self.top_k, span), dim=-1).values.double()
+        wi = w[..., c0:c1] if self._range_all_image else w[..., c0:c1] * imgw
+        s1 = wi.sum(-1)
+        if view.s is not None and view.log_norm is not None:
+            # softmax weights: log w = s - log_norm, so sum w log w is a dot product (entr,
+            # x log x, costs several times more); text keys have w = 0, hidden ones s = -inf
+            s_img = view.s[..., c0:c1] if vis is None else torch.where(vis, view.s[..., c0:c1], 0.0)
+            s2 = torch.where(s1 > 0, torch.linalg.vecdot(wi, s_img) - view.log_norm * s1, 0.0)
+        else:
+            s2 = -torch.special.entr(wi).sum(-1)
+        sums[at] += _row_sums(total, s1, s2, n_vis, n_img)
+        if c0 == c1:
+            return
+        top = wi.topk(min(self.top_k, c1 - c0), dim=-1).values.double()
         rows = at[1:]
-        if k0 == 0 and top.shape[-1] == self.top_k:  # the row block's first key tile: nothing to merge yet
+        if k0 + c0 == lo and top.shape[-1] == self.top_k:  # the row block's first image tile: nothing to merge yet
             top_k[rows] = top
         else:
             top_k[rows] = torch.cat([top_k[rows], top], -1).topk(self.top_k, dim=-1).values
-        end = min(k0 + span, self.prompt_len)
-        if end > k0:
-            self._state[call.layer]["received"][view.batch, :, k0:end] += wi[..., : end - k0].sum(2)
+        self._state[call.layer]["received"][view.batch, :, k0 + c0 : k0 + c1] += wi.sum(2)
 
     def end_call(self, call: CallInfo) -> None:
         # The per-row statistics wait for a batch of calls (``_finish``): a decoding step is
@@ -271,7 +298,7 @@ class VisualAttention(Meter):
         wi = w * self.keys.to(w.dtype).view(-1, 1, 1, self.prompt_len)
         self._state[run[0].layer]["received"] += wi.sum(2).double()
         top_mass = wi.topk(min(self.top_k, self.prompt_len), dim=-1).values.double().sum(-1)
-        return positions, _row_sums(total, wi, n_vis, n_img), top_mass
+        return positions, _row_sums(total, wi.sum(-1), -torch.special.entr(wi).sum(-1), n_vis, n_img), top_mass
 
     def _record_steps(self, layer, positions: Tensor, share: Tensor) -> None:
         """Keep ``share`` (B, H, R) of the rows at query ``positions`` (R,) that predict a
@@ -376,9 +403,8 @@ def _kind(entry: _Summed | _Kept) -> str:
     return "kept, all visible" if isinstance(entry.visible, float) else "kept, masked"
 
 
-def _row_sums(total: Tensor, wi: Tensor, n_vis, n_img: Tensor) -> Tensor:
+def _row_sums(total: Tensor, s1: Tensor, s2: Tensor, n_vis, n_img: Tensor) -> Tensor:
     """(5, ...) float64 per-row sums, in ``_finish``'s order: all weights (``total``),
-    image weights and Σ w log w over them (from ``wi`` (..., span), the weights with text
-    keys zeroed), visible keys, visible image keys."""
-    parts = (total, wi.sum(-1), -torch.special.entr(wi).sum(-1), torch.as_tensor(n_vis), n_img)
+    image weights ``s1`` and ``s2`` = Σ w log w over them, visible keys, visible image keys."""
+    parts = (total, s1, s2, torch.as_tensor(n_vis), n_img)
     return torch.stack(torch.broadcast_tensors(*(x.double() for x in parts)))
