@@ -150,3 +150,28 @@ def test_meter_refuses_a_batch_it_was_not_built_for():
     ):
         model(**one)
     assert "\n" not in str(err.value)
+
+
+def test_prefill_with_image_keys_hidden_by_a_score_mod():
+    """A steering mod that hides half the image keys (their logits -inf, which no mask
+    marks) while the meter observes: the meter equals the literal definition over the
+    steered weights. Row 0 of the LLaVA batch alone (23 tokens: the observing pass)."""
+    from attnkit import steer
+
+    model = V.build("llava")
+    batch, _ = V.batch("llava")
+    inputs = {
+        "input_ids": batch["input_ids"][:1],
+        "attention_mask": batch["attention_mask"][:1],
+        "pixel_values": batch["pixel_values"][:2],
+    }
+    spans = vision.image_spans(model, inputs)
+    hidden = spans.mask & (torch.arange(spans.length) % 2 == 0)
+    heads = {0: [1, 3], 1: [0]}
+    _, probs = run_dense(model, {"image": hidden, "heads": heads, "ablate": True}, **inputs)
+    meter = spans.meter(top_k=3)
+    with torch.no_grad(), steer.apply(model, steer.ablate_visual(hidden, heads)), akhf.use(model, observers=[meter]):
+        model(**inputs)
+    want = literal(probs, spans.mask, inputs["attention_mask"].bool(), 3)
+    for layer, head, metric, value in meter.rows():
+        assert math.isfinite(value) and value == pytest.approx(want[(layer, head)][metric], abs=TOL), (layer, head, metric)

@@ -109,15 +109,16 @@ def _cut_tile(req: Request, call: CallInfo, rows, bs, block, r0: int, r1: int, c
     n_rows = r1 - r0
     lo, hi = cut
     h = heads.view(1, -1, 1, 1)
-    visible_count = torch.zeros((1, 1, n_rows), dtype=torch.float64)
     if type(req.mask) is Causal:  # the query at position p sees keys 0..p
         visible_count = torch.arange(req.q_start + r0 + 1, req.q_start + r1 + 1, dtype=torch.float64).view(1, 1, -1)
-    for seg in block.segments if type(req.mask) is not Causal else ():
-        if seg.kind == FULL_SEG:
-            visible_count = visible_count + (seg.k1 - seg.k0)
-        else:
-            b, _, qi, ki = index_tensors(rows, 0, req.q_start + r0, n_rows, seg.k0, seg.k1 - seg.k0)
-            visible_count = visible_count + visible(req.mask, Tile(b, h, qi, ki)).sum(-1, dtype=torch.float64)
+    else:
+        visible_count = torch.zeros((1, 1, n_rows), dtype=torch.float64)
+        for seg in block.segments:
+            if seg.kind == FULL_SEG:
+                visible_count = visible_count + (seg.k1 - seg.k0)
+            else:
+                b, _, qi, ki = index_tensors(rows, 0, req.q_start + r0, n_rows, seg.k0, seg.k1 - seg.k0)
+                visible_count = visible_count + visible(req.mask, Tile(b, h, qi, ki)).sum(-1, dtype=torch.float64)
     b, _, qi, ki = index_tensors(rows, 0, req.q_start + r0, n_rows, lo, hi - lo)
     tile = Tile(b, h, qi, ki)
     k = req.k[bs, :, lo:hi]

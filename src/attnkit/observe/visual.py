@@ -223,7 +223,11 @@ class VisualAttention(Meter):
             # softmax weights: log w = s - log_norm, so sum w log w is a dot product (entr,
             # x log x, costs several times more); text keys have w = 0, hidden ones s = -inf
             s_img = view.s[..., c0:c1] if vis is None else torch.where(vis, view.s[..., c0:c1], 0.0)
-            s2 = torch.where(s1 > 0, torch.linalg.vecdot(wi, s_img) - view.log_norm * s1, 0.0)
+            dot = torch.linalg.vecdot(wi, s_img)
+            if bool(torch.isnan(dot).any()):  # 0 · -inf: a score mod hid a key that no mask marks
+                s2 = -torch.special.entr(wi).sum(-1)
+            else:
+                s2 = torch.where(s1 > 0, dot - view.log_norm * s1, 0.0)
         else:
             s2 = -torch.special.entr(wi).sum(-1)
         sums[at] += _row_sums(total, s1, s2, n_vis, n_img)
