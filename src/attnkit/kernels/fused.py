@@ -15,6 +15,7 @@ per-key offsets that the op broadcasts for free, plus a per-query correction of 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import overload
 
@@ -59,9 +60,34 @@ def flash_forward(
     scale: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``aten::_scaled_dot_product_flash_attention_for_cpu`` with its inputs' layout made
-    safe (``unit_last_stride``): (out, lse). Every caller of the op goes through here."""
-    q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
-    return _flash(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    safe (``unit_last_stride``) and bfloat16 widened where the op cannot take it
+    (``_bf16_widened``): (out, lse). Every caller of the op goes through here."""
+    dtype = q.dtype
+    q, k, v = (unit_last_stride(t) for t in _bf16_widened(q, k, v))
+    out, lse = _flash(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    return out.to(dtype), lse
+
+
+def _bf16_widened(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """The tensors as float32 when they are bfloat16 on a CPU whose bf16 units (AVX512-BF16,
+    AMX) the op uses while ATen runs below AVX-512 (``ATEN_CPU_CAPABILITY=avx2``): it then
+    packs tiles with code built for AVX-512 only and fails ("pack_vnni2 is only supported
+    when avx512 is supported"). Widening is exact, and the op accumulates in float32 anyway."""
+    if tensors[0].dtype != torch.bfloat16 or tensors[0].device.type != "cpu" or not _bf16_pack_mismatch():
+        return tensors
+    return tuple(t.float() for t in tensors)
+
+
+@functools.cache
+def _bf16_pack_mismatch() -> bool:
+    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return True  # unknown CPU: widening is always correct
+    return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
 def flash_backward(
@@ -77,9 +103,12 @@ def flash_backward(
     attn_mask: Tensor | None = None,
     scale: float | None = None,
 ):
-    """The op's backward (dq, dk, dv), every tensor argument's layout made safe."""
-    grad_out, q, k, v, out = (unit_last_stride(t) for t in (grad_out, q, k, v, out))
-    return _flash_backward(grad_out, q, k, v, out, lse, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    """The op's backward (dq, dk, dv), every tensor argument's layout made safe and
+    bfloat16 widened where the op cannot take it (``_bf16_widened``)."""
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    grad_out, q, k, v, out = (unit_last_stride(t) for t in _bf16_widened(grad_out, q, k, v, out))
+    grads = _flash_backward(grad_out, q, k, v, out, lse, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    return tuple(g.to(d) for g, d in zip(grads, dtypes))
 
 
 class SegmentInputs:
