@@ -169,3 +169,21 @@ def test_minus_inf_from_a_bias_stays_a_mask_under_later_row_scales():
         assert torch.equal(torch.isneginf(got), torch.isneginf(table).expand_as(got))  # never NaN, never finite
         (grad,) = torch.autograd.grad(got.masked_fill(torch.isneginf(got), 0.0).sum(), t)
         assert torch.isfinite(grad).all()
+
+
+def test_abs_boost_formula_and_bad_tables():
+    """PAI's s + t |s| per (b, h, key), a hidden key kept hidden; a table that is not a
+    float (B, H, Nk) tensor, or does not fit the call, is refused by name."""
+    from attnkit.mods import abs_boost
+
+    table = torch.tensor([[[0.0, 0.5, 2.0]]], dtype=torch.float64)
+    s = torch.tensor([[[[-2.0, -2.0, 3.0], [1.0, -math.inf, -1.0]]]], dtype=torch.float64)
+    b, h, q, kv = index_tensors(1, 1, 0, 2, 0, 3)
+    got = abs_boost(table)(s, b, h, q, kv)
+    want = torch.tensor([[[[-2.0, -1.0, 9.0], [1.0, -math.inf, 1.0]]]], dtype=torch.float64)
+    assert torch.equal(got, want)
+    for bad in ([0.5], torch.zeros(2, 3), torch.zeros(1, 1, 3, dtype=torch.long)):
+        with pytest.raises(ValueError, match="abs_boost\\(table\\)"):
+            abs_boost(bad)
+    with pytest.raises(ValueError, match="abs boost: table of shape"):
+        abs_boost(table).check(2, 1, 2, 3)

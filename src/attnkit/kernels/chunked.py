@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from ..mods import AffineForm, Mask, ScoreMod, affine_form, index_tensors
 from ..mods.masks import Causal
 from .fused import backward_with_lse_grad, fused_backward, fused_forward
+from .machine import cpu_flags, has_bf16_units
 from .plan import Plan, causal_plan, make_plan, single_tile_plan
 from .request import Request
 from .tiled import tiled_backward, tiled_forward
@@ -61,12 +62,8 @@ def cpu_has_fast_bf16() -> bool:
     forced = os.environ.get("ATTNKIT_BF16_MATMUL")
     if forced is not None:
         return forced == "1"
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
+    flags = cpu_flags()
+    return flags is not None and has_bf16_units(flags)
 
 
 def fused_unsupported(req: Request) -> str | None:

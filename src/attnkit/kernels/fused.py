@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..mods import AffineForm, Mask
+from .machine import cpu_flags, has_bf16_units
 from .plan import CAUSAL_SEG, FULL_SEG, Plan, QueryBlock, Segment
 from .tiles import Tile, merge_partials, neg_inf_to_pos_inf, visible
 
@@ -82,12 +83,8 @@ def _bf16_widened(*tensors: Tensor) -> tuple[Tensor, ...]:
 def _bf16_pack_mismatch() -> bool:
     if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return True  # unknown CPU: widening is always correct
-    return " avx512_bf16" in flags or " amx_bf16" in flags
+    flags = cpu_flags()
+    return flags is None or has_bf16_units(flags)  # unknown CPU: widening is always correct
 
 
 def flash_backward(

@@ -6,6 +6,7 @@ GPU check all stamp their output with it.
 
 from __future__ import annotations
 
+import functools
 import platform
 
 import torch
@@ -21,6 +22,21 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+@functools.cache
+def cpu_flags() -> str | None:
+    """The CPU's feature flags as /proc/cpuinfo lists them (Linux), None where unknown."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def has_bf16_units(flags: str) -> bool:
+    """Whether ``cpu_flags()`` name native bf16 dot products (AVX512-BF16 or AMX)."""
+    return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
 def machine_info() -> dict:

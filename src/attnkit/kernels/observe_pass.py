@@ -10,6 +10,7 @@ when none wants a tile.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -71,78 +72,85 @@ def softmax_tiles(req: Request, lse: torch.Tensor, call: CallInfo, selection: Se
                     continue
                 q = q_all[bs, :, r0:r1].to(cd) * req.scale  # scaled once per block, not per tile
                 lb = lse[bs, :, r0:r1].unsqueeze(-1)
+                rb = _RowBlock(req, call, rows, bs, r0, r1, q, lb, heads, kv_heads, all_heads, cd)
                 if cut is not None:
-                    yield _cut_tile(req, call, rows, bs, block, r0, r1, cut, q, lb, heads, kv_heads, all_heads, cd)
+                    yield _cut_tile(rb, block.segments, cut)
                     continue
                 for seg in block.segments:
-                    b, _, qi, ki = index_tensors(rows, 0, req.q_start + r0, r1 - r0, seg.k0, seg.k1 - seg.k0)
-                    tile = Tile(b, heads.view(1, -1, 1, 1), qi, ki)
-                    k = req.k[bs, :, seg.k0 : seg.k1]
-                    k = (k if kv_heads is None else k[:, kv_heads]).to(cd)
-                    s = torch.matmul(q, k.transpose(-1, -2))
-                    if req.score is not None:
-                        s = req.score(s, tile.b, tile.h, tile.q, tile.k).to(cd)
-                    vis = None
-                    if seg.kind != FULL_SEG:
-                        vis = visible(req.mask, tile)
-                        # an additive 0 / -inf mask at the mask's own (often 1 x 1 x BQ x span)
-                        # shape: a broadcast add is far cheaper than masked_fill on the tile
-                        s = s + torch.where(vis, 0.0, -math.inf).to(cd)
-                    yield AttentionTile(
-                        call,
-                        rows,
-                        tile.q_flat,
-                        tile.k_flat,
-                        torch.sub(s, lb).exp_(),
-                        s,
-                        None if all_heads else heads,
-                        vis is None,
-                        vis,
-                        lb.squeeze(-1),
-                    )
+                    yield _weights_tile(rb, seg.k0, seg.k1, seg.kind != FULL_SEG)
 
 
-def _cut_tile(req: Request, call: CallInfo, rows, bs, block, r0: int, r1: int, cut, q, lb, heads, kv_heads, all_heads, cd):
+class _RowBlock(NamedTuple):
+    """What the tiles of one block of query rows share: rows r0..r1 of batch rows ``rows``
+    (slice ``bs``), their scaled queries and lse (+inf for a row that sees no key)."""
+
+    req: Request
+    call: CallInfo
+    rows: torch.Tensor
+    bs: slice
+    r0: int
+    r1: int
+    q: torch.Tensor
+    lb: torch.Tensor
+    heads: torch.Tensor
+    kv_heads: torch.Tensor | None
+    all_heads: bool
+    cd: torch.dtype
+
+
+def _cut_tile(rb: _RowBlock, segments, cut: tuple[int, int]) -> AttentionTile:
     """A block's rows as one tile over the keys ``cut`` = (lo, hi) a selection named, with
     each row's visible keys over the whole call (``AttentionTile.row_visible``), counted
     from the plan's segments: whole ones by their width, the others on their mask tile."""
-    n_rows = r1 - r0
-    lo, hi = cut
-    h = heads.view(1, -1, 1, 1)
+    req, lo, hi = rb.req, cut[0], cut[1]
+    first, n_rows = req.q_start + rb.r0, rb.r1 - rb.r0
     if type(req.mask) is Causal:  # the query at position p sees keys 0..p
-        visible_count = torch.arange(req.q_start + r0 + 1, req.q_start + r1 + 1, dtype=torch.float64).view(1, 1, -1)
+        visible_count = torch.arange(first + 1, first + n_rows + 1, dtype=torch.float64).view(1, 1, -1)
     else:
         visible_count = torch.zeros((1, 1, n_rows), dtype=torch.float64)
-        for seg in block.segments:
+        for seg in segments:
             if seg.kind == FULL_SEG:
                 visible_count = visible_count + (seg.k1 - seg.k0)
             else:
-                b, _, qi, ki = index_tensors(rows, 0, req.q_start + r0, n_rows, seg.k0, seg.k1 - seg.k0)
-                visible_count = visible_count + visible(req.mask, Tile(b, h, qi, ki)).sum(-1, dtype=torch.float64)
-    b, _, qi, ki = index_tensors(rows, 0, req.q_start + r0, n_rows, lo, hi - lo)
-    tile = Tile(b, h, qi, ki)
-    k = req.k[bs, :, lo:hi]
-    k = (k if kv_heads is None else k[:, kv_heads]).to(cd)
-    s = torch.matmul(q, k.transpose(-1, -2))
+                b, _, qi, ki = index_tensors(rb.rows, 0, first, n_rows, seg.k0, seg.k1 - seg.k0)
+                seen = visible(req.mask, Tile(b, rb.heads.view(1, -1, 1, 1), qi, ki))
+                visible_count = visible_count + seen.sum(-1, dtype=torch.float64)
+    inside = any(seg.kind == FULL_SEG and seg.k0 <= lo and hi <= seg.k1 for seg in segments)
+    masked = req.mask is not None and not inside and hi > lo
+    origin = (first, lo, rb.bs.start or 0)  # the positions are ranges (a tile may hold no key)
+    return _weights_tile(rb, lo, hi, masked, origin, visible_count)
+
+
+def _weights_tile(rb: _RowBlock, k0: int, k1: int, masked: bool, origin=None, row_visible=None) -> AttentionTile:
+    """The weights exp(S - lse) of the block's rows against keys k0..k1, the score mod
+    applied and, where ``masked``, the mask evaluated on the tile."""
+    req, cd = rb.req, rb.cd
+    b, _, qi, ki = index_tensors(rb.rows, 0, req.q_start + rb.r0, rb.r1 - rb.r0, k0, k1 - k0)
+    tile = Tile(b, rb.heads.view(1, -1, 1, 1), qi, ki)
+    k = req.k[rb.bs, :, k0:k1]
+    k = (k if rb.kv_heads is None else k[:, rb.kv_heads]).to(cd)
+    s = torch.matmul(rb.q, k.transpose(-1, -2))
     if req.score is not None:
         s = req.score(s, tile.b, tile.h, tile.q, tile.k).to(cd)
-    inside = any(seg.kind == FULL_SEG and seg.k0 <= lo and hi <= seg.k1 for seg in block.segments)
-    vis = None if req.mask is None or inside or hi == lo else visible(req.mask, tile)
-    if vis is not None:
+    vis = None
+    if masked:
+        vis = visible(req.mask, tile)
+        # an additive 0 / -inf mask at the mask's own (often 1 x 1 x BQ x span) shape: a
+        # broadcast add is far cheaper than masked_fill on the tile
         s = s + torch.where(vis, 0.0, -math.inf).to(cd)
     return AttentionTile(
-        call,
-        rows,
+        rb.call,
+        rb.rows,
         tile.q_flat,
         tile.k_flat,
-        torch.sub(s, lb).exp_(),
+        torch.sub(s, rb.lb).exp_(),
         s,
-        None if all_heads else heads,
+        None if rb.all_heads else rb.heads,
         vis is None,
         vis,
-        lb.squeeze(-1),
-        (req.q_start + r0, lo, bs.start or 0),  # the positions are ranges (a tile may hold no key)
-        visible_count,
+        rb.lb.squeeze(-1),
+        origin,
+        row_visible,
     )
 
 
