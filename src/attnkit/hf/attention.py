@@ -21,6 +21,7 @@ from ..mods import Mask, ScoreMod, bias, causal, document, softcap, window
 from ..mods.masks import And
 from .heads import HeadMask, HeadScore, combine_sinks, merge_heads, split_heads
 from .masks import KeyMask, MaskSpec, tensor_to_attnkit, to_attnkit
+from .switch import active_switch
 
 Tensor = torch.Tensor
 
@@ -109,8 +110,6 @@ def attnkit_attention_forward(
     module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None, dropout: float = 0.0, **kwargs
 ):
     """The function registered as ``attn_implementation="attnkit"``."""
-    from .switch import active_switch
-
     if dropout:
         raise ValueError(
             f"dropout: attnkit attention has no attention dropout, but {type(module).__name__} asked for p={dropout} "

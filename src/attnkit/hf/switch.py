@@ -298,6 +298,8 @@ def _make_switch(model, mechanism, mask, score, layers, heads, observers, sinks,
     if isinstance(mechanism, Mechanism):
         mech = get_mechanism(mechanism, **params)  # raises when params come with an instance
         plain = mech.name == "softmax"
+    elif mechanism == "softmax" and not params:
+        plain = True  # nothing to validate (the commonest block: observers, steering)
     else:
         plain = _validate_named(model, mechanism, params).name == "softmax"
     user_mask = None if mask is None else as_mask(mask, "mask")

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..mods.masks import Causal
-from .dense_rows import dense_rows_attention, dense_rows_serve
+from .dense_rows import dense_rows_attention, dense_rows_serve, observed_rows
 from .dispatch import choose_backend
 from .finite import nonfinite_reaches_output, rows_finite_and_nonzero, without_hidden_nonfinite
 from .key_offsets import key_offset_terms, key_offsets_attention
@@ -45,7 +45,10 @@ def softmax_attention(
     """Exact softmax attention; the arguments are those of ``attnkit.attention`` (which
     documents them) without ``mechanism``."""
     if mask is None or type(mask) is Causal:
-        out = _plain_sdpa(q, k, v, mask, score, scale, sinks, return_lse, backend, check_finite, observers)
+        if observers and score is None and sinks is None and not return_lse and backend == "auto":
+            out = observed_rows(q, k, v, mask, scale, observers, layer)  # an observed decoding step
+        else:
+            out = _plain_sdpa(q, k, v, mask, score, scale, sinks, return_lse, backend, check_finite, observers)
         if out is not None:
             return out
     want_lse = return_lse or bool(observers)

@@ -88,13 +88,14 @@ class _Summed(NamedTuple):
 
 class _Kept(NamedTuple):
     """A whole-row call kept for ``_finish``: its weights on the prompt (B, H, R, N0), the
-    whole rows' sums (B, H, R), and the visible keys and visible image keys per row (a
-    float when every key is visible, broadcastable tensors otherwise)."""
+    whole rows' sums (B, H, R; None for softmax rows that see every key, which sum to 1),
+    and the visible keys and visible image keys per row (a float when every key is
+    visible, broadcastable tensors otherwise)."""
 
     layer: int | None
     q0: int
     prompt: Tensor
-    total: Tensor
+    total: Tensor | None
     visible: float | Tensor
     visible_image: Tensor
 
@@ -186,7 +187,8 @@ class VisualAttention(Meter):
         else:
             n_vis = vis.sum(-1, dtype=torch.float64)
             n_img = (vis[..., : self.prompt_len] & self.keys.view(-1, 1, 1, self.prompt_len)).sum(-1, dtype=torch.float64)
-        self._call = _Kept(call.layer, self._q0, prompt, w.sum(-1), n_vis, n_img)
+        total = None if vis is None and view.log_norm is not None else w.sum(-1)  # softmax rows over every key: 1
+        self._call = _Kept(call.layer, self._q0, prompt, total, n_vis, n_img)
         self._pending_weights += prompt.numel()
 
     def _add_tile(self, call: CallInfo, view: TileView) -> None:
@@ -255,10 +257,19 @@ class VisualAttention(Meter):
             self._finish()
 
     def _finish(self) -> None:
-        """Fold the pending calls' rows into the per-layer sums and per-step shares."""
+        """Fold the pending calls' rows into the per-layer sums and per-step shares. Rows
+        are independent, so the layers' rows (grouped by layer, each layer's in call
+        order) go through one pass, and only the sums per layer are taken apart: a
+        decoding step of every layer is then a few ops, not a few ops per layer."""
         pending, self._pending, self._pending_weights = self._pending, [], 0
-        for layer in dict.fromkeys(entry.layer for entry in pending):
-            chunks = self._chunks([entry for entry in pending if entry.layer == layer])
+        rank = {layer: i for i, layer in enumerate(dict.fromkeys(entry.layer for entry in pending))}
+        by_heads: dict[int, list] = {}  # layers with as many measured heads share a pass
+        for entry in sorted(pending, key=lambda e: rank[e.layer]):
+            by_heads.setdefault(entry.top_mass.shape[1] if isinstance(entry, _Summed) else entry.prompt.shape[1], []).append(
+                entry
+            )
+        for entries in by_heads.values():
+            segments, chunks = self._chunks(entries)
             positions = torch.cat([c[0] for c in chunks])
             s_all, s_img, s2, n_vis, n_img = torch.cat([c[1] for c in chunks], dim=3)
             top_mass = torch.cat([c[2] for c in chunks], dim=2)
@@ -271,36 +282,58 @@ class VisualAttention(Meter):
             multi = seen & (n_img >= 2)
             norm = torch.where(multi, h / torch.log(torch.where(multi, n_img, 2.0)), 0.0)
             top = torch.where(seen, top_mass / s1, 0.0)
-            # one stack, one reduction: the per-head sums of _SUMS, in that order
-            stats = torch.stack([live.double(), share, uniform * live, seen.double(), h, norm, multi.double(), top])
-            self._state[layer]["sums"] += stats.sum((1, 3))
-            self._record_steps(layer, positions, torch.where(live, share, float("nan")))
+            # one stack, one reduction per layer: the per-head sums of _SUMS, in that order
+            stats = torch.stack([live.double(), share, uniform * live, seen.double(), h, norm, multi.double(), top]).sum(1)
+            step_share = torch.where(live, share, float("nan"))
+            for layer, a, b in segments:
+                self._state[layer]["sums"] += stats[..., a:b].sum(-1)
+                self._record_steps(layer, positions[a:b], step_share[..., a:b])
 
-    def _chunks(self, entries: list) -> list[tuple[Tensor, Tensor, Tensor]]:
-        """(query positions (R,), sums (5, B, H, R), top-k mass (B, H, R)) of one layer's
-        entries, in order: each run of kept calls reduced in one pass."""
-        out: list[tuple[Tensor, Tensor, Tensor]] = []
+    def _chunks(self, entries: list) -> tuple[list[tuple], list[tuple[Tensor, Tensor, Tensor]]]:
+        """The rows of ``entries`` (grouped by layer): ((layer, first row, end row) of each
+        layer, the chunks (query positions (R,), sums (5, B, H, R), top-k mass (B, H, R))
+        in order), each run of kept calls reduced in one pass."""
+        chunks: list[tuple[Tensor, Tensor, Tensor]] = []
         for kind, run in itertools.groupby(entries, key=_kind):
             if kind == "summed":
-                out.extend((torch.arange(e.q0, e.q0 + e.sums.shape[3]), e.sums, e.top_mass) for e in run)
+                chunks.extend((torch.arange(e.q0, e.q0 + e.sums.shape[3]), e.sums, e.top_mass) for e in run)
             else:
-                out.append(self._reduce_kept(list(run)))
-        return out
+                chunks.append(self._reduce_kept(list(run)))
+        segments: list[tuple] = []
+        row = 0
+        for e in entries:
+            n = e.sums.shape[3] if isinstance(e, _Summed) else e.prompt.shape[2]
+            if segments and segments[-1][0] == e.layer:
+                segments[-1] = (e.layer, segments[-1][1], row + n)
+            else:
+                segments.append((e.layer, row, row + n))
+            row += n
+        return segments, chunks
 
     def _reduce_kept(self, run: list[_Kept]) -> tuple[Tensor, Tensor, Tensor]:
-        """The kept calls' rows in one pass: their image weights, received mass and top-k."""
+        """The kept calls' rows in one pass (of one layer or several, grouped by layer):
+        their image weights, received mass and top-k."""
         w = torch.cat([e.prompt for e in run], dim=2)  # (B, H, R, N0): every kept row
         positions = torch.tensor([e.q0 + i for e in run for i in range(e.prompt.shape[2])])
-        total = torch.cat([e.total for e in run], dim=2)
+        total = torch.ones(w.shape[:3], dtype=w.dtype)  # softmax rows over every key (total None) sum to 1
+        row = 0
+        for e in run:
+            if e.total is not None:
+                total[:, :, row : row + e.prompt.shape[2]] = e.total
+            row += e.prompt.shape[2]
         n_vis: Tensor
         if _kind(run[0]) == "kept, all visible":  # one count per row, every image key visible
             n_vis = torch.tensor([e.visible for e in run for _ in range(e.prompt.shape[2])], dtype=torch.float64)
             n_img = self._image_count
         else:
-            n_vis = torch.cat([torch.as_tensor(e.visible).expand(e.total.shape) for e in run], dim=2)
-            n_img = torch.cat([e.visible_image.expand(e.total.shape) for e in run], dim=2)
+            n_vis = torch.cat([torch.as_tensor(e.visible).expand(e.prompt.shape[:3]) for e in run], dim=2)
+            n_img = torch.cat([e.visible_image.expand(e.prompt.shape[:3]) for e in run], dim=2)
         wi = w * self.keys.to(w.dtype).view(-1, 1, 1, self.prompt_len)
-        self._state[run[0].layer]["received"] += wi.sum(2).double()
+        row = 0
+        for layer, group in itertools.groupby(run, key=lambda e: e.layer):
+            n = sum(e.prompt.shape[2] for e in group)
+            self._state[layer]["received"] += wi[:, :, row : row + n].sum(2).double()
+            row += n
         top_mass = wi.topk(min(self.top_k, self.prompt_len), dim=-1).values.double().sum(-1)
         return positions, _row_sums(total, wi.sum(-1), -torch.special.entr(wi).sum(-1), n_vis, n_img), top_mass
 

@@ -3,8 +3,9 @@ each: evicting the lowest-scoring entry per (row, KV head) (TOVA, arXiv 2401.061
 arXiv 2306.14048) and writing the next token into the slot it left; attention that reads
 the cache where it lies and returns what the policy reads beside the output (a step's
 weights, a causal prefill's mass per key), over heads stored packed (AdaKV) or over
-Quest's pages (arXiv 2406.10774), chosen in the same pass. Callers (``attnkit.kv``)
-check ``available()`` first and run their PyTorch path otherwise."""
+Quest's pages (arXiv 2406.10774), chosen in the same pass; and a few query rows that see
+every key with their logits and weights, for a meter's decoding step. Callers check
+``available()`` first and run their PyTorch path otherwise."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ __all__ = [
     "packed_attention",
     "prefill_attention",
     "quest_attention",
+    "rows_attention",
     "step_attention",
 ]
 
@@ -71,6 +73,14 @@ def step_attention(q: Tensor, keys: Tensor, values: Tensor, hide: Tensor | None,
     keys and values (B, Hkv, L, D|Dv) without repeating them per query head; ``hide``
     (B, Hkv, L) bool or None. Returns (out (B, 1, Hq, Dv), weights (B, Hq, L))."""
     return torch.ops.attnkit.kv_step_attention(q, keys, values, hide, scale)
+
+
+def rows_attention(q: Tensor, keys: Tensor, values: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
+    """softmax(q k^T * scale) v for a few query rows per head that see every key, q (B, Hq,
+    Nq, D), over keys and values (B, Hkv, L, D|Dv) without repeating them per query head.
+    Returns (out (B, Hq, Nq, Dv), logits q k^T * scale and weights (B, Hq, Nq, L),
+    log-normalisers (B, Hq, Nq), whether every logit and every output is finite)."""
+    return torch.ops.attnkit.rows_attention(q, keys, values, scale)
 
 
 def prefill_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, start: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,5 +1,6 @@
 /* One-token and prefill attention for the KV-cache policies (attnkit/kv/), reading the
- * cache where it lies and returning what a policy reads beside the output:
+ * cache where it lies and returning what a policy reads beside the output, and a few
+ * observed query rows with their logits and weights (a meter's decoding step):
  *
  * - a decoding step with its softmax weights (H2O, TOVA score every decoded token; steps
  *   whose heads hold different counts hide their empty slots here instead of a mask);
@@ -59,27 +60,50 @@ inline double dot(const double *a, const double *b, int64_t n) {
     return s;
 }
 
-/* x <- exp(x - max x), returns the sum (float: the vectorised exp of common.h). */
-inline float exp_rows(float *x, int64_t n) { return exp_sum(x, n, row_max(x, n)); }
-
-inline double exp_rows(double *x, int64_t n) {
-    double m = -std::numeric_limits<double>::infinity(), sum = 0.0;
+/* The largest of n entries, and x <- exp(x - ref) returning the sum (float: the
+ * vectorised code of common.h). */
+inline double largest(const double *x, int64_t n) {
+    double m = -std::numeric_limits<double>::infinity();
     for (int64_t j = 0; j < n; ++j) m = std::max(m, x[j]);
-    for (int64_t j = 0; j < n; ++j) sum += (x[j] = std::exp(x[j] - m));
+    return m;
+}
+inline float largest(const float *x, int64_t n) { return row_max(x, n); }
+
+inline double exp_shifted(double *x, int64_t n, double ref) {
+    double sum = 0.0;
+    for (int64_t j = 0; j < n; ++j) sum += (x[j] = std::exp(x[j] - ref));
     return sum;
 }
+inline float exp_shifted(float *x, int64_t n, float ref) { return exp_sum(x, n, ref); }
 
-/* softmax_j(q_i . k_j * scale) v_j for g query heads (q: g rows of D, ``q_stride`` apart)
+/* x <- exp(x - max x), returns the sum. */
+template <typename T>
+inline T exp_rows(T *x, int64_t n) {
+    return exp_shifted(x, n, largest(x, n));
+}
+
+/* Where ``attend`` writes what a caller reads beside the output, each when given: the
+ * weights and the logits (g rows of n, ``stride`` apart), the log-normaliser (g). */
+template <typename T>
+struct Extras {
+    T *probs = nullptr;
+    T *logits = nullptr;
+    T *lse = nullptr;
+    int64_t stride = 0;
+};
+
+/* softmax_j(q_i . k_j * scale) v_j for g query rows (q: g rows of D, ``q_stride`` apart)
  * over n entries whose key and value rows ``key(j)`` and ``value(j)`` point to; out: g
  * rows of Dv, ``out_stride`` apart. The logits and the accumulators live in ``buf``;
- * ``probs`` (g rows of n, ``probs_stride`` apart) receives the weights when given. */
+ * ``extras`` receives the weights, logits and log-normalisers it points to. Returns
+ * whether every logit and every output is finite. */
 template <typename T, class KeyRow, class ValueRow>
-void attend(const T *q, int64_t q_stride, int64_t g, int64_t D, int64_t Dv, double scale, int64_t n, const KeyRow &key,
-            const ValueRow &value, T *out, int64_t out_stride, std::vector<T> &buf, T *probs = nullptr,
-            int64_t probs_stride = 0) {
+bool attend(const T *q, int64_t q_stride, int64_t g, int64_t D, int64_t Dv, double scale, int64_t n, const KeyRow &key,
+            const ValueRow &value, T *out, int64_t out_stride, std::vector<T> &buf, const Extras<T> &extras = {}) {
     if (n == 0) {  // nothing visible (every slot hidden): zeros, as a fully masked row of the kernels gets
         for (int64_t i = 0; i < g; ++i) std::fill(out + i * out_stride, out + i * out_stride + Dv, T(0));
-        return;
+        if (extras.lse) std::fill(extras.lse, extras.lse + g, -std::numeric_limits<T>::infinity());
+        return true;
     }
     buf.assign(g * D + g * n + g * Dv, T(0));
     T *qs = buf.data(), *logits = qs + g * D, *acc = logits + g * n;
@@ -89,8 +113,16 @@ void attend(const T *q, int64_t q_stride, int64_t g, int64_t D, int64_t Dv, doub
         const T *k = key(j);
         for (int64_t i = 0; i < g; ++i) logits[i * n + j] = dot(qs + i * D, k, D);
     }
+    bool finite = true;
+    for (int64_t t = 0; t < g * n; ++t) finite &= std::isfinite(logits[t]);
+    if (extras.logits)
+        for (int64_t i = 0; i < g; ++i) std::copy(logits + i * n, logits + (i + 1) * n, extras.logits + i * extras.stride);
     std::vector<T> sums(g);
-    for (int64_t i = 0; i < g; ++i) sums[i] = exp_rows(logits + i * n, n);
+    for (int64_t i = 0; i < g; ++i) {
+        const T top = largest(logits + i * n, n);
+        sums[i] = exp_shifted(logits + i * n, n, top);
+        if (extras.lse) extras.lse[i] = top + std::log(sums[i]);
+    }
     for (int64_t j = 0; j < n; ++j) {
         const T *v = value(j);
         for (int64_t i = 0; i < g; ++i) {
@@ -100,10 +132,24 @@ void attend(const T *q, int64_t q_stride, int64_t g, int64_t D, int64_t Dv, doub
         }
     }
     for (int64_t i = 0; i < g; ++i)
-        for (int64_t d = 0; d < Dv; ++d) out[i * out_stride + d] = acc[i * Dv + d] / sums[i];
-    if (probs)  // the softmax weights themselves, for a policy that reads them
+        for (int64_t d = 0; d < Dv; ++d) finite &= std::isfinite(out[i * out_stride + d] = acc[i * Dv + d] / sums[i]);
+    if (extras.probs)  // the softmax weights themselves, for a policy or a meter that reads them
         for (int64_t i = 0; i < g; ++i)
-            for (int64_t j = 0; j < n; ++j) probs[i * probs_stride + j] = logits[i * n + j] / sums[i];
+            for (int64_t j = 0; j < n; ++j) extras.probs[i * extras.stride + j] = logits[i * n + j] / sums[i];
+    return finite;
+}
+
+/* run(u0, u1) over [0, units) KV heads: on the calling thread when the whole call is a
+ * small one (a decoding step of a small model: waking torch's pool costs more than the
+ * work, and leaves its threads out of step for the model's next ops), else one range
+ * per thread. ``work``: multiply-adds per unit. */
+template <class F>
+void over_heads(int64_t units, int64_t work, const F &run) {
+    if (units * work < (int64_t(1) << 16)) {
+        TORCH_CHECK(run(0, units) == 0, "attnkit: out of memory for a tile buffer");
+        return;
+    }
+    attnkit::over_units(units, 1, run);
 }
 
 /* Every tensor of a call on the CPU (the schema does not say so; a tensor elsewhere would
@@ -131,7 +177,7 @@ std::tuple<Tensor, Tensor> step_attention_impl(const Tensor &q_, const Tensor &k
     const T *qp = q.data_ptr<T>(), *kp = keys.data_ptr<T>(), *vp = values.data_ptr<T>();
     T *op = out.data_ptr<T>(), *wp = weights.data_ptr<T>();
     const bool *hp = hide ? hide->data_ptr<bool>() : nullptr;
-    attnkit::over_units(B * H, 1, [&](int64_t u0, int64_t u1) {
+    over_heads(B * H, g * L * (D + Dv), [&](int64_t u0, int64_t u1) {
         std::vector<T> buf, probs;
         std::vector<int64_t> rows;
         for (int64_t u = u0; u < u1; ++u) {
@@ -141,7 +187,7 @@ std::tuple<Tensor, Tensor> step_attention_impl(const Tensor &q_, const Tensor &k
             T *w = wp + (b * Hq + h * g) * L;
             if (!hp) {  // every slot: the weights go straight into their rows
                 attend<T>(qp + (b * Hq + h * g) * D, D, g, D, Dv, scale, L, [&](int64_t j) { return kh + j * ks; },
-                          [&](int64_t j) { return vh + j * vs; }, op + (b * Hq + h * g) * Dv, Dv, buf, w, L);
+                          [&](int64_t j) { return vh + j * vs; }, op + (b * Hq + h * g) * Dv, Dv, buf, {w, nullptr, nullptr, L});
                 continue;
             }
             const bool *hidden = hp + b * hide->stride(0) + h * hide->stride(1);
@@ -151,7 +197,8 @@ std::tuple<Tensor, Tensor> step_attention_impl(const Tensor &q_, const Tensor &k
             const int64_t n = (int64_t)rows.size();
             probs.resize(g * n);
             attend<T>(qp + (b * Hq + h * g) * D, D, g, D, Dv, scale, n, [&](int64_t j) { return kh + rows[j] * ks; },
-                      [&](int64_t j) { return vh + rows[j] * vs; }, op + (b * Hq + h * g) * Dv, Dv, buf, probs.data(), n);
+                      [&](int64_t j) { return vh + rows[j] * vs; }, op + (b * Hq + h * g) * Dv, Dv, buf,
+                      {probs.data(), nullptr, nullptr, n});
             for (int64_t i = 0; i < g; ++i) {
                 std::fill(w + i * L, w + (i + 1) * L, T(0));
                 for (int64_t j = 0; j < n; ++j) w[i * L + rows[j]] = probs[i * n + j];
@@ -185,6 +232,57 @@ std::tuple<Tensor, Tensor> kv_step_attention(const Tensor &q, const Tensor &keys
                     "attnkit: hide must be (B, Hkv, L) bool, got ", hide->sizes());
     if (q.scalar_type() == at::kFloat) return step_attention_impl<float>(q, keys, values, hide, scale);
     return step_attention_impl<double>(q, keys, values, hide, scale);
+}
+
+/* ------------------------------------------------------------------ a few query rows with their logits and weights */
+
+template <typename T>
+std::tuple<Tensor, Tensor, Tensor, Tensor, bool> rows_attention_impl(const Tensor &q_, const Tensor &keys,
+                                                                      const Tensor &values, double scale) {
+    const Tensor q = q_.contiguous();
+    const int64_t B = q.size(0), Hq = q.size(1), Nq = q.size(2), D = q.size(3), H = keys.size(1), L = keys.size(2);
+    const int64_t Dv = values.size(3), g = Hq / H, rows = g * Nq;  // a KV head's query heads, their rows one block
+    Tensor out = at::empty({B, Hq, Nq, Dv}, q.options()), logits = at::empty({B, Hq, Nq, L}, q.options());
+    Tensor weights = at::empty({B, Hq, Nq, L}, q.options()), lse = at::empty({B, Hq, Nq}, q.options());
+    const T *qp = q.data_ptr<T>(), *kp = keys.data_ptr<T>(), *vp = values.data_ptr<T>();
+    T *op = out.data_ptr<T>(), *sp = logits.data_ptr<T>(), *wp = weights.data_ptr<T>(), *lp = lse.data_ptr<T>();
+    std::vector<char> finite(B * H, 1);
+    over_heads(B * H, rows * L * (D + Dv), [&](int64_t u0, int64_t u1) {
+        std::vector<T> buf;
+        for (int64_t u = u0; u < u1; ++u) {
+            const int64_t b = u / H, h = u % H, first = (b * Hq + h * g) * Nq;
+            const T *kh = kp + b * keys.stride(0) + h * keys.stride(1), *vh = vp + b * values.stride(0) + h * values.stride(1);
+            const int64_t ks = keys.stride(2), vs = values.stride(2);
+            finite[u] = attend<T>(qp + first * D, D, rows, D, Dv, scale, L, [&](int64_t j) { return kh + j * ks; },
+                                  [&](int64_t j) { return vh + j * vs; }, op + first * Dv, Dv, buf,
+                                  {wp + first * L, sp + first * L, lp + first, L});
+        }
+        return 0;
+    });
+    return {out, logits, weights, lse, std::all_of(finite.begin(), finite.end(), [](char f) { return f != 0; })};
+}
+
+/* softmax(q k^T * scale) v for a few query rows per head that see every key (an observed
+ * decoding step: attnkit/kernels/dense_rows.py), q (B, Hq, Nq, D), keys and values
+ * (B, Hkv, L, D|Dv) (any strides, unit last), GQA without repeating heads. Returns (out
+ * (B, Hq, Nq, Dv), the logits q k^T * scale and the weights (B, Hq, Nq, L), the
+ * log-normalisers (B, Hq, Nq), whether every logit and every output is finite). */
+std::tuple<Tensor, Tensor, Tensor, Tensor, bool> rows_attention(const Tensor &q, const Tensor &keys, const Tensor &values,
+                                                                 double scale) {
+    TORCH_CHECK(q.device().is_cpu() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble) && q.dim() == 4,
+                "attnkit: query must be a (B, Hq, Nq, D) float32 or float64 CPU tensor, got ", q.scalar_type(), " ",
+                q.sizes());
+    check_cpu({{&keys, "keys"}, {&values, "values"}});
+    TORCH_CHECK(keys.scalar_type() == q.scalar_type() && values.scalar_type() == q.scalar_type(),
+                "attnkit: keys and values must have the query's dtype");
+    const int64_t B = q.size(0);
+    TORCH_CHECK(keys.dim() == 4 && values.dim() == 4 && keys.size(0) == B && values.size(0) == B && keys.size(1) > 0 &&
+                    values.size(1) == keys.size(1) && q.size(1) % keys.size(1) == 0 && keys.size(3) == q.size(3) &&
+                    values.size(2) == keys.size(2) && keys.stride(3) == 1 && values.stride(3) == 1,
+                "attnkit: keys and values must be (", B, ", Hkv, L, D) with a unit last stride, got ", keys.sizes(),
+                " and ", values.sizes());
+    if (q.scalar_type() == at::kFloat) return rows_attention_impl<float>(q, keys, values, scale);
+    return rows_attention_impl<double>(q, keys, values, scale);
 }
 
 /* ------------------------------------------------------------------ a prefill's attention with the mass each key receives */
@@ -504,6 +602,7 @@ std::tuple<Tensor, Tensor> kv_quest_attention(const Tensor &q, const Tensor &key
 
 TORCH_LIBRARY_FRAGMENT(attnkit, m) {
     m.def("kv_step_attention(Tensor q, Tensor keys, Tensor values, Tensor? hide, float scale) -> (Tensor, Tensor)");
+    m.def("rows_attention(Tensor q, Tensor keys, Tensor values, float scale) -> (Tensor, Tensor, Tensor, Tensor, bool)");
     m.def("kv_prefill_attention(Tensor q, Tensor k, Tensor v, float scale, Tensor start) -> (Tensor, Tensor)");
     m.def("kv_packed_attention(Tensor q, Tensor k_rows, Tensor v_rows, Tensor source, int empty_row, float scale) -> Tensor");
     m.def("kv_quest_attention(Tensor q, Tensor keys, Tensor values, Tensor(a!) kmin, Tensor(b!) kmax, Tensor(c!) has, "
@@ -512,6 +611,7 @@ TORCH_LIBRARY_FRAGMENT(attnkit, m) {
 
 TORCH_LIBRARY_IMPL(attnkit, CPU, m) {
     m.impl("kv_step_attention", &kv_step_attention);
+    m.impl("rows_attention", &rows_attention);
     m.impl("kv_prefill_attention", &kv_prefill_attention);
     m.impl("kv_packed_attention", &kv_packed_attention);
     m.impl("kv_quest_attention", &kv_quest_attention);
