@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ..mods.masks import Causal
 from ..mods.scores import Bias, affine_form
 from .few_queries import SMALL_QUERIES
-from .request import Request
+from .request import Request, all_finite
 
 Tensor = torch.Tensor
 
@@ -62,7 +62,8 @@ def key_offsets_attention(req: Request, terms: list[Bias]) -> Tensor:
     out = F.scaled_dot_product_attention(
         req.q, req.k, req.v, attn_mask=mask, scale=req.scale, enable_gqa=req.heads != req.kv_heads
     )
-    if bool(torch.isneginf(offsets).any()):  # an offset may hide a row's every key
+    # an offset may hide a row's every key; a finite output has no such row left to zero
+    if not all_finite(out) and bool(torch.isneginf(offsets).any()):
         dead = torch.isneginf(mask).all(-1, keepdim=True)
         out = out.masked_fill(dead, 0.0)
     return out
