@@ -4,9 +4,10 @@ Nq x Nk per head, O(N) memory, so they are computed once, densely, and the outpu
 their product with v.
 
 Observed (``attnkit.hf.use(model, observers=...)``), the observers get those weights as
-one tile (where every row sees every key, a decoding step, from one C++ operator that
-also gives the output, the logits and the log-normalisers: ``observed_rows``): one pass over the keys instead of the tiled kernel for (out, lse) followed by
-the observing pass that recomputes the weights tile by tile (observe_pass.py). With a
+one tile: one pass over the keys instead of the tiled kernel for (out, lse) followed by
+the observing pass that recomputes the weights tile by tile (observe_pass.py). Where
+every row sees every key (a decoding step), that pass is one C++ operator giving the
+output, the logits, the weights and the log-normalisers (``observed_rows``). With a
 score modification (a steering intervention while generating), it replaces the tile
 engine's plan and segments, whose set-up is most of a few-row call's time. On a small
 model either cost more than the step's own attention. Exact: P = softmax(S) over the

@@ -265,9 +265,8 @@ class VisualAttention(Meter):
         rank = {layer: i for i, layer in enumerate(dict.fromkeys(entry.layer for entry in pending))}
         by_heads: dict[int, list] = {}  # layers with as many measured heads share a pass
         for entry in sorted(pending, key=lambda e: rank[e.layer]):
-            by_heads.setdefault(entry.top_mass.shape[1] if isinstance(entry, _Summed) else entry.prompt.shape[1], []).append(
-                entry
-            )
+            heads = entry.top_mass.shape[1] if isinstance(entry, _Summed) else entry.prompt.shape[1]
+            by_heads.setdefault(heads, []).append(entry)
         for entries in by_heads.values():
             segments, chunks = self._chunks(entries)
             positions = torch.cat([c[0] for c in chunks])

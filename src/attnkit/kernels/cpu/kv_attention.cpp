@@ -141,8 +141,7 @@ bool attend(const T *q, int64_t q_stride, int64_t g, int64_t D, int64_t Dv, doub
 
 /* run(u0, u1) over [0, units) KV heads: on the calling thread when the whole call is a
  * small one (a decoding step of a small model: waking torch's pool costs more than the
- * work, and leaves its threads out of step for the model's next ops), else one range
- * per thread. ``work``: multiply-adds per unit. */
+ * work), else one range per thread. ``work``: multiply-adds per unit. */
 template <class F>
 void over_heads(int64_t units, int64_t work, const F &run) {
     if (units * work < (int64_t(1) << 16)) {
@@ -187,7 +186,8 @@ std::tuple<Tensor, Tensor> step_attention_impl(const Tensor &q_, const Tensor &k
             T *w = wp + (b * Hq + h * g) * L;
             if (!hp) {  // every slot: the weights go straight into their rows
                 attend<T>(qp + (b * Hq + h * g) * D, D, g, D, Dv, scale, L, [&](int64_t j) { return kh + j * ks; },
-                          [&](int64_t j) { return vh + j * vs; }, op + (b * Hq + h * g) * Dv, Dv, buf, {w, nullptr, nullptr, L});
+                          [&](int64_t j) { return vh + j * vs; }, op + (b * Hq + h * g) * Dv, Dv, buf,
+                          {w, nullptr, nullptr, L});
                 continue;
             }
             const bool *hidden = hp + b * hide->stride(0) + h * hide->stride(1);
