@@ -115,7 +115,8 @@ std::tuple<Tensor, Tensor> softmax_attention(const Tensor &q_, const Tensor &k_,
                                   (float)scale, (float)softcap, boost.defined() ? boost.data_ptr<float>() : nullptr,
                                   TILE_Q, TILE_K};
     float *op = out.data_ptr<float>(), *lp = lse.data_ptr<float>();
-    attnkit::over_units(B * H, 1, [&](int64_t u0, int64_t u1) { return ak_softmax_attention(call, op, lp, u0, u1); });
+    attnkit::over_units_sized(B * H, 1, Nq * Nk * (D + Dv),
+                              [&](int64_t u0, int64_t u1) { return ak_softmax_attention(call, op, lp, u0, u1); });
     return {out, lse};
 }
 

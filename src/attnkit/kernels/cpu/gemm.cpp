@@ -6,7 +6,8 @@
  *   - A B^T and A^T B (logits, gradients): ATen's addmm on views of the buffers, which
  *     lands in the BLAS that torch links (MKL in the x86 wheels) with a few microseconds
  *     of dispatch; brgemm has no transposed operands, and a transposed copy of the key
- *     tile measured slower than that overhead.
+ *     tile measured slower than that overhead. Products of at most SMALL_PRODUCT
+ *     multiply-adds, where that dispatch is most of the cost, are plain loops.
  * ``attnkit::_gemm_mode(1)`` sends every product through ATen (for A/B measurements). */
 #include <ATen/core/Tensor.h>
 #include <ATen/native/CPUBlas.h>
@@ -48,11 +49,33 @@ at::Tensor view(const float *p, int64_t rows, int64_t cols, int64_t ld) {
     return at::from_blob(const_cast<float *>(p), {rows, cols}, {ld, 1}, at::TensorOptions().dtype(at::kFloat));
 }
 
+/* Products up to this many multiply-adds run as plain loops: ATen's dispatch and the
+ * views of the buffers cost a few microseconds, more than such a product (the tiles of a
+ * short prompt on a small model). */
+constexpr int64_t SMALL_PRODUCT = int64_t(1) << 14;
+
+/* c (m x n) = beta c + alpha sum_t a(i, t) b(j, t), with a(i, t) = a[i * sa + t * ta] and
+ * b(j, t) = b[j * sb + t * tb]; beta 0 ignores what c held. */
+void small_product(int64_t m, int64_t n, int64_t k, float alpha, const float *a, int64_t sa, int64_t ta, const float *b,
+                   int64_t sb, int64_t tb, float beta, float *c, int64_t ldc) {
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t j = 0; j < n; j++) {
+            float sum = 0.0f;
+            for (int64_t t = 0; t < k; t++) sum += a[i * sa + t * ta] * b[j * sb + t * tb];
+            float &out = c[i * ldc + j];
+            out = (beta == 0.0f ? 0.0f : beta * out) + alpha * sum;
+        }
+}
+
 }  // namespace
 
 void gemm_abt(int64_t m, int64_t n, int64_t k, float alpha, const float *a, int64_t lda, const float *b, int64_t ldb,
               float beta, float *c, int64_t ldc) {
     if (m <= 0 || n <= 0) return;
+    if (m * n * k <= SMALL_PRODUCT) {
+        small_product(m, n, k, alpha, a, lda, 1, b, ldb, 1, beta, c, ldc);
+        return;
+    }
     at::Tensor out = view(c, m, n, ldc);
     at::addmm_out(out, out, view(a, m, k, lda), view(b, n, k, ldb).t(), beta, alpha);
 }
@@ -86,6 +109,10 @@ void gemm_ab(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda, const
 void gemm_atb_acc(int64_t m, int64_t n, int64_t k, const float *a, int64_t lda, const float *b, int64_t ldb, float *c,
                   int64_t ldc) {
     if (m <= 0 || n <= 0 || k <= 0) return;
+    if (m * n * k <= SMALL_PRODUCT) {  // a (k x m) read transposed, b (k x n)
+        small_product(m, n, k, 1.0f, a, 1, lda, b, 1, ldb, 1.0f, c, ldc);
+        return;
+    }
     at::Tensor out = view(c, m, n, ldc);
     at::addmm_out(out, out, view(a, k, m, lda).t(), view(b, k, n, ldb));
 }

@@ -139,18 +139,6 @@ bool attend(const T *q, int64_t q_stride, int64_t g, int64_t D, int64_t Dv, doub
     return finite;
 }
 
-/* run(u0, u1) over [0, units) KV heads: on the calling thread when the whole call is a
- * small one (a decoding step of a small model: waking torch's pool costs more than the
- * work), else one range per thread. ``work``: multiply-adds per unit. */
-template <class F>
-void over_heads(int64_t units, int64_t work, const F &run) {
-    if (units * work < (int64_t(1) << 16)) {
-        TORCH_CHECK(run(0, units) == 0, "attnkit: out of memory for a tile buffer");
-        return;
-    }
-    attnkit::over_units(units, 1, run);
-}
-
 /* Every tensor of a call on the CPU (the schema does not say so; a tensor elsewhere would
  * be read through a host pointer). */
 void check_cpu(std::initializer_list<std::pair<const Tensor *, const char *>> tensors) {
@@ -176,7 +164,7 @@ std::tuple<Tensor, Tensor> step_attention_impl(const Tensor &q_, const Tensor &k
     const T *qp = q.data_ptr<T>(), *kp = keys.data_ptr<T>(), *vp = values.data_ptr<T>();
     T *op = out.data_ptr<T>(), *wp = weights.data_ptr<T>();
     const bool *hp = hide ? hide->data_ptr<bool>() : nullptr;
-    over_heads(B * H, g * L * (D + Dv), [&](int64_t u0, int64_t u1) {
+    attnkit::over_units_sized(B * H, 1, g * L * (D + Dv), [&](int64_t u0, int64_t u1) {
         std::vector<T> buf, probs;
         std::vector<int64_t> rows;
         for (int64_t u = u0; u < u1; ++u) {
@@ -247,7 +235,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, bool> rows_attention_impl(const Tenso
     const T *qp = q.data_ptr<T>(), *kp = keys.data_ptr<T>(), *vp = values.data_ptr<T>();
     T *op = out.data_ptr<T>(), *sp = logits.data_ptr<T>(), *wp = weights.data_ptr<T>(), *lp = lse.data_ptr<T>();
     std::vector<char> finite(B * H, 1);
-    over_heads(B * H, rows * L * (D + Dv), [&](int64_t u0, int64_t u1) {
+    attnkit::over_units_sized(B * H, 1, rows * L * (D + Dv), [&](int64_t u0, int64_t u1) {
         std::vector<T> buf;
         for (int64_t u = u0; u < u1; ++u) {
             const int64_t b = u / H, h = u % H, first = (b * Hq + h * g) * Nq;

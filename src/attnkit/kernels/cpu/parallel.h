@@ -56,6 +56,22 @@ void over_units(int64_t total, int64_t granule, const F &run) {
     });
 }
 
+/* Calls below this many multiply-adds run on the calling thread: waking torch's pool
+ * costs more than such work (a decoding step or a short prompt of a small model). */
+constexpr int64_t SMALL_CALL_WORK = int64_t(1) << 16;
+
+/* over_units, or run(0, total) on the calling thread when the whole call (``work``
+ * multiply-adds per unit) is a small one. Its tile products then run outside a parallel
+ * region; at these sizes the BLAS keeps them on one thread anyway. */
+template <class F>
+void over_units_sized(int64_t total, int64_t granule, int64_t work, const F &run) {
+    if (total > 0 && total * work < SMALL_CALL_WORK) {
+        TORCH_CHECK(run(0, total) == 0, "attnkit: out of memory for a tile buffer");
+        return;
+    }
+    over_units(total, granule, run);
+}
+
 }  // namespace attnkit
 
 #endif
