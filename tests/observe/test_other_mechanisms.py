@@ -1,6 +1,7 @@
 """Meters on tiles of mechanisms that are not softmax: unnormalised or signed weights,
 no logits (fed through ``feed`` as a mechanism would)."""
 
+import pytest
 import torch
 from dense_meters import distance_bin_mass, entropy_rows, rows_mean
 
@@ -44,3 +45,18 @@ def test_meters_on_signed_weights_without_logits():
         )
         torch.testing.assert_close(got[(0, h, "distance.8-15")], distance_bin_mass(w, pos, 8, 16)[h].item(), **F64)
         torch.testing.assert_close(got[(0, h, "topkeys.top3")], rows_mean(top.sum(-1))[h].item(), **F64)
+
+
+def test_tile_positions_are_read_once_and_must_be_ranges():
+    """``AttentionTile.starts``: the producer's origin when it gave one, else the first
+    position of each range, checked (a gap is refused) and kept for the next reader."""
+    call = CallInfo(2, 1, 3, 5, 2, 0)
+    w = torch.zeros(2, 1, 3, 5)
+    tile = AttentionTile(call, torch.arange(2), torch.arange(2, 5), torch.arange(5), w)
+    assert tile.starts == (2, 0, 0)
+    assert tile.starts is tile.starts  # computed once
+    given = AttentionTile(call, torch.arange(2), torch.tensor([0, 7, 9]), torch.arange(5), w, origin=(2, 0, 0))
+    assert given.starts == (2, 0, 0)  # the producer's word, not re-read
+    gap = AttentionTile(call, torch.arange(2), torch.tensor([2, 3, 5]), torch.arange(5), w)
+    with pytest.raises(ValueError, match="query positions"):
+        gap.starts  # noqa: B018

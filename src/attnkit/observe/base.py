@@ -24,7 +24,6 @@ sum with the range's to 1, are not computed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
@@ -80,12 +79,19 @@ class AttentionTile:
     def head_index(self) -> Tensor:
         return torch.arange(self.call.heads) if self.heads is None else self.heads
 
-    @cached_property
+    @property
     def starts(self) -> tuple[int, int, int]:
         """(first query position, first key position, first batch row); checks once per
-        tile, for every observer, that each is an ascending contiguous range."""
+        tile, for every observer, that each is an ascending contiguous range (kept in the
+        instance dict, which a frozen dataclass allows: ``functools.cached_property``
+        takes a lock in Python 3.11, a few microseconds per tile of a decoding step)."""
         if self.origin is not None:
             return self.origin
+        if "_starts" not in self.__dict__:
+            self.__dict__["_starts"] = self._checked_starts()
+        return self.__dict__["_starts"]
+
+    def _checked_starts(self) -> tuple[int, int, int]:
         out = []
         for name, pos in (("query", self.q_pos), ("key", self.k_pos), ("batch", self.batch)):
             first = int(pos[0])
