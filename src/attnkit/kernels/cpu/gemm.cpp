@@ -8,7 +8,8 @@
  *     of dispatch; brgemm has no transposed operands, and a transposed copy of the key
  *     tile measured slower than that overhead. Products of at most SMALL_PRODUCT
  *     multiply-adds, where that dispatch is most of the cost, are plain loops.
- * ``attnkit::_gemm_mode(1)`` sends every product through ATen (for A/B measurements). */
+ * ``attnkit::_gemm_mode(1)`` sends every product above SMALL_PRODUCT through ATen (for A/B
+ * measurements). */
 #include <ATen/core/Tensor.h>
 #include <ATen/native/CPUBlas.h>
 #include <ATen/ops/addmm.h>
