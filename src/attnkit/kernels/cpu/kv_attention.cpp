@@ -154,6 +154,20 @@ void check_query(const Tensor &q, const Tensor &k, const char *k_name) {
                 k.scalar_type(), " and ", q.scalar_type());
 }
 
+/* keys and values (B, Hkv, L, D|Dv) on the CPU in q's dtype, with a unit last stride, Hkv
+ * dividing q's heads and D q's head size (q (B, Hq, Nq, D) checked before). */
+void check_keys_values(const Tensor &q, const Tensor &keys, const Tensor &values) {
+    check_cpu({{&keys, "keys"}, {&values, "values"}});
+    TORCH_CHECK(keys.scalar_type() == q.scalar_type() && values.scalar_type() == q.scalar_type(),
+                "attnkit: keys and values must have the query's dtype");
+    const int64_t B = q.size(0);
+    TORCH_CHECK(keys.dim() == 4 && values.dim() == 4 && keys.size(0) == B && values.size(0) == B && keys.size(1) > 0 &&
+                    values.size(1) == keys.size(1) && q.size(1) % keys.size(1) == 0 && keys.size(3) == q.size(3) &&
+                    values.size(2) == keys.size(2) && keys.stride(3) == 1 && values.stride(3) == 1,
+                "attnkit: keys and values must be (", B, ", Hkv, L, D) with a unit last stride, got ", keys.sizes(),
+                " and ", values.sizes());
+}
+
 template <typename T>
 std::tuple<Tensor, Tensor> step_attention_impl(const Tensor &q_, const Tensor &keys, const Tensor &values,
                                                const std::optional<Tensor> &hide, double scale) {
@@ -204,15 +218,9 @@ std::tuple<Tensor, Tensor> step_attention_impl(const Tensor &q_, const Tensor &k
 std::tuple<Tensor, Tensor> kv_step_attention(const Tensor &q, const Tensor &keys, const Tensor &values,
                                              const std::optional<Tensor> &hide, double scale) {
     check_query(q, keys, "keys");
-    check_cpu({{&keys, "keys"}, {&values, "values"}});
+    check_keys_values(q, keys, values);
     if (hide) check_cpu({{&*hide, "hide"}});
-    TORCH_CHECK(values.scalar_type() == q.scalar_type(), "attnkit: values must have the query's dtype");
     const int64_t B = q.size(0);
-    TORCH_CHECK(keys.dim() == 4 && values.dim() == 4 && keys.size(0) == B && values.size(0) == B && keys.size(1) > 0 &&
-                    values.size(1) == keys.size(1) && q.size(1) % keys.size(1) == 0 && keys.size(3) == q.size(3) &&
-                    values.size(2) == keys.size(2) && keys.stride(3) == 1 && values.stride(3) == 1,
-                "attnkit: keys and values must be (", B, ", Hkv, L, D) with a unit last stride, got ", keys.sizes(),
-                " and ", values.sizes());
     if (hide)
         TORCH_CHECK(hide->scalar_type() == at::kBool && hide->dim() == 3 && hide->size(0) == B &&
                         hide->size(1) == keys.size(1) && hide->size(2) == keys.size(2) &&
@@ -260,15 +268,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, bool> rows_attention(const Tensor &q,
     TORCH_CHECK(q.device().is_cpu() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble) && q.dim() == 4,
                 "attnkit: query must be a (B, Hq, Nq, D) float32 or float64 CPU tensor, got ", q.scalar_type(), " ",
                 q.sizes());
-    check_cpu({{&keys, "keys"}, {&values, "values"}});
-    TORCH_CHECK(keys.scalar_type() == q.scalar_type() && values.scalar_type() == q.scalar_type(),
-                "attnkit: keys and values must have the query's dtype");
-    const int64_t B = q.size(0);
-    TORCH_CHECK(keys.dim() == 4 && values.dim() == 4 && keys.size(0) == B && values.size(0) == B && keys.size(1) > 0 &&
-                    values.size(1) == keys.size(1) && q.size(1) % keys.size(1) == 0 && keys.size(3) == q.size(3) &&
-                    values.size(2) == keys.size(2) && keys.stride(3) == 1 && values.stride(3) == 1,
-                "attnkit: keys and values must be (", B, ", Hkv, L, D) with a unit last stride, got ", keys.sizes(),
-                " and ", values.sizes());
+    check_keys_values(q, keys, values);
     if (q.scalar_type() == at::kFloat) return rows_attention_impl<float>(q, keys, values, scale);
     return rows_attention_impl<double>(q, keys, values, scale);
 }
